@@ -1,0 +1,219 @@
+"""``convert_model``: swap a Hugging Face model's linear layers for FP8 layers, in place.
+
+Candidates are ``nn.Linear`` and GPT-2-style ``transformers.pytorch_utils.Conv1D``. By default the
+layers that FP8 hurts most or gains least from stay in high precision: output heads (lm_head,
+classifier / score / qa_outputs heads, the pooler), layers whose weight is tied to an embedding,
+and layers whose dims are not multiples of 16 (FP8 tensor cores need them). Embeddings and norms
+are not linear layers and are never swapped. The returned :class:`ConversionReport` says which
+layers were swapped and why the others were not.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+from torch import nn
+
+from .backends import get_backend
+from .quantizers import ScalingState
+from .recipes import Recipe
+
+__all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_keys", "HEAD_NAMES"]
+
+# Module-name components that mark an output head (transformers' naming).
+HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs", "pooler", "cls", "head", "heads"})
+
+# FP8 GEMMs on GPUs need every dim a multiple of 16 (cuBLASLt FP8 requirement).
+DIM_MULTIPLE = 16
+
+Patterns = Union[str, Sequence[str], None]
+
+
+@dataclass
+class LayerDecision:
+    """What ``convert_model`` did with one candidate layer."""
+
+    name: str
+    kind: str
+    in_features: int
+    out_features: int
+    swapped: bool
+    reason: str
+
+
+@dataclass
+class ConversionReport:
+    """Every candidate layer of a model, swapped or skipped, with the reason. ``str()`` is a table."""
+
+    layers: list[LayerDecision] = field(default_factory=list)
+
+    @property
+    def swapped(self) -> list[LayerDecision]:
+        return [d for d in self.layers if d.swapped]
+
+    @property
+    def skipped(self) -> list[LayerDecision]:
+        return [d for d in self.layers if not d.swapped]
+
+    def __str__(self) -> str:
+        header = ("layer", "type", "in", "out", "FP8", "reason")
+        rows = [
+            (d.name, d.kind, str(d.in_features), str(d.out_features), "yes" if d.swapped else "no", d.reason)
+            for d in self.layers
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(f"{len(self.swapped)} of {len(self.layers)} linear layers in FP8")
+        return "\n".join(lines)
+
+
+def _patterns(value: Patterns, setting: str) -> Optional[list[str]]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if not all(isinstance(p, str) for p in value):
+        raise TypeError(f"{setting}={value!r} must be a glob pattern or a list of them, e.g. ['*.attention.*']")
+    return list(value)
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    # A pattern matches the full dotted name, or any single component (``"lm_head"``).
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(name, p) or any(fnmatch.fnmatchcase(c, p) for c in parts) for p in patterns)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def _output_embedding_ids(model: nn.Module) -> set[int]:
+    ids = set()
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        if callable(getter):
+            try:
+                out = getter()
+            except (NotImplementedError, AttributeError):
+                out = None
+            if isinstance(out, nn.Module):
+                ids.add(id(out))
+    return ids
+
+
+def _skip_reason(name: str, module: nn.Module, in_f: int, out_f: int, heads: set[int], tied: set[int], explicit: bool) -> str:
+    if not explicit:
+        if id(module) in heads:
+            return "output head (get_output_embeddings)"
+        if id(module.weight) in tied:
+            return "weight tied to an embedding"
+        head = next((c for c in name.split(".") if c in HEAD_NAMES), None)
+        if head is not None:
+            return f"output head ({head!r})"
+    if in_f % DIM_MULTIPLE or out_f % DIM_MULTIPLE:
+        return f"dims not multiples of {DIM_MULTIPLE}"
+    return ""
+
+
+def convert_model(
+    model: nn.Module,
+    recipe: Optional[Recipe] = None,
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    backend: str = "native",
+) -> ConversionReport:
+    """Replace the model's ``nn.Linear`` / ``Conv1D`` layers with FP8 layers, in place.
+
+    The new layers reuse the old Parameter objects, so optimizer references, ``state_dict`` keys
+    and shapes stay as they were (a Conv1D keeps its ``[in, out]`` weight layout). Each gains an
+    ``fp8_state`` submodule (amax history, scales) that ``state_dict()`` includes and that
+    ``save_pretrained()`` leaves out, so a saved checkpoint loads in vanilla ``transformers``.
+
+    Args:
+        model: any ``nn.Module``; ``transformers`` models get head detection.
+        recipe: the layers' default recipe (:func:`fp8_plugin.autocast` may override it);
+            None means ``DelayedScaling()``.
+        include: glob patterns over module names (the full dotted name or one component); when
+            given, only matching layers are candidates, and a match overrides the head rule.
+        exclude: glob patterns; matching layers always stay high precision.
+        backend: name of the layer backend (``"native"``).
+
+    Returns:
+        A :class:`ConversionReport`; ``print()`` it for a table.
+
+    Raises:
+        TypeError: ``recipe`` is not a Recipe, or bad pattern types.
+        ValueError: unknown backend.
+
+    Warns:
+        UserWarning: nothing was swapped.
+    """
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"convert_model(recipe={recipe!r}) is not a recipe; valid: DelayedScaling(...), Float8CurrentScaling(...) or None"
+        )
+    chosen = get_backend(backend)
+    include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude")
+    heads = _output_embedding_ids(model)
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+    report = ConversionReport()
+    replacements: dict[int, nn.Module] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, chosen.fp8_types):
+            report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
+            continue
+        if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+            continue
+        conv = not isinstance(module, nn.Linear)
+        in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
+        kind = "Conv1D" if conv else type(module).__name__
+        explicit = include_p is not None and _matches(name, include_p)
+        if include_p is not None and not explicit:
+            reason = "not matched by include"
+        elif exclude_p is not None and _matches(name, exclude_p):
+            reason = "matched by exclude"
+        else:
+            reason = _skip_reason(name, module, in_f, out_f, heads, tied, explicit)
+        if not reason and id(module) not in replacements:
+            replacements[id(module)] = chosen.make_linear(module, recipe)
+        report.layers.append(LayerDecision(name, kind, in_f, out_f, not reason, reason))
+
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if id(child) in replacements:
+                setattr(parent, child_name, replacements[id(child)])
+
+    _ignore_fp8_state_on_save(model)
+    if not report.swapped:
+        warnings.warn(
+            f"convert_model found no layer to run in FP8 among {len(report.layers)} candidate linear layers "
+            f"of {type(model).__name__}; the model trains in high precision. Reasons:\n{report}",
+            stacklevel=2,
+        )
+    return report
+
+
+def fp8_state_keys(model: nn.Module) -> list[str]:
+    """``state_dict`` keys of ``model`` that hold FP8 scaling state (and nothing else)."""
+    keys = []
+    for name, module in model.named_modules():
+        if isinstance(module, ScalingState):
+            prefix = f"{name}." if name else ""
+            keys.extend(prefix + k for k in module.state_dict())
+    return keys
+
+
+def _ignore_fp8_state_on_save(model: nn.Module) -> None:
+    # transformers' save_pretrained drops the exact keys in _keys_to_ignore_on_save; register
+    # them on every PreTrainedModel in the tree, relative to it, so the saved checkpoint is vanilla.
+    for module in model.modules():
+        if hasattr(module, "save_pretrained") and hasattr(module, "_keys_to_ignore_on_save"):
+            ignored = set(module._keys_to_ignore_on_save or ())
+            ignored.update(fp8_state_keys(module))
+            module._keys_to_ignore_on_save = ignored

@@ -1,0 +1,185 @@
+"""``FP8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 inside :func:`fp8_plugin.autocast`.
+
+Forward: input and weight are cast to the recipe's forward format (E4M3) with per-tensor
+scales and multiplied by an FP8 GEMM with FP32 accumulation; the bias is added in high
+precision. Backward: grad_output is cast to the backward format (E5M2 under HYBRID), and dgrad
+(``grad_output @ W``) and wgrad (``grad_output.T @ x``) are FP8 GEMMs on the FP8 copies of input
+and weight saved by the forward. Master weights stay in their own dtype (FP32).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending, update_pending_scales
+from .gemm import fp8_gemm
+from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, PerTensorQuantizer, QuantizedTensor, ScalingState
+from .recipes import DelayedScaling, Recipe
+
+__all__ = ["FP8Linear"]
+
+
+def _apply_pending_scales(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    update_pending_scales()
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """y = x @ W.T + b with FP8 GEMMs in forward, dgrad and wgrad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: "FP8Linear", recipe: Recipe) -> torch.Tensor:
+        state = layer.fp8_state
+        x2d = x.reshape(-1, layer.in_features)
+        w = weight.t() if layer.weight_transposed else weight  # [out, in]
+        qx = PerTensorQuantizer(recipe, INPUT, state, mark_pending).quantize(x2d)
+        qw = PerTensorQuantizer(recipe, WEIGHT, state, mark_pending).quantize(w)
+        out = fp8_gemm(qx, qw, _output_dtype(x), bias)
+        # FP8 copies, not the high-precision tensors, are kept for backward: 1 byte per value.
+        ctx.save_for_backward(qx.data, qx.scale_inv, qw.data, qw.scale_inv)
+        ctx.layer, ctx.recipe = layer, recipe
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return out.reshape(*x.shape[:-1], layer.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        layer = ctx.layer
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        g2d = grad_out.reshape(-1, layer.out_features)
+        if need_x or need_w:
+            qg = PerTensorQuantizer(ctx.recipe, GRAD_OUTPUT, layer.fp8_state, mark_pending).quantize(g2d)
+        if need_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
+            qw_t = QuantizedTensor(w_data, w_scale_inv).t()
+            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype).reshape(ctx.x_shape)
+        if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
+            qx_t = QuantizedTensor(x_data, x_scale_inv).t()
+            grad_w = fp8_gemm(qg.t(), qx_t, torch.float32)
+            if layer.weight_transposed:
+                grad_w = grad_w.t()
+            grad_w = grad_w.to(layer.weight.dtype)
+        if need_b:
+            grad_b = g2d.to(torch.float32).sum(0).to(layer.bias.dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class FP8Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` with FP8 GEMMs inside :func:`fp8_plugin.autocast`.
+
+    Outside the autocast, or with ``use_fp8 = False``, it computes exactly as the layer it
+    replaced (``F.linear``, or ``addmm`` for GPT-2's Conv1D layout).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: scaling recipe used when the autocast gives none; default ``DelayedScaling()``.
+
+    Attributes:
+        weight: ``[out_features, in_features]``, or ``[in_features, out_features]`` when
+            ``weight_transposed`` (a converted ``transformers.pytorch_utils.Conv1D`` keeps its
+            Parameter and layout, so checkpoints keep theirs).
+        use_fp8: per-layer switch; False runs this layer in high precision even inside the
+            autocast (used for reference replays and per-layer fallback).
+        fp8_state: :class:`~fp8_plugin.quantizers.ScalingState` with amax history and scales.
+
+    Shapes: input ``[..., in_features]`` in any floating dtype; output ``[..., out_features]``
+    in the torch autocast dtype when torch autocast is on, else the input dtype.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        recipe: Optional[Recipe] = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.recipe = recipe if recipe is not None else DelayedScaling()
+        self.weight_transposed = False
+        self.use_fp8 = True
+        self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
+        # Amaxes of the last step become scales before they are saved, so that a checkpoint
+        # resumes exactly where an uninterrupted run would be.
+        self.register_state_dict_pre_hook(_apply_pending_scales)
+
+    @staticmethod
+    def _history_len(recipe: Recipe) -> int:
+        return recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
+
+    @classmethod
+    def from_module(cls, module: nn.Module, recipe: Optional[Recipe] = None) -> "FP8Linear":
+        """Build an FP8Linear around the Parameters of ``module`` (no copy, same objects).
+
+        Args:
+            module: ``nn.Linear`` (weight ``[out, in]``) or ``transformers.pytorch_utils.Conv1D``
+                (weight ``[in, out]``, attribute ``nf``).
+
+        Raises:
+            TypeError: ``module`` is neither.
+        """
+        if isinstance(module, nn.Linear):
+            in_features, out_features, transposed = module.in_features, module.out_features, False
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+            in_features, out_features, transposed = module.weight.shape[0], module.nf, True
+        else:
+            raise TypeError(
+                f"FP8Linear.from_module got {type(module).__name__}; valid: nn.Linear, transformers Conv1D"
+            )
+        with torch.device("meta"):
+            new = cls(in_features, out_features, bias=False, recipe=recipe)
+        new.weight = module.weight
+        new.bias = module.bias
+        new.weight_transposed = transposed
+        new.fp8_state = ScalingState(cls._history_len(new.recipe), device=module.weight.device)
+        new.train(module.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.use_fp8 and is_fp8_enabled()):
+            return self._high_precision_forward(x)
+        recipe = get_fp8_recipe() or self.recipe
+        if isinstance(recipe, DelayedScaling):
+            self.fp8_state.resize_history(recipe.amax_history_len)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe)
+
+    def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.weight_transposed:
+            return F.linear(x, self.weight, self.bias)
+        # transformers' Conv1D.forward, verbatim in effect.
+        shape = x.shape[:-1] + (self.out_features,)
+        x2d = x.reshape(-1, self.in_features)
+        out = x2d @ self.weight if self.bias is None else torch.addmm(self.bias, x2d, self.weight)
+        return out.reshape(shape)
+
+    def fp8_stats(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Current scaling figures per role, read from state (no recomputation, no sync).
+
+        Returns ``{role: {"amax": float32 0-dim (current step's or last cast's amax),
+        "scale": float32 0-dim, "nonfinite_amax_count": int64 0-dim}}`` for roles
+        ``input``, ``weight``, ``grad_output``.
+        """
+        s = self.fp8_state
+        return {
+            role: {
+                "amax": s.amax_history[i, 0],
+                "scale": s.scale[i],
+                "nonfinite_amax_count": s.nonfinite_amax_count[i],
+            }
+            for i, role in enumerate(ROLES)
+        }
+
+    def extra_repr(self) -> str:
+        layout = ", weight_transposed=True" if self.weight_transposed else ""
+        return f"{super().extra_repr()}{layout}, recipe={type(self.recipe).__name__}, use_fp8={self.use_fp8}"

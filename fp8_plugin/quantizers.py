@@ -1,0 +1,226 @@
+"""Quantizers: turn a high-precision tensor into FP8 data plus the scale_inv to undo it.
+
+One small interface, :class:`Quantizer`, that every scaling granularity implements: per-tensor
+delayed and current scaling here; block-scaled recipes (MXFP8, 128-blockwise) plug in beside
+them by returning a :class:`QuantizedTensor` whose ``scale_inv`` has block shape.
+
+Per-tensor scaling state of a layer lives in :class:`ScalingState`, a module of buffers, so that
+``state_dict()`` / ``load_state_dict()`` restore identical scales and per-layer figures (amaxes,
+scales, non-finite counts) can be read without recomputation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .formats import fp8_dtype, fp8_max
+from .recipes import DelayedScaling, Recipe
+from .scaling import amax as tensor_amax
+from .scaling import dequantize, quantize, scale_from_amax
+
+__all__ = [
+    "ROLES",
+    "QuantizedTensor",
+    "Quantizer",
+    "PerTensorQuantizer",
+    "ScalingState",
+    "update_delayed_scaling",
+]
+
+# The three FP8 tensors of a linear layer, in the order of ScalingState's rows.
+ROLES = ("input", "weight", "grad_output")
+INPUT, WEIGHT, GRAD_OUTPUT = range(3)
+
+
+@dataclass
+class QuantizedTensor:
+    """FP8 ``data`` and the float32 ``scale_inv`` that maps it back: ``x ~= data * scale_inv``.
+
+    ``data`` is 2-D ``[rows, cols]`` in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``;
+    ``scale_inv`` is 0-dim for per-tensor scaling.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """High-precision copy ``data * scale_inv`` in ``dtype``."""
+        return dequantize(self.data, self.scale_inv, dtype)
+
+    def t(self) -> "QuantizedTensor":
+        """Transpose with a contiguous copy of ``data`` (1 byte per value); per-tensor scales are
+        shared by both layouts. Block-scaled tensors must re-quantize along the other dim."""
+        return QuantizedTensor(self.data.t().contiguous(), self.scale_inv)
+
+
+class Quantizer(ABC):
+    """Maps a high-precision tensor to a :class:`QuantizedTensor`."""
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """Quantize a 2-D tensor ``[rows, cols]`` of any floating dtype."""
+
+
+class ScalingState(nn.Module):
+    """Per-tensor FP8 scaling state of one layer: a row per role (input, weight, grad_output).
+
+    Buffers (all stay float32 / int64 whatever ``module.to(dtype)`` asks; only the device moves):
+
+    - ``amax_history``: float32 ``[3, amax_history_len]``; column 0 is the current step, column i
+      the step i updates ago. Under current scaling column 0 holds the last cast's amax.
+    - ``scale``: float32 ``[3]``; multiplies a tensor before its FP8 cast.
+    - ``initialized``: bool ``[3]``; False until a scale has been computed from a history.
+    - ``nonfinite_amax_count``: int64 ``[3]``; casts whose amax was inf or NaN.
+    """
+
+    def __init__(self, amax_history_len: int = 1024, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.register_buffer("amax_history", torch.zeros(3, amax_history_len, device=device))
+        self.register_buffer("scale", torch.ones(3, device=device))
+        self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device))
+        self.register_buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
+        # A vanilla checkpoint (no FP8 state) loads into a converted model: scaling starts fresh.
+        self.register_load_state_dict_post_hook(_allow_missing_scaling_state)
+
+    @property
+    def amax_history_len(self) -> int:
+        return self.amax_history.shape[1]
+
+    def resize_history(self, length: int) -> None:
+        """Keep the ``length`` most recent columns, padding older ones with zeros."""
+        if length == self.amax_history_len:
+            return
+        new = self.amax_history.new_zeros(3, length)
+        keep = min(length, self.amax_history_len)
+        new[:, :keep] = self.amax_history[:, :keep]
+        self.amax_history = new
+
+    @torch.no_grad()
+    def record_amax(self, role: int, amax: torch.Tensor) -> None:
+        """Fold ``amax`` (float32 0-dim) into the current step's slot; non-finite values are
+        counted, not recorded, so that one overflow cannot freeze the scale for a whole history."""
+        finite = torch.isfinite(amax)
+        self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
+        slot = self.amax_history[role, 0]
+        slot.copy_(torch.where(finite, torch.maximum(slot, amax), slot))
+
+    @torch.no_grad()
+    def observe_current(self, role: int, amax: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store the amax and scale of a current-scaling cast, for statistics."""
+        self.nonfinite_amax_count[role] += (~torch.isfinite(amax)).to(torch.int64)
+        self.amax_history[role, 0] = amax
+        self.scale[role] = scale
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` must not round amaxes and scales: follow the device only.
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                device = fn(torch.empty(0, device=buf.device)).device
+                self._buffers[name] = buf.to(device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A checkpoint written with another amax_history_len restores its own length.
+        saved = state_dict.get(prefix + "amax_history")
+        if saved is not None and saved.dim() == 2 and saved.shape[1] != self.amax_history_len:
+            self.amax_history = self.amax_history.new_zeros(saved.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _allow_missing_scaling_state(module: nn.Module, incompatible_keys) -> None:
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if not _is_scaling_state_key(k)]
+
+
+def _is_scaling_state_key(key: str) -> bool:
+    head, _, leaf = key.rpartition(".")
+    return leaf in _STATE_BUFFERS and (head == "fp8_state" or head.endswith(".fp8_state"))
+
+
+_STATE_BUFFERS = ("amax_history", "scale", "initialized", "nonfinite_amax_count")
+
+
+class PerTensorQuantizer(Quantizer):
+    """One scale for the whole tensor, from the recipe: delayed (history) or current (this tensor).
+
+    Args:
+        recipe: a :class:`~fp8_plugin.recipes.DelayedScaling` or
+            :class:`~fp8_plugin.recipes.Float8CurrentScaling`.
+        role: row of ``state``: 0 input, 1 weight, 2 grad_output.
+        state: the layer's :class:`ScalingState`.
+        on_record: called with ``(state, role, recipe)`` after a delayed-scaling amax is
+            recorded, so that the autocast can update every pending scale once per step.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        role: int,
+        state: ScalingState,
+        on_record: Optional[Callable[[ScalingState, int, Recipe], None]] = None,
+    ) -> None:
+        self.recipe = recipe
+        self.role = role
+        self.state = state
+        self.on_record = on_record
+        self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
+        self.max = fp8_max(self.dtype)
+
+    @torch.no_grad()
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        amax = tensor_amax(x)
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        current = scale_from_amax(amax, self.max, self.recipe.margin, one)
+        if self.recipe.delayed():
+            # First step of a tensor: no history yet, so scale from its own amax.
+            role = self.role
+            scale = torch.where(self.state.initialized[role], self.state.scale[role], current)
+            self.state.record_amax(role, amax)
+            if self.on_record is not None:
+                self.on_record(self.state, role, self.recipe)
+        else:
+            scale = current
+            self.state.observe_current(self.role, amax, scale)
+        return QuantizedTensor(quantize(x, scale, self.dtype), scale.reciprocal())
+
+
+@torch.no_grad()
+def update_delayed_scaling(
+    groups: Iterable[tuple[DelayedScaling, int, list[ScalingState]]],
+    reduce_amax: Optional[Callable[[torch.Tensor], None]] = None,
+) -> None:
+    """Update the scales of every pending (recipe, role, states) group and roll their histories.
+
+    All current-step amaxes are first gathered into one flat float32 tensor, so that one call to
+    ``reduce_amax`` (an in-place MAX all-reduce in distributed runs) covers the whole step. Then,
+    per group: ``amax = recipe.reduce_history(history)``, ``scale = (FP8_MAX / amax) /
+    2 ** margin`` (kept where amax is 0 or not finite), and the history shifts by one step with
+    a zeroed current slot. Each group costs a fixed number of batched kernels, not one per layer.
+    """
+    groups = [g for g in groups if g[2]]
+    if not groups:
+        return
+    histories = [torch.stack([s.amax_history[role] for s in states]) for _, role, states in groups]
+    if reduce_amax is not None:
+        current = torch.cat([h[:, 0] for h in histories])
+        reduce_amax(current)
+        for h, part in zip(histories, current.split([h.shape[0] for h in histories])):
+            h[:, 0] = part
+    for (recipe, role, states), history in zip(groups, histories):
+        dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
+        amax = recipe.reduce_history(history)
+        previous = torch.stack([s.scale[role] for s in states])
+        scale = scale_from_amax(amax, fp8_max(dtype), recipe.margin, previous)
+        initialized = torch.stack([s.initialized[role] for s in states]) | (
+            (amax > 0) & torch.isfinite(amax)
+        )
+        history = history.roll(1, dims=1)
+        history[:, 0] = 0.0
+        torch._foreach_copy_([s.amax_history[role] for s in states], list(history.unbind(0)))
+        torch._foreach_copy_([s.scale[role] for s in states], list(scale.unbind(0)))
+        torch._foreach_copy_([s.initialized[role] for s in states], list(initialized.unbind(0)))

@@ -1,0 +1,139 @@
+"""Scaling recipes for per-tensor FP8 training, with Transformer Engine's names and defaults.
+
+Source: ``transformer_engine.common.recipe`` (DelayedScaling, Float8CurrentScaling) and the TE
+user guide, "Using FP8 with Transformer Engine". The scale multiplies a tensor before the FP8
+cast and ``scale_inv = 1 / scale`` multiplies the GEMM result back:
+
+    scale = (FP8_MAX / amax) / 2 ** margin
+
+where FP8_MAX is 448 (E4M3) or 57344 (E5M2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+
+from .formats import Format, parse_format
+
+__all__ = ["Recipe", "DelayedScaling", "Float8CurrentScaling", "AMAX_COMPUTE_ALGOS"]
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _check_forward_format(fmt: Format, recipe: str) -> None:
+    if fmt is Format.E5M2:
+        raise ValueError(
+            f"{recipe}(fp8_format=Format.E5M2) is not supported: E5M2 cannot be the forward format "
+            "(its 2-bit mantissa is too coarse for activations and weights); "
+            "valid: Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3"
+        )
+
+
+class Recipe:
+    """Base of all scaling recipes. ``fp8_format`` is a ``Format``."""
+
+    fp8_format: Format
+
+    def delayed(self) -> bool:
+        """True when scales come from an amax history (delayed scaling)."""
+        return False
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor delayed scaling: each scale comes from an amax history of past steps.
+
+    At every step the amax of each FP8 tensor (input, weight, grad_output of every layer) is
+    recorded. Before the next step, amaxes are reduced over ``amax_history_len`` steps with
+    ``amax_compute_algo`` and the scale becomes ``(FP8_MAX / amax) / 2 ** margin``, so the scale
+    used at step t depends only on steps < t (no extra pass over the tensor). An amax of 0 keeps
+    the previous scale; a non-finite amax is not recorded (it would poison the history) and is
+    counted instead. On a tensor's very first step, with no history yet, its own amax is used
+    (as torchao's delayed scaling initialised its amaxes) instead of a scale of 1.0.
+
+    Args:
+        margin: non-negative integer; the scale is divided by ``2 ** margin`` to leave headroom.
+        fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+        amax_history_len: number of past steps kept (>= 1). TE default: 1024.
+        amax_compute_algo: ``"max"`` (max over the history), ``"most_recent"`` (amax of the last
+            step), or a callable taking the history, float32 ``[amax_history_len, n]`` with row 0
+            the most recent step, and returning float32 ``[n]`` (TE's convention).
+        reduce_amax: reduce amaxes across the data-parallel group before each scale update
+            (used by the distributed integration; no effect in a single process).
+
+    Raises:
+        ValueError: negative or non-integer margin, ``amax_history_len < 1``, an unknown
+            ``amax_compute_algo``, an unknown format, or E5M2 as the forward format.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxComputeAlgo = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
+        _check_forward_format(self.fp8_format, "DelayedScaling")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"DelayedScaling(margin={self.margin!r}) is invalid; valid: an integer >= 0")
+        if (
+            isinstance(self.amax_history_len, bool)
+            or not isinstance(self.amax_history_len, int)
+            or self.amax_history_len < 1
+        ):
+            raise ValueError(
+                f"DelayedScaling(amax_history_len={self.amax_history_len!r}) is invalid; "
+                "valid: an integer >= 1"
+            )
+        algo = self.amax_compute_algo
+        if not callable(algo) and algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"DelayedScaling(amax_compute_algo={algo!r}) is invalid; valid: "
+                f"{', '.join(repr(a) for a in AMAX_COMPUTE_ALGOS)} or a callable "
+                "(amax_history [amax_history_len, n]) -> amax [n]"
+            )
+
+    def delayed(self) -> bool:
+        return True
+
+    def reduce_history(self, history: torch.Tensor) -> torch.Tensor:
+        """Amax to scale with, from a history ``[..., amax_history_len]`` (index 0 most recent).
+
+        Returns a float32 tensor of shape ``history.shape[:-1]``.
+        """
+        if self.amax_compute_algo == "max":
+            return history.amax(dim=-1)
+        if self.amax_compute_algo == "most_recent":
+            return history[..., 0]
+        # TE's callable convention: [amax_history_len, n] in, [n] out.
+        flat = history.reshape(-1, history.shape[-1]).t()
+        return self.amax_compute_algo(flat).reshape(history.shape[:-1])
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor current scaling: each tensor is scaled from its own amax, computed at the cast.
+
+    ``scale = FP8_MAX / amax(tensor)``; an all-zero tensor gets scale 1.0 and a tensor with a
+    non-finite amax gets scale 1.0 and is counted. Costs one extra reduction over each tensor
+    but never lags behind the data (TE: ``Float8CurrentScaling``).
+
+    Args:
+        fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+
+    Raises:
+        ValueError: an unknown format, or E5M2 as the forward format.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
+        _check_forward_format(self.fp8_format, "Float8CurrentScaling")

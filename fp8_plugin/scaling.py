@@ -1,0 +1,68 @@
+"""Per-tensor FP8 scaling math: amax, scale from amax, saturating cast. Small pure functions.
+
+Sources: Transformer Engine's scale update (``transformer_engine/pytorch/fp8.py``,
+``_default_sf_compute``) and the OCP OFP8 spec rev 1.0 for the saturating conversion.
+No function here synchronises with the host: every result stays a device tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import fp8_max
+
+__all__ = ["amax", "scale_from_amax", "quantize", "dequantize"]
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """Absolute maximum of ``x`` as a float32 0-dim tensor (NaN if ``x`` holds a NaN)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def scale_from_amax(
+    amax: torch.Tensor, fp8_max_value: float | torch.Tensor, margin: int, previous: torch.Tensor
+) -> torch.Tensor:
+    """Scale ``(fp8_max / amax) / 2 ** margin``, guarded against bad amaxes (TE's formula).
+
+    Args:
+        amax: float32, any shape.
+        fp8_max_value: 448.0 (E4M3) or 57344.0 (E5M2), or a float32 tensor broadcastable to amax.
+        margin: integer >= 0.
+        previous: float32, broadcastable to ``amax``; kept where amax is 0 or not finite.
+
+    Returns:
+        float32 tensor of ``amax``'s shape. Where ``amax`` is tiny the result is clamped to the
+        float32 max rather than becoming inf.
+    """
+    scale = (fp8_max_value / amax) / (2.0**margin)
+    scale = torch.clamp(scale, max=_FLOAT32_MAX)
+    valid = (amax > 0) & torch.isfinite(amax)
+    return torch.where(valid, scale, previous)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast of ``x * scale`` to the FP8 ``dtype``.
+
+    Values beyond the format's range become +-max (OCP OFP8 "saturating" conversion) rather than
+    NaN (E4M3) or inf (E5M2): the clamp happens before the cast, which on its own overflows.
+    NaN stays NaN. Rounding is round-to-nearest-even, as ``Tensor.to`` does.
+
+    Args:
+        x: any floating dtype and shape.
+        scale: float32 tensor broadcastable to ``x`` (0-dim for per-tensor scaling).
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+
+    Returns:
+        Tensor of ``x``'s shape in ``dtype``.
+    """
+    bound = fp8_max(dtype)
+    return (x.to(torch.float32) * scale).clamp_(-bound, bound).to(dtype)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv`` in ``dtype``: the inverse of :func:`quantize` up to rounding."""
+    return (data.to(torch.float32) * scale_inv).to(dtype)

@@ -1,0 +1,21 @@
+"""Independent float64 references written from the specs, for the tests only."""
+
+import torch
+
+# OCP OFP8 rev 1.0, table 1.
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+MAX = {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: E5M2_MAX}
+# Mantissa bits and the smallest normal exponent of each format.
+MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+MIN_NORMAL_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+
+
+def fp8_operand(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The value an FP8 GEMM sees for ``x`` cast with ``scale``: saturate, round, unscale; float64."""
+    q = (x.double() * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+    return q.double() / scale
+
+
+def te_scale(amax: float, dtype: torch.dtype, margin: int = 0) -> float:
+    """TE's formula, scale = (FP8_MAX / amax) / 2 ** margin."""
+    return MAX[dtype] / amax / 2**margin

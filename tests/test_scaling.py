@@ -1,0 +1,75 @@
+"""fp8_plugin/scaling.py and formats.py: casts against the OCP OFP8 error bounds."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8_plugin.formats import Format, fp8_max, parse_format
+from fp8_plugin.scaling import amax, dequantize, quantize, scale_from_amax
+from reference import MANTISSA_BITS, MAX, MIN_NORMAL_EXP
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def test_format_dtypes_follow_te_hybrid_definition():
+    assert Format.HYBRID.forward_dtype == torch.float8_e4m3fn
+    assert Format.HYBRID.backward_dtype == torch.float8_e5m2
+    assert Format.E4M3.backward_dtype == torch.float8_e4m3fn
+    assert fp8_max(torch.float8_e4m3fn) == 448.0 and fp8_max(torch.float8_e5m2) == 57344.0
+
+
+def test_unknown_format_name_lists_valid_ones():
+    assert parse_format("hybrid") is Format.HYBRID
+    with pytest.raises(ValueError, match="Format.E4M3, Format.E5M2, Format.HYBRID"):
+        parse_format("E3M4")
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@settings(max_examples=200, deadline=None)
+@given(
+    mantissa=st.floats(1.0, 2.0, exclude_max=True),
+    exponent=st.integers(-30, 30),
+    sign=st.sampled_from([-1.0, 1.0]),
+    scale_exp=st.integers(-20, 20),
+)
+def test_roundtrip_error_within_format_bound(dtype, mantissa, exponent, sign, scale_exp):
+    x = sign * mantissa * 2.0**exponent
+    scale = 2.0**scale_exp * 1.37  # a non power of two scale, as real amaxes give
+    if abs(x) * scale > MAX[dtype]:
+        return  # saturation is tested on its own
+    t = torch.tensor([x], dtype=torch.float32)
+    s = torch.tensor(scale, dtype=torch.float32)
+    got = dequantize(quantize(t, s, dtype), s.reciprocal(), torch.float64).item()
+    # Round to nearest: relative error <= 2^-(m+1) for normals; absolute error <= half the
+    # subnormal spacing 2^(emin - m) below the normal range, both in the scaled domain.
+    m = MANTISSA_BITS[dtype]
+    bound = max(abs(x) * 2.0 ** -(m + 1), 2.0 ** (MIN_NORMAL_EXP[dtype] - m - 1) / scale)
+    assert abs(got - x) <= bound * (1 + 1e-6) + abs(x) * 2**-23
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_out_of_range_values_saturate_to_max(dtype):
+    x = torch.tensor([1e9, -1e9, 3 * MAX[dtype], float("inf")])
+    q = quantize(x, torch.tensor(1.0), dtype).float()
+    assert q.tolist() == [MAX[dtype], -MAX[dtype], MAX[dtype], MAX[dtype]]
+    # A plain cast overflows (what the clamp protects against).
+    assert not torch.isfinite(torch.tensor([1e9]).to(dtype).float()).all() or dtype == torch.float8_e4m3fn
+
+
+def test_scale_formula_and_guards():
+    prev = torch.tensor([7.0, 7.0, 7.0, 7.0])
+    a = torch.tensor([2.0, 0.0, float("inf"), float("nan")])
+    s = scale_from_amax(a, 448.0, 2, prev)
+    assert s[0].item() == pytest.approx(448.0 / 2.0 / 4.0)
+    assert s[1:].tolist() == [7.0, 7.0, 7.0]  # zero and non-finite amaxes keep the previous scale
+    tiny = scale_from_amax(torch.tensor([1e-45]), 448.0, 0, torch.tensor([1.0]))
+    assert math.isfinite(tiny.item())
+
+
+def test_amax_of_empty_and_nan_tensors():
+    assert amax(torch.empty(0, 4)).item() == 0.0
+    assert math.isnan(amax(torch.tensor([1.0, float("nan")])).item())
+    assert amax(torch.tensor([-3.0, 2.0], dtype=torch.bfloat16)).dtype == torch.float32
