@@ -19,3 +19,12 @@ __all__ = [
     "update_pending_scales",
 ]
 __version__ = "0.1.0"
+
+# Lightning integration: importing fp8_plugin registers Trainer(precision="fp8-*").
+try:
+    from .lightning import FP8Precision, register_precision_strings
+except ImportError:  # Lightning is optional for the numerics and Accelerate users
+    FP8Precision = None  # type: ignore[assignment,misc]
+else:
+    register_precision_strings()
+    __all__.append("FP8Precision")

