@@ -1,8 +1,13 @@
-"""fp8-plugin: FP8 mixed-precision training for Hugging Face models in Lightning and Accelerate."""
+"""fp8-plugin: FP8 mixed-precision training for Hugging Face models in Lightning and Accelerate.
+
+Importing the package also registers the Lightning precision strings ``"fp8-hybrid"`` and
+``"fp8-e4m3"`` (see :mod:`fp8_plugin.lightning.precision_strings`).
+"""
 
 from .autocast import autocast, is_fp8_enabled, update_pending_scales
 from .convert import ConversionReport, convert_model
 from .formats import Format
+from .lightning import FP8Precision, register_precision_strings
 from .linear import FP8Linear
 from .recipes import DelayedScaling, Float8CurrentScaling, Recipe
 
@@ -12,6 +17,7 @@ __all__ = [
     "DelayedScaling",
     "Float8CurrentScaling",
     "FP8Linear",
+    "FP8Precision",
     "autocast",
     "convert_model",
     "ConversionReport",
@@ -20,11 +26,4 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# Lightning integration: importing fp8_plugin registers Trainer(precision="fp8-*").
-try:
-    from .lightning import FP8Precision, register_precision_strings
-except ImportError:  # Lightning is optional for the numerics and Accelerate users
-    FP8Precision = None  # type: ignore[assignment,misc]
-else:
-    register_precision_strings()
-    __all__.append("FP8Precision")
+register_precision_strings()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -28,7 +28,6 @@ class _FP8Context:
     enabled: bool = False
     recipe: Optional[Recipe] = None
     reduce_amax: Optional[AmaxReducer] = None
-    depth: int = 0
 
 
 class _Local(threading.local):
@@ -68,12 +67,6 @@ def update_pending_scales(reduce_amax: Optional[AmaxReducer] = None) -> None:
     local = [g for g in groups if not g[0].reduce_amax]
     update_delayed_scaling(reduced, reduce_amax)
     update_delayed_scaling(local, None)
-
-
-def discard_pending_scales() -> None:
-    """Forget recorded amaxes without updating scales (used when a step is thrown away)."""
-    with _pending_lock:
-        _pending.clear()
 
 
 def is_fp8_enabled() -> bool:
@@ -120,7 +113,6 @@ def autocast(
         enabled=enabled,
         recipe=recipe if recipe is not None else (outer.recipe if enabled else None),
         reduce_amax=reduce_amax if reduce_amax is not None else outer.reduce_amax,
-        depth=outer.depth + 1,
     )
     try:
         yield

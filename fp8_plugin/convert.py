@@ -184,7 +184,7 @@ def convert_model(
             replacements[id(module)] = chosen.make_linear(module, recipe)
         report.layers.append(LayerDecision(name, kind, in_f, out_f, not reason, reason))
 
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) in replacements:
                 setattr(parent, child_name, replacements[id(child)])

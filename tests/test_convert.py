@@ -1,7 +1,6 @@
 """fp8_plugin/convert.py: the Hugging Face layer swap on BERT, GPT-2 and Llama configs."""
 
 import copy
-import warnings
 
 import pytest
 import torch
