@@ -9,13 +9,16 @@ from .convert import ConversionReport, convert_model
 from .formats import Format
 from .lightning import FP8Precision, register_precision_strings
 from .linear import FP8Linear
-from .recipes import DelayedScaling, Float8CurrentScaling, Recipe
+from .recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams, Recipe
 
 __all__ = [
     "Format",
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
+    "MXFP8BlockScaling",
+    "Float8BlockScaling",
+    "QParams",
     "FP8Linear",
     "FP8Precision",
     "autocast",

@@ -45,6 +45,8 @@ def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, s
 
     Decided from shapes, dtypes and the device alone: no host-device synchronisation.
     """
+    if a.block is not None or b.block is not None:
+        return False, "block-scaled (MXFP8 / blockwise) GEMMs run as exact emulation in this release"
     ok, reason = _device_supports_scaled_mm(a.data.device)
     if not ok:
         return ok, reason
@@ -66,9 +68,9 @@ def fp8_gemm(
     """``(a.data * a.scale_inv) @ (b.data * b.scale_inv).T + bias`` with FP32 accumulation.
 
     Args:
-        a: ``[M, K]`` FP8 data, row-major, 0-dim float32 scale_inv.
+        a: ``[M, K]`` FP8 data, row-major; per-tensor (0-dim) or block ``scale_inv``.
         b: ``[N, K]`` FP8 data, row-major (the "NT" layout: ``b.data.t()`` is column-major, as
-            ``torch._scaled_mm`` wants its second operand), 0-dim float32 scale_inv.
+            ``torch._scaled_mm`` wants its second operand); per-tensor or block ``scale_inv``.
         out_dtype: dtype of the result (float32, bfloat16 or float16).
         bias: optional ``[N]`` tensor, added to the FP32 accumulator before the rounding to
             ``out_dtype`` (in the GEMM epilogue where the kernel offers it).

@@ -17,7 +17,7 @@ from torch import nn
 
 from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending, update_pending_scales
 from .gemm import fp8_gemm
-from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, PerTensorQuantizer, QuantizedTensor, ScalingState
+from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from .recipes import DelayedScaling, Recipe
 
 __all__ = ["FP8Linear"]
@@ -25,6 +25,10 @@ __all__ = ["FP8Linear"]
 
 def _apply_pending_scales(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     update_pending_scales()
+
+
+def _unpack(q: Optional[QuantizedTensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    return (q.data, q.scale_inv) if q is not None else (None, None)
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -41,30 +45,34 @@ class _FP8LinearFunction(torch.autograd.Function):
         state = layer.fp8_state
         x2d = x.reshape(-1, layer.in_features)
         w = weight.t() if layer.weight_transposed else weight  # [out, in]
-        qx = PerTensorQuantizer(recipe, INPUT, state, mark_pending).quantize(x2d)
-        qw = PerTensorQuantizer(recipe, WEIGHT, state, mark_pending).quantize(w)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Backward consumes the transposed operands: wgrad needs x.T, dgrad needs W.T.
+        qx, qx_t = make_quantizer(recipe, INPUT, state, mark_pending).quantize_pair(x2d, columnwise=need_wgrad)
+        qw, qw_t = make_quantizer(recipe, WEIGHT, state, mark_pending).quantize_pair(w, columnwise=need_dgrad)
         out = fp8_gemm(qx, qw, _output_dtype(x), bias)
         # FP8 copies, not the high-precision tensors, are kept for backward: 1 byte per value.
-        ctx.save_for_backward(qx.data, qx.scale_inv, qw.data, qw.scale_inv)
+        ctx.save_for_backward(*_unpack(qx_t), *_unpack(qw_t))
+        ctx.blocks = (qx_t.block if qx_t else None, qw_t.block if qw_t else None)
         ctx.layer, ctx.recipe = layer, recipe
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out.reshape(*x.shape[:-1], layer.out_features)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
         layer = ctx.layer
+        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        qx_t = QuantizedTensor(x_data, x_scale_inv, ctx.blocks[0])
+        qw_t = QuantizedTensor(w_data, w_scale_inv, ctx.blocks[1])
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         g2d = grad_out.reshape(-1, layer.out_features)
         if need_x or need_w:
-            qg = PerTensorQuantizer(ctx.recipe, GRAD_OUTPUT, layer.fp8_state, mark_pending).quantize(g2d)
+            quantizer = make_quantizer(ctx.recipe, GRAD_OUTPUT, layer.fp8_state, mark_pending)
+            qg, qg_t = quantizer.quantize_pair(g2d, columnwise=need_w)
         if need_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            qw_t = QuantizedTensor(w_data, w_scale_inv).t()
             grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype).reshape(ctx.x_shape)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
-            qx_t = QuantizedTensor(x_data, x_scale_inv).t()
-            grad_w = fp8_gemm(qg.t(), qx_t, torch.float32)
+            grad_w = fp8_gemm(qg_t, qx_t, torch.float32)
             if layer.weight_transposed:
                 grad_w = grad_w.t()
             grad_w = grad_w.to(layer.weight.dtype)

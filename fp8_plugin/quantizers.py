@@ -21,13 +21,17 @@ from torch import nn
 from .formats import fp8_dtype, fp8_max
 from .recipes import DelayedScaling, Recipe
 from .scaling import amax as tensor_amax
-from .scaling import dequantize, quantize, scale_from_amax
+from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
+from .recipes import Float8BlockScaling, MXFP8BlockScaling
+from .scaling import dequantize, divide, quantize, scale_from_amax
 
 __all__ = [
     "ROLES",
     "QuantizedTensor",
     "Quantizer",
     "PerTensorQuantizer",
+    "BlockQuantizer",
+    "make_quantizer",
     "ScalingState",
     "update_delayed_scaling",
 ]
@@ -41,21 +45,32 @@ INPUT, WEIGHT, GRAD_OUTPUT = range(3)
 class QuantizedTensor:
     """FP8 ``data`` and the float32 ``scale_inv`` that maps it back: ``x ~= data * scale_inv``.
 
-    ``data`` is 2-D ``[rows, cols]`` in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``;
-    ``scale_inv`` is 0-dim for per-tensor scaling.
+    ``data`` is 2-D ``[rows, cols]`` in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+    ``block`` is None for per-tensor scaling (``scale_inv`` 0-dim) or the ``(rows, cols)`` tile
+    each entry of a ``[ceil(rows / block[0]), ceil(cols / block[1])]`` ``scale_inv`` covers.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
+    block: Optional[tuple[int, int]] = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """High-precision copy ``data * scale_inv`` in ``dtype``."""
-        return dequantize(self.data, self.scale_inv, dtype)
+        if self.block is None:
+            return dequantize(self.data, self.scale_inv, dtype)
+        return dequantize_blocks(self.data, self.scale_inv, self.block).to(dtype)
 
     def t(self) -> "QuantizedTensor":
-        """Transpose with a contiguous copy of ``data`` (1 byte per value); per-tensor scales are
-        shared by both layouts. Block-scaled tensors must re-quantize along the other dim."""
-        return QuantizedTensor(self.data.t().contiguous(), self.scale_inv)
+        """Transpose with a contiguous copy of ``data`` (1 byte per value).
+
+        Raises:
+            ValueError: 1-D block scaling, whose transpose needs re-quantization from high
+                precision (quantize with ``columnwise=True`` instead).
+        """
+        if self.block is not None and self.block[0] != self.block[1]:
+            raise ValueError(f"a {self.block[0]}x{self.block[1]} block-scaled tensor cannot be transposed exactly")
+        scale_inv = self.scale_inv if self.block is None else self.scale_inv.t().contiguous()
+        return QuantizedTensor(self.data.t().contiguous(), scale_inv, self.block)
 
 
 class Quantizer(ABC):
@@ -63,7 +78,14 @@ class Quantizer(ABC):
 
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """Quantize a 2-D tensor ``[rows, cols]`` of any floating dtype."""
+        """Quantize a 2-D tensor ``[rows, cols]`` of any floating dtype (blocks along cols)."""
+
+    def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        """The rowwise cast of ``x`` ``[rows, cols]`` and, if asked, the columnwise one: ``x.T``
+        ``[cols, rows]`` with its blocks along the original rows (what dgrad / wgrad consume).
+        Per-tensor scales share one scale, so the columnwise copy is a transpose of the rowwise."""
+        row = self.quantize(x)
+        return row, (row.t() if columnwise else None)
 
 
 class ScalingState(nn.Module):
@@ -186,7 +208,61 @@ class PerTensorQuantizer(Quantizer):
         else:
             scale = current
             self.state.observe_current(self.role, amax, scale)
-        return QuantizedTensor(quantize(x, scale, self.dtype), scale.reciprocal())
+        return QuantizedTensor(quantize(x, scale, self.dtype), divide(1.0, scale))
+
+
+class BlockQuantizer(Quantizer):
+    """Block-scaled casts: MXFP8 (1x32, E8M0 scales) or 128-blockwise (1x128 / 128x128, FP32).
+
+    The tensor's overall amax and non-finite events still go to ``state`` for statistics.
+
+    Args:
+        recipe: :class:`~fp8_plugin.recipes.MXFP8BlockScaling` or
+            :class:`~fp8_plugin.recipes.Float8BlockScaling`.
+        role: 0 input, 1 weight, 2 grad_output.
+        state: the layer's :class:`ScalingState`.
+    """
+
+    def __init__(self, recipe: Recipe, role: int, state: ScalingState) -> None:
+        self.recipe = recipe
+        self.role = role
+        self.state = state
+        self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
+        if isinstance(recipe, MXFP8BlockScaling):
+            self.block, self.qparams = (1, 32), None
+        else:
+            dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
+            params = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+            self.block = (128, 128) if dims[role] == 2 else (1, 128)
+            self.qparams = params[role]
+
+    @torch.no_grad()
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        amax = block_amax(x, self.block)
+        if self.qparams is None:
+            scale_inv = mx_scale_inv(amax, self.dtype)
+            scale = divide(1.0, scale_inv)  # exact: powers of two
+        else:
+            scale = blockwise_scale(amax, self.dtype, self.qparams.power_2_scale, self.qparams.amax_epsilon)
+            scale_inv = divide(1.0, scale)
+        return QuantizedTensor(quantize_blocks(x, scale, self.block, self.dtype), scale_inv, self.block)
+
+    def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        row = self.quantize(x)
+        self.state.observe_current(self.role, tensor_amax(x), torch.ones((), device=x.device))
+        return row, (self.quantize(x.t()) if columnwise else None)
+
+
+def make_quantizer(
+    recipe: Recipe,
+    role: int,
+    state: ScalingState,
+    on_record: Optional[Callable[[ScalingState, int, Recipe], None]] = None,
+) -> Quantizer:
+    """The quantizer a recipe uses for one role of one layer."""
+    if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
+        return BlockQuantizer(recipe, role, state)
+    return PerTensorQuantizer(recipe, role, state, on_record)
 
 
 @torch.no_grad()

@@ -18,7 +18,15 @@ import torch
 
 from .formats import Format, parse_format
 
-__all__ = ["Recipe", "DelayedScaling", "Float8CurrentScaling", "AMAX_COMPUTE_ALGOS"]
+__all__ = [
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "MXFP8BlockScaling",
+    "Float8BlockScaling",
+    "QParams",
+    "AMAX_COMPUTE_ALGOS",
+]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
@@ -137,3 +145,94 @@ class Float8CurrentScaling(Recipe):
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "Float8CurrentScaling")
+
+
+def _check_not_e5m2(fmt: Format, recipe: str) -> None:
+    if fmt is Format.E5M2:
+        raise ValueError(
+            f"{recipe}(fp8_format=Format.E5M2) is not supported (pure E5M2 training); "
+            "valid: Format.E4M3 (default) or Format.HYBRID"
+        )
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: one E8M0 (power-of-two) scale per 32 consecutive values along the GEMM reduction dim.
+
+    Scales follow the OCP Microscaling (MX) spec v1.0, section 6.3 (shared exponent
+    ``floor(log2(amax)) - emax_elem``); see :mod:`fp8_plugin.block_scaling`. Tensors are cast
+    twice, rowwise (1x32 blocks) and columnwise (32x1), because a block-scaled tensor cannot be
+    transposed without re-quantization (TE does the same). Native on Blackwell (sm100); emulated
+    elsewhere with identical quantization numerics.
+
+    Args:
+        fp8_format: ``Format.E4M3`` (TE's default: E4M3 in both passes) or ``Format.HYBRID``.
+
+    Raises:
+        ValueError: an unknown format or ``Format.E5M2``.
+    """
+
+    fp8_format: Format = Format.E4M3
+    margin: int = field(default=0, init=False)
+    block_size: int = field(default=32, init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
+        _check_not_e5m2(self.fp8_format, "MXFP8BlockScaling")
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters of one tensor of :class:`Float8BlockScaling` (TE's ``QParams``).
+
+    Args:
+        power_2_scale: truncate each block scale to a power of two (TE default True).
+        amax_epsilon: floor under each block amax before ``scale = FP8_MAX / amax`` (>= 0).
+    """
+
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.amax_epsilon >= 0:
+            raise ValueError(f"QParams(amax_epsilon={self.amax_epsilon!r}) is invalid; valid: a float >= 0")
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """128-blockwise scaling as DeepSeek-V3 trained with (TE's ``Float8BlockScaling``).
+
+    Each block of 1x128 (``*_block_scaling_dim=1``) or 128x128 (``=2``) values gets its own FP32
+    scale ``FP8_MAX / amax``, a power of two by default. TE's defaults: 1x128 for activations and
+    gradients, 128x128 for weights, E4M3 in both passes. Native on Hopper through cuBLAS with
+    recent CUDA; emulated elsewhere with identical quantization numerics.
+
+    Args:
+        fp8_format: ``Format.E4M3`` (default) or ``Format.HYBRID``.
+        fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad: :class:`QParams` of the
+            input, the weight and grad_output.
+        x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 (1x128 blocks) or
+            2 (128x128 blocks).
+
+    Raises:
+        ValueError: an unknown format or E5M2, a block dim other than 1 or 2.
+    """
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = QParams()
+    fp8_quant_fwd_weight: QParams = QParams()
+    fp8_quant_bwd_grad: QParams = QParams()
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    margin: int = field(default=0, init=False)
+    block_size: int = field(default=128, init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
+        _check_not_e5m2(self.fp8_format, "Float8BlockScaling")
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(
+                    f"Float8BlockScaling({name}={getattr(self, name)!r}) is invalid; valid: 1 (1x128 blocks), 2 (128x128 blocks)"
+                )

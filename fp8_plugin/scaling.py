@@ -11,9 +11,18 @@ import torch
 
 from .formats import fp8_max
 
-__all__ = ["amax", "scale_from_amax", "quantize", "dequantize"]
+__all__ = ["amax", "scale_from_amax", "quantize", "dequantize", "divide"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded ``numerator / denominator`` in the denominator's dtype.
+
+    ``float / tensor`` in torch computes ``tensor.reciprocal() * float``, which is not correctly
+    rounded on CPU: the scales below must be exactly TE's ``FP8_MAX / amax`` and ``1 / scale``.
+    """
+    return torch.full_like(denominator, numerator) / denominator
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -24,13 +33,13 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(
-    amax: torch.Tensor, fp8_max_value: float | torch.Tensor, margin: int, previous: torch.Tensor
+    amax: torch.Tensor, fp8_max_value: float, margin: int, previous: torch.Tensor
 ) -> torch.Tensor:
     """Scale ``(fp8_max / amax) / 2 ** margin``, guarded against bad amaxes (TE's formula).
 
     Args:
         amax: float32, any shape.
-        fp8_max_value: 448.0 (E4M3) or 57344.0 (E5M2), or a float32 tensor broadcastable to amax.
+        fp8_max_value: 448.0 (E4M3) or 57344.0 (E5M2).
         margin: integer >= 0.
         previous: float32, broadcastable to ``amax``; kept where amax is 0 or not finite.
 
@@ -38,7 +47,7 @@ def scale_from_amax(
         float32 tensor of ``amax``'s shape. Where ``amax`` is tiny the result is clamped to the
         float32 max rather than becoming inf.
     """
-    scale = (fp8_max_value / amax) / (2.0**margin)
+    scale = divide(fp8_max_value, amax) / (2.0**margin)
     scale = torch.clamp(scale, max=_FLOAT32_MAX)
     valid = (amax > 0) & torch.isfinite(amax)
     return torch.where(valid, scale, previous)

@@ -103,12 +103,29 @@ def test_fp8_e4m3_string_uses_e4m3_in_backward(monkeypatch):
 
 
 def test_unknown_fp8_string_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"precision='fp8-e5m2' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3"):
+    with pytest.raises(
+        ValueError,
+        match=r"precision='fp8-e5m2' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3, fp8-current, fp8-mxfp8, fp8-blockwise",
+    ):
         L.Trainer(precision="fp8-e5m2", **TRAINER_DEFAULTS)
     with pytest.raises(ValueError, match="choose one"):
         L.Trainer(precision="fp8-hybrid", plugins=[FP8Precision()], **TRAINER_DEFAULTS)
     with pytest.raises(ValueError, match="compute_dtype.*valid: torch.bfloat16, torch.float32"):
         FP8Precision(compute_dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    "precision, recipe_type",
+    [("fp8-current", fp.Float8CurrentScaling), ("fp8-mxfp8", fp.MXFP8BlockScaling), ("fp8-blockwise", fp.Float8BlockScaling)],
+)
+def test_recipe_precision_strings_train_with_their_recipe(precision, recipe_type):
+    model = TinyClassifier()
+    trainer = L.Trainer(precision=precision, max_steps=2, **TRAINER_DEFAULTS)
+    trainer.fit(model, loader())
+    assert trainer.precision == precision
+    assert all(type(layer.recipe) is recipe_type for layer in fp8_layers(model))
+    # Each role's amax of the last cast is in the layer state (block recipes record it too).
+    assert all((layer.fp8_state.amax_history[:, 0] > 0).all() for layer in fp8_layers(model))
 
 
 def test_plugin_object_with_custom_recipe():

@@ -18,7 +18,7 @@ import torch
 from packaging.version import Version
 
 from ..formats import Format
-from ..recipes import DelayedScaling
+from ..recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .precision import FP8Precision
 
 __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
@@ -31,6 +31,12 @@ PRECISION_STRINGS: dict[str, Callable[[], FP8Precision]] = {
     "fp8-hybrid": lambda: FP8Precision(DelayedScaling(fp8_format=Format.HYBRID), precision="fp8-hybrid"),
     # E4M3 in both passes.
     "fp8-e4m3": lambda: FP8Precision(DelayedScaling(fp8_format=Format.E4M3), precision="fp8-e4m3"),
+    # Per-tensor current scaling, HYBRID.
+    "fp8-current": lambda: FP8Precision(Float8CurrentScaling(), precision="fp8-current"),
+    # OCP MXFP8: E8M0 scale per 32 values, E4M3 (TE's default).
+    "fp8-mxfp8": lambda: FP8Precision(MXFP8BlockScaling(), precision="fp8-mxfp8"),
+    # DeepSeek-V3 style 1x128 / 128x128 blocks, FP32 power-of-two scales, E4M3.
+    "fp8-blockwise": lambda: FP8Precision(Float8BlockScaling(), precision="fp8-blockwise"),
 }
 
 
