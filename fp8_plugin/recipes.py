@@ -147,14 +147,6 @@ class Float8CurrentScaling(Recipe):
         _check_forward_format(self.fp8_format, "Float8CurrentScaling")
 
 
-def _check_not_e5m2(fmt: Format, recipe: str) -> None:
-    if fmt is Format.E5M2:
-        raise ValueError(
-            f"{recipe}(fp8_format=Format.E5M2) is not supported (pure E5M2 training); "
-            "valid: Format.E4M3 (default) or Format.HYBRID"
-        )
-
-
 @dataclass(frozen=True)
 class MXFP8BlockScaling(Recipe):
     """MXFP8: one E8M0 (power-of-two) scale per 32 consecutive values along the GEMM reduction dim.
@@ -178,7 +170,7 @@ class MXFP8BlockScaling(Recipe):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
-        _check_not_e5m2(self.fp8_format, "MXFP8BlockScaling")
+        _check_forward_format(self.fp8_format, "MXFP8BlockScaling")
 
 
 @dataclass(frozen=True)
@@ -230,7 +222,7 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
-        _check_not_e5m2(self.fp8_format, "Float8BlockScaling")
+        _check_forward_format(self.fp8_format, "Float8BlockScaling")
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(

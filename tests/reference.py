@@ -2,6 +2,8 @@
 
 import torch
 
+import fp8_plugin as fp
+
 # OCP OFP8 rev 1.0, table 1.
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 MAX = {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: E5M2_MAX}
@@ -19,3 +21,18 @@ def fp8_operand(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
 def te_scale(amax: float, dtype: torch.dtype, margin: int = 0) -> float:
     """TE's formula, scale = (FP8_MAX / amax) / 2 ** margin."""
     return MAX[dtype] / amax / 2**margin
+
+
+def train_losses(model, use_fp8: bool, steps: int = 6, lr: float = 1e-3, **batch) -> list[float]:
+    """Losses of ``steps`` AdamW steps on one batch; FP8 on or off. The unconverted copy of a
+    model trained this way is the reference the FP8 run is compared with."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        with fp.autocast(enabled=use_fp8):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

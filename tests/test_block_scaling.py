@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import fp8_plugin as fp
 from fp8_plugin.quantizers import INPUT, BlockQuantizer, ScalingState
 from fp8_plugin.recipes import Float8BlockScaling, MXFP8BlockScaling, QParams
-from reference import MAX
+from reference import MAX, train_losses
 
 E4M3 = torch.float8_e4m3fn
 EMAX_ELEM = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # OCP MX v1.0 table 2
@@ -171,19 +171,8 @@ def test_small_llama_trains_under_each_recipe_close_to_high_precision(recipe):
     fp.convert_model(model, recipe)
     ids = torch.randint(1, 128, (8, 32))
 
-    def train(m, use_fp8):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(6):
-            with fp.autocast(enabled=use_fp8):
-                loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    base, fp8 = train(ref, False), train(model, True)
+    base = train_losses(ref, False, input_ids=ids, labels=ids)
+    fp8 = train_losses(model, True, input_ids=ids, labels=ids)
     assert fp8[-1] < fp8[0] - 0.2
     for a, b in zip(base, fp8):
         assert abs(a - b) / a < 0.05, (base, fp8)

@@ -17,6 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 import fp8_plugin as fp
 from fp8_plugin import FP8Linear
+from reference import train_losses
 
 VOCAB = 128
 
@@ -149,19 +150,8 @@ def test_few_training_steps_track_the_unconverted_model(build):
     ids = torch.randint(1, VOCAB, (8, 32))
     labels = torch.randint(0, 3, (8,)) if build is bert else ids
 
-    def train(m, use_fp8):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(6):
-            with fp.autocast(enabled=use_fp8):
-                loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    base, fp8 = train(ref, False), train(model, True)
+    base = train_losses(ref, False, input_ids=ids, labels=labels)
+    fp8 = train_losses(model, True, input_ids=ids, labels=labels)
     assert fp8[-1] < fp8[0]
     for a, b in zip(base, fp8):
         assert abs(a - b) / a < 0.05, (base, fp8)
