@@ -15,13 +15,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from .backends import get_backend
 from .quantizers import ScalingState
 from .recipes import Recipe
 
-__all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_keys", "HEAD_NAMES"]
+__all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "HEAD_NAMES"]
 
 # Module-name components that mark an output head (transformers' naming).
 HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs", "pooler", "cls", "head", "heads"})
@@ -199,14 +200,22 @@ def convert_model(
     return report
 
 
-def fp8_state_keys(model: nn.Module) -> list[str]:
-    """``state_dict`` keys of ``model`` that hold FP8 scaling state (and nothing else)."""
-    keys = []
+def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FP8 scaling state of ``model`` alone, under its ``model.state_dict()`` keys.
+
+    Reads the buffers as they are: call :func:`fp8_plugin.update_pending_scales` first for the
+    state a full ``state_dict()`` would hold.
+    """
+    state = {}
     for name, module in model.named_modules():
         if isinstance(module, ScalingState):
-            prefix = f"{name}." if name else ""
-            keys.extend(prefix + k for k in module.state_dict())
-    return keys
+            state.update(module.state_dict(prefix=f"{name}." if name else ""))
+    return state
+
+
+def fp8_state_keys(model: nn.Module) -> list[str]:
+    """``state_dict`` keys of ``model`` that hold FP8 scaling state (and nothing else)."""
+    return list(fp8_state_dict(model))
 
 
 def _ignore_fp8_state_on_save(model: nn.Module) -> None:

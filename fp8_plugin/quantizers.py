@@ -18,11 +18,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .formats import fp8_dtype, fp8_max
-from .recipes import DelayedScaling, Recipe
-from .scaling import amax as tensor_amax
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
-from .recipes import Float8BlockScaling, MXFP8BlockScaling
+from .formats import fp8_dtype, fp8_max
+from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
+from .scaling import amax as tensor_amax
 from .scaling import dequantize, divide, quantize, scale_from_amax
 
 __all__ = [
@@ -237,7 +236,7 @@ class BlockQuantizer(Quantizer):
             self.qparams = params[role]
 
     @torch.no_grad()
-    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+    def _cast(self, x: torch.Tensor) -> tuple[QuantizedTensor, torch.Tensor]:
         amax = block_amax(x, self.block)
         if self.qparams is None:
             scale_inv = mx_scale_inv(amax, self.dtype)
@@ -245,11 +244,15 @@ class BlockQuantizer(Quantizer):
         else:
             scale = blockwise_scale(amax, self.dtype, self.qparams.power_2_scale, self.qparams.amax_epsilon)
             scale_inv = divide(1.0, scale)
-        return QuantizedTensor(quantize_blocks(x, scale, self.block, self.dtype), scale_inv, self.block)
+        return QuantizedTensor(quantize_blocks(x, scale, self.block, self.dtype), scale_inv, self.block), amax
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        return self._cast(x)[0]
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        row = self.quantize(x)
-        self.state.observe_current(self.role, tensor_amax(x), torch.ones((), device=x.device))
+        row, amax = self._cast(x)
+        # The tensor's amax is the max of its block amaxes: no second pass over x.
+        self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
         return row, (self.quantize(x.t()) if columnwise else None)
 
 

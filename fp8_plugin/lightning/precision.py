@@ -18,7 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..autocast import autocast, update_pending_scales
-from ..convert import ConversionReport, convert_model, fp8_state_keys
+from ..convert import ConversionReport, convert_model, fp8_state_dict, fp8_state_keys
 from ..linear import FP8Linear
 from ..recipes import DelayedScaling, Recipe
 
@@ -141,8 +141,7 @@ class FP8Precision(Precision):
         if self._module is None:
             return {}
         update_pending_scales()
-        full = self._module.state_dict()
-        return {_STATE_KEY: {k: full[k].detach().clone() for k in fp8_state_keys(self._module)}}
+        return {_STATE_KEY: {k: v.clone() for k, v in fp8_state_dict(self._module).items()}}
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
