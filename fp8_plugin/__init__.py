@@ -1,15 +1,24 @@
 """fp8-plugin: FP8 mixed-precision training for Hugging Face models in Lightning and Accelerate.
 
 Importing the package also registers the Lightning precision strings ``"fp8-hybrid"`` and
-``"fp8-e4m3"`` (see :mod:`fp8_plugin.lightning.precision_strings`).
+``"fp8-e4m3"`` and the recipe strings (see :mod:`fp8_plugin.lightning.precision_strings`).
 """
 
 from .autocast import autocast, is_fp8_enabled, update_pending_scales
 from .convert import ConversionReport, convert_model
+from .device import DeviceReport, auto_recipe, describe_device
 from .formats import Format
 from .lightning import FP8Precision, register_precision_strings
 from .linear import FP8Linear
-from .recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams, Recipe
+from .recipes import (
+    AutoRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    QParams,
+    Recipe,
+)
 
 __all__ = [
     "Format",
@@ -19,6 +28,10 @@ __all__ = [
     "MXFP8BlockScaling",
     "Float8BlockScaling",
     "QParams",
+    "AutoRecipe",
+    "auto_recipe",
+    "describe_device",
+    "DeviceReport",
     "FP8Linear",
     "FP8Precision",
     "autocast",

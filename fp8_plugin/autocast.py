@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .device import resolve_recipe
 from .quantizers import ScalingState, update_delayed_scaling
 from .recipes import DelayedScaling, Recipe
 
@@ -91,7 +92,8 @@ def autocast(
     Args:
         enabled: False runs every FP8 layer in high precision, exactly as ``nn.Linear``.
         recipe: overrides each layer's own recipe for the duration of the context; None keeps
-            the layers' recipes (the one given to ``convert_model``).
+            the layers' recipes (the one given to ``convert_model``); an ``AutoRecipe`` is
+            resolved for the current CUDA device, or the CPU.
         reduce_amax: in-place reduction over a flat float32 amax tensor, applied once per step
             before delayed-scaling updates (the distributed integration passes an all-reduce).
 
@@ -106,6 +108,7 @@ def autocast(
             f"autocast(recipe={recipe!r}) is not a recipe; valid: DelayedScaling(...), "
             "Float8CurrentScaling(...) or None"
         )
+    recipe = resolve_recipe(recipe)
     outer = _local.context
     if enabled and not outer.enabled:
         update_pending_scales(reduce_amax)

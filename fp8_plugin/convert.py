@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from .backends import get_backend
+from .device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
+from .gemm import native_gemm
 from .quantizers import ScalingState
-from .recipes import Recipe
+from .recipes import DelayedScaling, Recipe
 
 __all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "HEAD_NAMES"]
 
@@ -47,9 +49,16 @@ class LayerDecision:
 
 @dataclass
 class ConversionReport:
-    """Every candidate layer of a model, swapped or skipped, with the reason. ``str()`` is a table."""
+    """Every candidate layer of a model, swapped or skipped, with the reason. ``str()`` is a table.
+
+    ``recipe`` is the layers' recipe (an ``AutoRecipe`` resolved for ``device``); ``gemm`` says
+    whether its GEMMs run natively on ``device`` or are emulated, and why.
+    """
 
     layers: list[LayerDecision] = field(default_factory=list)
+    recipe: Optional[Recipe] = None
+    device: str = ""
+    gemm: str = ""
 
     @property
     def swapped(self) -> list[LayerDecision]:
@@ -69,6 +78,8 @@ class ConversionReport:
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"{len(self.swapped)} of {len(self.layers)} linear layers in FP8")
+        if self.recipe is not None:
+            lines.append(f"recipe {recipe_name(self.recipe)} on {self.device}: {self.gemm}")
         return "\n".join(lines)
 
 
@@ -127,6 +138,7 @@ def convert_model(
     include: Patterns = None,
     exclude: Patterns = None,
     backend: str = "native",
+    device: Union[str, torch.device, None] = None,
 ) -> ConversionReport:
     """Replace the model's ``nn.Linear`` / ``Conv1D`` layers with FP8 layers, in place.
 
@@ -138,11 +150,16 @@ def convert_model(
     Args:
         model: any ``nn.Module``; ``transformers`` models get head detection.
         recipe: the layers' default recipe (:func:`fp8_plugin.autocast` may override it);
-            None means ``DelayedScaling()``.
+            None means ``DelayedScaling()``; an :class:`~fp8_plugin.recipes.AutoRecipe` is
+            resolved here for ``device``.
         include: glob patterns over module names (the full dotted name or one component); when
             given, only matching layers are candidates, and a match overrides the head rule.
         exclude: glob patterns; matching layers always stay high precision.
         backend: name of the layer backend (``"native"``).
+        device: the device training will run on, for which "auto" is resolved and the GEMM
+            path chosen (once, here: a GEMM probe on GPUs); None means the model's device if it
+            is not the CPU, else the current CUDA device if CUDA is available, else the CPU
+            (Lightning and Accelerate convert before they move the model).
 
     Returns:
         A :class:`ConversionReport`; ``print()`` it for a table.
@@ -159,6 +176,8 @@ def convert_model(
             f"convert_model(recipe={recipe!r}) is not a recipe; valid: DelayedScaling(...), Float8CurrentScaling(...) or None"
         )
     chosen = get_backend(backend)
+    target = _target_device(model, device)
+    recipe = resolve_recipe(recipe, target)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude")
     heads = _output_embedding_ids(model)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -191,6 +210,10 @@ def convert_model(
                 setattr(parent, child_name, replacements[id(child)])
 
     _ignore_fp8_state_on_save(model)
+    report.recipe, report.device = recipe or DelayedScaling(), str(target)
+    kind = recipe_gemm_kind(report.recipe)
+    support = native_gemm(kind, target)
+    report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
     if not report.swapped:
         warnings.warn(
             f"convert_model found no layer to run in FP8 among {len(report.layers)} candidate linear layers "
@@ -198,6 +221,15 @@ def convert_model(
             stacklevel=2,
         )
     return report
+
+
+def _target_device(model: nn.Module, device: Union[str, torch.device, None]) -> torch.device:
+    if device is not None:
+        return default_device(device)
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return param.device
+    return default_device(None)
 
 
 def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

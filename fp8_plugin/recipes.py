@@ -25,6 +25,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "Float8BlockScaling",
     "QParams",
+    "AutoRecipe",
     "AMAX_COMPUTE_ALGOS",
 ]
 
@@ -228,3 +229,26 @@ class Float8BlockScaling(Recipe):
                 raise ValueError(
                     f"Float8BlockScaling({name}={getattr(self, name)!r}) is invalid; valid: 1 (1x128 blocks), 2 (128x128 blocks)"
                 )
+
+
+@dataclass(frozen=True)
+class AutoRecipe(Recipe):
+    """"The best recipe this device runs natively", resolved when a model is converted.
+
+    :func:`fp8_plugin.device.resolve_recipe` turns it into a concrete recipe for a device:
+    ``MXFP8BlockScaling(fp8_format)`` where MXFP8 GEMMs are native (Blackwell),
+    ``DelayedScaling(fp8_format)`` elsewhere (Hopper, Ada, CPU: per-tensor GEMMs are native).
+    The default of the Lightning precision strings that name a format but no recipe.
+
+    Args:
+        fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+
+    Raises:
+        ValueError: an unknown format, or E5M2 as the forward format.
+    """
+
+    fp8_format: Format = Format.HYBRID
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
+        _check_forward_format(self.fp8_format, "AutoRecipe")

@@ -4,6 +4,9 @@ import torch
 
 import fp8_plugin as fp
 
+# Devices the device-parametrized tests run on: the CPU always, a CUDA GPU where there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 # OCP OFP8 rev 1.0, table 1.
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 MAX = {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: E5M2_MAX}

@@ -105,7 +105,7 @@ def test_fp8_e4m3_string_uses_e4m3_in_backward(monkeypatch):
 def test_unknown_fp8_string_lists_valid_ones():
     with pytest.raises(
         ValueError,
-        match=r"precision='fp8-e5m2' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3, fp8-current, fp8-mxfp8, fp8-blockwise",
+        match=r"precision='fp8-e5m2' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3, fp8-delayed, fp8-current, fp8-mxfp8, fp8-blockwise",
     ):
         L.Trainer(precision="fp8-e5m2", **TRAINER_DEFAULTS)
     with pytest.raises(ValueError, match="choose one"):
@@ -116,7 +116,7 @@ def test_unknown_fp8_string_lists_valid_ones():
 
 @pytest.mark.parametrize(
     "precision, recipe_type",
-    [("fp8-current", fp.Float8CurrentScaling), ("fp8-mxfp8", fp.MXFP8BlockScaling), ("fp8-blockwise", fp.Float8BlockScaling)],
+    [("fp8-delayed", fp.DelayedScaling), ("fp8-current", fp.Float8CurrentScaling), ("fp8-mxfp8", fp.MXFP8BlockScaling), ("fp8-blockwise", fp.Float8BlockScaling)],
 )
 def test_recipe_precision_strings_train_with_their_recipe(precision, recipe_type):
     model = TinyClassifier()
@@ -134,7 +134,19 @@ def test_plugin_object_with_custom_recipe():
     trainer = L.Trainer(plugins=[FP8Precision(recipe, compute_dtype=torch.float32)], max_steps=2, **TRAINER_DEFAULTS)
     trainer.fit(model, loader())
     assert all(layer.recipe is recipe for layer in fp8_layers(model))
-    assert precision_plugin_from_string("FP8-Hybrid").recipe == fp.DelayedScaling()
+    assert precision_plugin_from_string("FP8-Hybrid").recipe == fp.AutoRecipe(fp.Format.HYBRID)
+    assert precision_plugin_from_string("fp8-e4m3").recipe == fp.AutoRecipe(fp.Format.E4M3)
+
+
+def test_auto_recipe_resolves_to_delayed_scaling_on_cpu():
+    # On a CPU only per-tensor GEMMs are native, so "auto" must train with delayed scaling.
+    model = TinyClassifier()
+    trainer = L.Trainer(precision="fp8-hybrid", max_steps=1, **TRAINER_DEFAULTS)
+    trainer.fit(model, loader())
+    chosen = fp.DelayedScaling(fp8_format=fp.Format.HYBRID)
+    assert trainer.precision_plugin.report.recipe == chosen
+    assert all(layer.recipe == chosen for layer in fp8_layers(model))
+    assert "recipe DelayedScaling(HYBRID) on cpu: tensorwise GEMMs native" in str(trainer.precision_plugin.report)
 
 
 def test_configure_model_is_converted_too():

@@ -20,7 +20,7 @@ from typing_extensions import override
 from ..autocast import autocast, update_pending_scales
 from ..convert import ConversionReport, convert_model, fp8_state_dict, fp8_state_keys
 from ..linear import FP8Linear
-from ..recipes import DelayedScaling, Recipe
+from ..recipes import AutoRecipe, Recipe
 
 __all__ = ["FP8Precision"]
 
@@ -34,7 +34,9 @@ class FP8Precision(Precision):
     After ``import fp8_plugin``, ``Trainer(precision="fp8-hybrid")`` builds this plugin too.
 
     Args:
-        recipe: scaling recipe of the FP8 layers; default ``DelayedScaling()`` (HYBRID).
+        recipe: scaling recipe of the FP8 layers; default ``AutoRecipe()`` (HYBRID): the best
+            recipe the training device runs natively, resolved when the model is converted
+            (``self.report.recipe`` holds the one chosen).
         include, exclude: module-name glob patterns passed to :func:`fp8_plugin.convert_model`.
         compute_dtype: dtype of the non-FP8 ops (attention, norms, heads) under torch autocast:
             ``torch.bfloat16`` (default) or ``torch.float32`` (no autocast).
@@ -65,15 +67,15 @@ class FP8Precision(Precision):
     ) -> None:
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(
-                f"FP8Precision(recipe={recipe!r}) is not a recipe; valid: DelayedScaling(...), "
-                "Float8CurrentScaling(...) or None"
+                f"FP8Precision(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
+                "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
             )
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"FP8Precision(compute_dtype={compute_dtype}) is not supported; valid: "
                 f"{', '.join(str(d) for d in COMPUTE_DTYPES)} (float16 needs loss scaling, not available yet)"
             )
-        self.recipe = recipe if recipe is not None else DelayedScaling()
+        self.recipe = recipe if recipe is not None else AutoRecipe()
         self.include = include
         self.exclude = exclude
         self.compute_dtype = compute_dtype

@@ -18,7 +18,7 @@ import torch
 from packaging.version import Version
 
 from ..formats import Format
-from ..recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from ..recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .precision import FP8Precision
 
 __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
@@ -27,10 +27,13 @@ __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precis
 SUPPORTED_LIGHTNING = (Version("2.4"), Version("3"))
 
 PRECISION_STRINGS: dict[str, Callable[[], FP8Precision]] = {
-    # DelayedScaling, E4M3 forward / E5M2 backward, BF16 for the non-FP8 ops.
-    "fp8-hybrid": lambda: FP8Precision(DelayedScaling(fp8_format=Format.HYBRID), precision="fp8-hybrid"),
-    # E4M3 in both passes.
-    "fp8-e4m3": lambda: FP8Precision(DelayedScaling(fp8_format=Format.E4M3), precision="fp8-e4m3"),
+    # The best native recipe for the device ("auto": MXFP8 on Blackwell, delayed scaling
+    # elsewhere), E4M3 forward / E5M2 backward, BF16 for the non-FP8 ops.
+    "fp8-hybrid": lambda: FP8Precision(AutoRecipe(fp8_format=Format.HYBRID), precision="fp8-hybrid"),
+    # "auto" with E4M3 in both passes.
+    "fp8-e4m3": lambda: FP8Precision(AutoRecipe(fp8_format=Format.E4M3), precision="fp8-e4m3"),
+    # Per-tensor delayed scaling (amax history), HYBRID, on every device.
+    "fp8-delayed": lambda: FP8Precision(DelayedScaling(), precision="fp8-delayed"),
     # Per-tensor current scaling, HYBRID.
     "fp8-current": lambda: FP8Precision(Float8CurrentScaling(), precision="fp8-current"),
     # OCP MXFP8: E8M0 scale per 32 values, E4M3 (TE's default).

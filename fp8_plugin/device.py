@@ -1,0 +1,139 @@
+"""Which FP8 recipes run natively on a device, and the recipe that "auto" picks there.
+
+``python -m fp8_plugin`` prints :func:`describe_device` for this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from .formats import Format
+from .gemm import native_gemm
+from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+
+__all__ = ["describe_device", "DeviceReport", "RecipeSupport", "auto_recipe", "resolve_recipe", "recipe_gemm_kind", "default_device"]
+
+Device = Union[str, torch.device, None]
+
+# Recipe class -> (GEMM kind, scaling granularity), in the order the report lists them.
+_RECIPES = {
+    DelayedScaling: ("tensorwise", "per tensor, scale from an amax history"),
+    Float8CurrentScaling: ("tensorwise", "per tensor, scale from the tensor itself"),
+    Float8BlockScaling: ("blockwise", "1x128 / 128x128 blocks, FP32 scales"),
+    MXFP8BlockScaling: ("mxfp8", "1x32 blocks, E8M0 scales"),
+}
+
+
+def recipe_gemm_kind(recipe: Recipe) -> str:
+    """GEMM kind (``fp8_plugin.gemm.GEMM_KINDS``) a concrete recipe's layers run.
+
+    Raises:
+        TypeError: an :class:`AutoRecipe` (resolve it first) or an unknown recipe class.
+    """
+    for cls, (kind, _) in _RECIPES.items():
+        if isinstance(recipe, cls):
+            return kind
+    raise TypeError(f"recipe={recipe!r} has no GEMM kind; valid: {', '.join(c.__name__ for c in _RECIPES)}")
+
+
+def recipe_name(recipe: Recipe) -> str:
+    """Short name for logs and reports, e.g. ``"DelayedScaling(HYBRID)"``."""
+    return f"{type(recipe).__name__}({recipe.fp8_format.name})"
+
+
+def default_device(device: Device = None) -> torch.device:
+    """``device`` as a torch device; None means the current CUDA device if CUDA is available, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def auto_recipe(fp8_format: Union[Format, str] = Format.HYBRID, device: Device = None) -> Recipe:
+    """The recipe "auto" means on ``device``: MXFP8 where its GEMMs are native, else delayed scaling.
+
+    Per-tensor delayed scaling is the fastest recipe on Hopper and Ada (one scale per tensor,
+    no extra pass over the data) and native on CPU; on Blackwell MXFP8 is native and its finer
+    scales cost nothing extra (NVIDIA Transformer Engine docs, "FP8 recipes").
+
+    Args:
+        fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+        device: the training device; None as in :func:`default_device`.
+    """
+    target = default_device(device)
+    if native_gemm("mxfp8", target).native:
+        return MXFP8BlockScaling(fp8_format=fp8_format)
+    return DelayedScaling(fp8_format=fp8_format)
+
+
+def resolve_recipe(recipe: Optional[Recipe], device: Device = None) -> Optional[Recipe]:
+    """``recipe`` itself, or for an :class:`AutoRecipe` the concrete recipe for ``device``."""
+    if isinstance(recipe, AutoRecipe):
+        return auto_recipe(recipe.fp8_format, device)
+    return recipe
+
+
+@dataclass
+class RecipeSupport:
+    """One recipe on one device: its GEMM kind, and whether that GEMM is native (else why not)."""
+
+    recipe: str
+    granularity: str
+    gemm: str
+    native: bool
+    reason: str
+
+
+@dataclass
+class DeviceReport:
+    """What :func:`describe_device` found. ``str()`` is a table."""
+
+    device: str
+    name: str
+    torch_version: str
+    recipes: list[RecipeSupport] = field(default_factory=list)
+    auto: Optional[Recipe] = None
+
+    def __str__(self) -> str:
+        header = ("recipe", "scaling", "GEMM", "native")
+        rows = [(r.recipe, r.granularity, r.gemm, "yes" if r.native else f"no: {r.reason}") for r in self.recipes]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        lines = [f"{self.name} ({self.device}), torch {self.torch_version}"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        lines.insert(2, "  ".join("-" * w for w in widths))
+        if self.auto is not None:
+            lines.append(f'recipe "auto" (precision strings fp8-hybrid / fp8-e4m3): {type(self.auto).__name__}')
+        return "\n".join(lines)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    return device.type.upper()
+
+
+def describe_device(device: Device = None) -> DeviceReport:
+    """Which recipes run their GEMMs natively on ``device`` and which are emulated, and why.
+
+    The block-scaled kinds are probed once per device with a small GEMM (see
+    :func:`fp8_plugin.gemm.native_gemm`), so the first call on a GPU takes a moment.
+
+    Args:
+        device: as in :func:`default_device`.
+
+    Returns:
+        A :class:`DeviceReport`; ``print()`` it for a table.
+    """
+    target = default_device(device)
+    if target.type == "cuda" and target.index is None:
+        target = default_device(None)
+    report = DeviceReport(str(target), _device_name(target), torch.__version__)
+    for cls, (kind, granularity) in _RECIPES.items():
+        support = native_gemm(kind, target)
+        report.recipes.append(RecipeSupport(cls.__name__, granularity, kind, support.native, support.reason))
+    report.auto = auto_recipe(Format.HYBRID, target)
+    return report
+

@@ -1,0 +1,146 @@
+"""GEMM paths per device: scale layouts of the native block GEMMs, describe_device, recipe "auto"."""
+
+import math
+
+import pytest
+import torch
+
+import fp8_plugin as fp
+from fp8_plugin.autocast import get_fp8_recipe
+from fp8_plugin.device import recipe_gemm_kind, resolve_recipe
+from fp8_plugin.gemm import fp8_gemm, gemm_kind, native_gemm, scaled_mm_supported
+from fp8_plugin.quantizers import INPUT, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
+from fp8_plugin.scale_layouts import (
+    blockwise_1x128_gemm_scale,
+    blockwise_128x128_gemm_scale,
+    e8m0_bits,
+    mx_gemm_scale,
+    swizzle_32_4_4,
+)
+
+
+def test_e8m0_encoding_is_the_biased_exponent():
+    # OCP MX v1.0, 5.4: E8M0 byte b means 2^(b - 127); 0xFF is NaN.
+    exps = list(range(-127, 128))
+    values = torch.tensor([math.ldexp(1.0, e) for e in exps] + [float("nan")], dtype=torch.float32)
+    assert e8m0_bits(values).tolist() == [e + 127 for e in exps] + [255]
+    back = mx_gemm_scale(values[:-1].reshape(1, -1)).view(torch.uint8)
+    assert back.numel() == 128 * 256  # one row padded to 128, 255 columns to 256
+
+
+@pytest.mark.parametrize("rows, cols", [(128, 4), (256, 8), (130, 6), (5, 3)])
+def test_swizzle_matches_cublas_block_scaling_factor_layout(rows, cols):
+    # cuBLAS docs, "1D Block Scaling Factors Layout": 128x4 tiles, row of tiles after row of
+    # tiles; in a tile, the scale at (r, c) is byte (r % 32) * 16 + (r // 32) * 4 + c.
+    grid = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
+    out = swizzle_32_4_4(grid)
+    tiles_per_row = -(-cols // 4)
+    assert out.numel() == (-(-rows // 128) * 128) * (tiles_per_row * 4)
+    expected = torch.zeros_like(out)
+    for r in range(rows):
+        for c in range(cols):
+            tile = (r // 128) * tiles_per_row + c // 4
+            rr, cc = r % 128, c % 4
+            expected[tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + cc] = grid[r, c]
+    assert torch.equal(out, expected)
+
+
+def test_blockwise_scale_layouts_match_torch_scaled_mm_shapes():
+    # torch._scaled_mm_v2 (torch/_meta_registrations.py): 1x128 [M, K/128] strides (1, M);
+    # 128x128 of the second operand [round_up(K/128, 4), N/128] strides (1, round_up(K/128, 4)).
+    m, n, k = 48, 256, 640
+    a = torch.randn(m, k // 128)
+    sa = blockwise_1x128_gemm_scale(a)
+    assert sa.shape == (m, k // 128) and sa.stride() == (1, m) and torch.equal(sa, a)
+    b = torch.randn(n // 128, k // 128)
+    sb = blockwise_128x128_gemm_scale(b)
+    assert sb.shape == (8, n // 128) and sb.stride() == (1, 8)
+    assert torch.equal(sb[: k // 128], b.t()) and not sb[k // 128 :].any()
+
+
+def _operand(recipe, role, x):
+    return make_quantizer(recipe, role, ScalingState(16)).quantize(x)
+
+
+@pytest.mark.parametrize(
+    "recipe, kind",
+    [(fp.DelayedScaling(), "tensorwise"), (fp.Float8CurrentScaling(), "tensorwise"),
+     (fp.Float8BlockScaling(), "blockwise"), (fp.MXFP8BlockScaling(), "mxfp8")],
+)
+def test_each_recipe_maps_to_its_gemm_kind(recipe, kind):
+    a, b = _operand(recipe, INPUT, torch.randn(32, 256)), _operand(recipe, WEIGHT, torch.randn(128, 256))
+    assert gemm_kind(a, b) == kind == recipe_gemm_kind(recipe)
+    ok, reason = scaled_mm_supported(a, b)
+    # On a CPU torch has tensorwise (and rowwise) FP8 GEMMs only.
+    if torch.cuda.is_available():
+        pytest.skip("CPU expectations")
+    assert ok == (kind == "tensorwise")
+    assert ok or reason == f"torch has no {kind} GEMM on CPU (tensorwise and rowwise only)"
+
+
+def test_blocks_without_a_native_pairing_are_named():
+    a = QuantizedTensor(torch.zeros(128, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+    b = QuantizedTensor(torch.zeros(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1), (1, 128))
+    assert gemm_kind(a, b) == "unsupported-blocks"
+    assert scaled_mm_supported(a, b) == (False, "no native GEMM for (128, 128) x (1, 128) blocks")
+    with pytest.raises(ValueError, match="kind='nvfp4' is not a GEMM kind; valid: tensorwise, blockwise, mxfp8"):
+        native_gemm("nvfp4", "cpu")
+
+
+@pytest.mark.parametrize("recipe", [fp.MXFP8BlockScaling(), fp.Float8BlockScaling()], ids=["mxfp8", "blockwise"])
+def test_emulation_ignores_torch_autocast(recipe):
+    # wgrad asks for a float32 result while bf16 autocast is on: the emulated GEMM must still
+    # multiply the exact dequantized operands in float32, not in bf16.
+    x, w = torch.randn(64, 256), torch.randn(128, 256)
+    a, b = _operand(recipe, INPUT, x), _operand(recipe, WEIGHT, w)
+    expected = a.dequantize().double() @ b.dequantize().double().t()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fp8_gemm(a, b, torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU expectations")
+def test_describe_device_on_cpu():
+    report = fp.describe_device("cpu")
+    rows = {r.recipe: (r.gemm, r.native) for r in report.recipes}
+    assert rows == {
+        "DelayedScaling": ("tensorwise", True),
+        "Float8CurrentScaling": ("tensorwise", True),
+        "Float8BlockScaling": ("blockwise", False),
+        "MXFP8BlockScaling": ("mxfp8", False),
+    }
+    assert report.auto == fp.DelayedScaling(fp8_format=fp.Format.HYBRID)
+    text = str(report)
+    assert text.startswith("CPU (cpu), torch ") and 'recipe "auto"' in text and "no: torch has no mxfp8 GEMM" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU expectations")
+def test_auto_recipe_is_resolved_at_conversion_and_in_autocast():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    report = fp.convert_model(model, fp.AutoRecipe(fp.Format.E4M3))
+    assert model[0].recipe == fp.DelayedScaling(fp8_format=fp.Format.E4M3) == report.recipe
+    assert str(report).endswith("recipe DelayedScaling(E4M3) on cpu: tensorwise GEMMs native")
+    assert resolve_recipe(fp.Float8CurrentScaling()) == fp.Float8CurrentScaling()
+    with fp.autocast(recipe=fp.AutoRecipe()):
+        assert get_fp8_recipe() == fp.DelayedScaling()
+    with pytest.raises(ValueError, match="AutoRecipe\\(fp8_format=Format.E5M2\\) is not supported"):
+        fp.AutoRecipe("E5M2")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(), fp.Float8BlockScaling(), fp.MXFP8BlockScaling()],
+                         ids=["tensorwise", "blockwise", "mxfp8"])
+def test_native_gemm_on_gpu_matches_the_emulation(recipe):
+    kind = recipe_gemm_kind(recipe)
+    support = native_gemm(kind, "cuda")
+    major, _ = torch.cuda.get_device_capability()
+    expected_native = {"tensorwise": (major, _) >= (8, 9), "blockwise": major == 9, "mxfp8": major >= 10}[kind]
+    if support.native != expected_native:
+        pytest.fail(f"{kind} on sm{major}{_}: native={support.native} ({support.reason})")
+    x, w = torch.randn(256, 512, device="cuda"), torch.randn(384, 512, device="cuda")
+    a, b = _operand(recipe, INPUT, x), _operand(recipe, WEIGHT, w)
+    assert scaled_mm_supported(a, b)[0] == support.native
+    expected = a.dequantize().double() @ b.dequantize().double().t()
+    got = fp8_gemm(a, b, torch.bfloat16).double()
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
