@@ -8,7 +8,8 @@ from .autocast import autocast, is_fp8_enabled, update_pending_scales
 from .convert import ConversionReport, convert_model
 from .device import DeviceReport, auto_recipe, describe_device
 from .formats import Format
-from .lightning import FP8Precision, register_precision_strings
+from .distributed import amax_reducer
+from .lightning import FP8FSDPPrecision, FP8Precision, register_precision_strings
 from .linear import FP8Linear
 from .recipes import (
     AutoRecipe,
@@ -34,6 +35,8 @@ __all__ = [
     "DeviceReport",
     "FP8Linear",
     "FP8Precision",
+    "FP8FSDPPrecision",
+    "amax_reducer",
     "autocast",
     "convert_model",
     "ConversionReport",

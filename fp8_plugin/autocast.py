@@ -48,6 +48,7 @@ def mark_pending(state: ScalingState, role: int, recipe: Recipe) -> None:
     """Remember that ``state`` recorded an amax for ``role`` under ``recipe`` this step."""
     with _pending_lock:
         _pending.setdefault((recipe, role), {})[id(state)] = state
+        state.pending_roles.add(role)
 
 
 def update_pending_scales(reduce_amax: Optional[AmaxReducer] = None) -> None:
@@ -64,6 +65,9 @@ def update_pending_scales(reduce_amax: Optional[AmaxReducer] = None) -> None:
     with _pending_lock:
         groups = [(recipe, role, list(states.values())) for (recipe, role), states in _pending.items()]
         _pending.clear()
+        for _, role, states in groups:
+            for state in states:
+                state.pending_roles.discard(role)
     reduced = [g for g in groups if g[0].reduce_amax]
     local = [g for g in groups if not g[0].reduce_amax]
     update_delayed_scaling(reduced, reduce_amax)

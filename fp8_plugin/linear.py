@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending, update_pending_scales
+from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending
 from .gemm import fp8_gemm
 from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from .recipes import DelayedScaling, Recipe
@@ -23,8 +23,11 @@ from .recipes import DelayedScaling, Recipe
 __all__ = ["FP8Linear"]
 
 
-def _apply_pending_scales(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    update_pending_scales()
+def _resume_pending_scales(layer: "FP8Linear", incompatible_keys: Any) -> None:
+    # A state dict saved mid-step carries amaxes not yet turned into scales: queue them again,
+    # so that the next autocast entry applies them (with its amax reduction) as it would have.
+    for role in sorted(layer.fp8_state.pending_roles):
+        mark_pending(layer.fp8_state, role, layer.recipe)
 
 
 def _unpack(q: Optional[QuantizedTensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -118,9 +121,7 @@ class FP8Linear(nn.Linear):
         self.weight_transposed = False
         self.use_fp8 = True
         self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
-        # Amaxes of the last step become scales before they are saved, so that a checkpoint
-        # resumes exactly where an uninterrupted run would be.
-        self.register_state_dict_pre_hook(_apply_pending_scales)
+        self.register_load_state_dict_post_hook(_resume_pending_scales)
 
     @staticmethod
     def _history_len(recipe: Recipe) -> int:

@@ -97,6 +97,10 @@ class ScalingState(nn.Module):
     - ``scale``: float32 ``[3]``; multiplies a tensor before its FP8 cast.
     - ``initialized``: bool ``[3]``; False until a scale has been computed from a history.
     - ``nonfinite_amax_count``: int64 ``[3]``; casts whose amax was inf or NaN.
+
+    ``pending_roles`` (host-side) holds the roles whose current-step amax has not yet become a
+    scale; it is saved as the module's extra state (bool ``[3]``), so that a state dict taken
+    mid-step resumes with the same update still to come, without a collective at save time.
     """
 
     def __init__(self, amax_history_len: int = 1024, device: Optional[torch.device] = None) -> None:
@@ -105,6 +109,7 @@ class ScalingState(nn.Module):
         self.register_buffer("scale", torch.ones(3, device=device))
         self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device))
         self.register_buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
+        self.pending_roles: set[int] = set()
         # A vanilla checkpoint (no FP8 state) loads into a converted model: scaling starts fresh.
         self.register_load_state_dict_post_hook(_allow_missing_scaling_state)
 
@@ -137,6 +142,12 @@ class ScalingState(nn.Module):
         self.amax_history[role, 0] = amax
         self.scale[role] = scale
 
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([role in self.pending_roles for role in range(len(ROLES))])
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.pending_roles = {role for role, pending in enumerate(state.tolist()) if pending}
+
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` must not round amaxes and scales: follow the device only.
         for name, buf in self._buffers.items():
@@ -163,7 +174,7 @@ def _is_scaling_state_key(key: str) -> bool:
     return leaf in _STATE_BUFFERS and (head == "fp8_state" or head.endswith(".fp8_state"))
 
 
-_STATE_BUFFERS = ("amax_history", "scale", "initialized", "nonfinite_amax_count")
+_STATE_BUFFERS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "_extra_state")
 
 
 class PerTensorQuantizer(Quantizer):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fp8_plugin"
-CORE = ["formats", "recipes", "scaling", "block_scaling", "scale_layouts", "quantizers", "gemm", "device", "autocast", "linear", "backends", "convert"]
+CORE = ["formats", "recipes", "scaling", "block_scaling", "scale_layouts", "quantizers", "gemm", "device", "autocast", "distributed", "linear", "backends", "convert"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "accelerate", ".lightning")
 
 

@@ -12,49 +12,70 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterable
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 from packaging.version import Version
 
 from ..formats import Format
-from ..recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
-from .precision import FP8Precision
+from ..recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from .precision import FP8FSDPPrecision, FP8Precision
 
 __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
 
 # Lightning versions whose connector has the method and signature wrapped here.
 SUPPORTED_LIGHTNING = (Version("2.4"), Version("3"))
 
-PRECISION_STRINGS: dict[str, Callable[[], FP8Precision]] = {
+# precision string -> (recipe, compute dtype of the non-FP8 ops). Float16 turns loss scaling on.
+PRECISION_STRINGS: dict[str, tuple[Callable[[], Recipe], torch.dtype]] = {
     # The best native recipe for the device ("auto": MXFP8 on Blackwell, delayed scaling
     # elsewhere), E4M3 forward / E5M2 backward, BF16 for the non-FP8 ops.
-    "fp8-hybrid": lambda: FP8Precision(AutoRecipe(fp8_format=Format.HYBRID), precision="fp8-hybrid"),
+    "fp8-hybrid": (lambda: AutoRecipe(fp8_format=Format.HYBRID), torch.bfloat16),
     # "auto" with E4M3 in both passes.
-    "fp8-e4m3": lambda: FP8Precision(AutoRecipe(fp8_format=Format.E4M3), precision="fp8-e4m3"),
+    "fp8-e4m3": (lambda: AutoRecipe(fp8_format=Format.E4M3), torch.bfloat16),
+    # The same with FP16 for the non-FP8 ops and dynamic loss scaling (GPUs without BF16).
+    "fp8-hybrid-float16": (lambda: AutoRecipe(fp8_format=Format.HYBRID), torch.float16),
+    "fp8-e4m3-float16": (lambda: AutoRecipe(fp8_format=Format.E4M3), torch.float16),
     # Per-tensor delayed scaling (amax history), HYBRID, on every device.
-    "fp8-delayed": lambda: FP8Precision(DelayedScaling(), precision="fp8-delayed"),
+    "fp8-delayed": (DelayedScaling, torch.bfloat16),
     # Per-tensor current scaling, HYBRID.
-    "fp8-current": lambda: FP8Precision(Float8CurrentScaling(), precision="fp8-current"),
+    "fp8-current": (Float8CurrentScaling, torch.bfloat16),
     # OCP MXFP8: E8M0 scale per 32 values, E4M3 (TE's default).
-    "fp8-mxfp8": lambda: FP8Precision(MXFP8BlockScaling(), precision="fp8-mxfp8"),
+    "fp8-mxfp8": (MXFP8BlockScaling, torch.bfloat16),
     # DeepSeek-V3 style 1x128 / 128x128 blocks, FP32 power-of-two scales, E4M3.
-    "fp8-blockwise": lambda: FP8Precision(Float8BlockScaling(), precision="fp8-blockwise"),
+    "fp8-blockwise": (Float8BlockScaling, torch.bfloat16),
 }
 
 
-def precision_plugin_from_string(precision: str) -> FP8Precision:
-    """The :class:`FP8Precision` plugin a precision string names.
+def precision_plugin_from_string(
+    precision: str, strategy: object = None, accelerator: object = None
+) -> Union[FP8Precision, FP8FSDPPrecision]:
+    """The plugin a precision string names, for the Trainer's ``strategy`` and ``accelerator``.
+
+    ``FSDPStrategy`` (``"fsdp"`` or an instance) gets :class:`FP8FSDPPrecision`, every other
+    strategy :class:`FP8Precision`.
 
     Raises:
-        ValueError: unknown ``fp8-*`` string; the message lists the valid ones.
+        ValueError: unknown ``fp8-*`` string (the message lists the valid ones), or a DeepSpeed
+            strategy (not supported: DeepSpeed owns mixed precision and the optimizer step).
     """
-    factory = PRECISION_STRINGS.get(precision.lower())
-    if factory is None:
+    entry = PRECISION_STRINGS.get(precision.lower())
+    if entry is None:
         raise ValueError(
             f"precision={precision!r} is not a valid FP8 precision; valid: {', '.join(PRECISION_STRINGS)}"
         )
-    return factory()
+    name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
+    if "deepspeed" in name:
+        raise ValueError(
+            f"precision={precision!r} with strategy={strategy!r} is not supported: DeepSpeed runs its own "
+            "mixed precision and loss scaling. Valid strategies: 'auto', 'ddp', 'fsdp', ModelParallelStrategy "
+            "(FSDP2), or a single device"
+        )
+    make_recipe, compute_dtype = entry
+    if name.startswith("fsdp"):
+        return FP8FSDPPrecision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower())
+    device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None
+    return FP8Precision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower(), device=device)
 
 
 def _is_fp8_string(precision: object) -> bool:
@@ -88,7 +109,7 @@ def register_precision_strings() -> bool:
     @functools.wraps(original)
     def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins, sync_batchnorm):
         if _is_fp8_string(precision):
-            plugin = precision_plugin_from_string(precision)
+            plugin = precision_plugin_from_string(precision, strategy, accelerator)
             if plugins is None:
                 plugins = []
             elif not isinstance(plugins, Iterable) or isinstance(plugins, (str, torch.nn.Module)):
