@@ -51,6 +51,16 @@ def mark_pending(state: ScalingState, role: int, recipe: Recipe) -> None:
         state.pending_roles.add(role)
 
 
+def set_pending(state: ScalingState, roles: set[int], recipe: Recipe) -> None:
+    """Make ``roles`` the pending roles of ``state`` (after loading it), and no others."""
+    with _pending_lock:
+        for states in _pending.values():
+            states.pop(id(state), None)
+        state.pending_roles = set()
+    for role in sorted(roles):
+        mark_pending(state, role, recipe)
+
+
 def update_pending_scales(reduce_amax: Optional[AmaxReducer] = None) -> None:
     """Turn every amax recorded since the last update into new scales, now.
 

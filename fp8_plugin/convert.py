@@ -167,6 +167,8 @@ def convert_model(
     Raises:
         TypeError: ``recipe`` is not a Recipe, or bad pattern types.
         ValueError: unknown backend.
+        RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
+            ``fully_shard``).
 
     Warns:
         UserWarning: nothing was swapped.
@@ -190,6 +192,7 @@ def convert_model(
             continue
         if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
             continue
+        _refuse_sharded(name, module)
         conv = not isinstance(module, nn.Linear)
         in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
         kind = "Conv1D" if conv else type(module).__name__
@@ -221,6 +224,26 @@ def convert_model(
             stacklevel=2,
         )
     return report
+
+
+def _refuse_sharded(name: str, module: nn.Module) -> None:
+    # FSDP2 hooks and parameter bookkeeping belong to the module object it sharded: a new FP8
+    # layer put in its place would see sharded weights. Convert first, then shard.
+    sharded = _is_fsdp2_module(module) or any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))
+    if sharded:
+        raise RuntimeError(
+            f"convert_model: layer {name!r} is already sharded by FSDP2 (fully_shard); convert the model "
+            "before sharding it. In Lightning's configure_model, call "
+            "self.trainer.precision_plugin.convert_module(self) before fully_shard(...)"
+        )
+
+
+def _is_fsdp2_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def _target_device(model: nn.Module, device: Union[str, torch.device, None]) -> torch.device:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending
+from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending, set_pending
 from .gemm import fp8_gemm
 from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from .recipes import DelayedScaling, Recipe
@@ -26,8 +26,7 @@ __all__ = ["FP8Linear"]
 def _resume_pending_scales(layer: "FP8Linear", incompatible_keys: Any) -> None:
     # A state dict saved mid-step carries amaxes not yet turned into scales: queue them again,
     # so that the next autocast entry applies them (with its amax reduction) as it would have.
-    for role in sorted(layer.fp8_state.pending_roles):
-        mark_pending(layer.fp8_state, role, layer.recipe)
+    set_pending(layer.fp8_state, set(layer.fp8_state.pending_roles), layer.recipe)
 
 
 def _unpack(q: Optional[QuantizedTensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

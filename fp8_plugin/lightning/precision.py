@@ -171,9 +171,17 @@ class _FP8Behaviour:
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The module is restored before convert_module runs on resume, and load_from_checkpoint
         # builds a plain module: keep checkpoint["state_dict"] vanilla, FP8 state lives above.
-        if self._module is not None and "state_dict" in checkpoint:
-            for key in fp8_state_keys(self._module):
-                checkpoint["state_dict"].pop(key, None)
+        # A distributed (sharded) checkpoint is loaded into the model as configure_model built
+        # it, converted before sharding: there the keys must stay.
+        if self._module is None or "state_dict" not in checkpoint:
+            return
+        strategy = getattr(getattr(self._module, "_trainer", None), "strategy", None)
+        if getattr(strategy, "_save_distributed_checkpoint", False):
+            # The model's state was taken before state_dict() applied the step's amaxes.
+            checkpoint["state_dict"].update(fp8_state_dict(self._module))
+            return
+        for key in fp8_state_keys(self._module):
+            checkpoint["state_dict"].pop(key, None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and _SCALER_KEY in state_dict:

@@ -1,0 +1,168 @@
+"""One rank of the multi-process tests (tests/test_distributed.py), started by torchrun.
+
+Trains a small MLP with a real Lightning Trainer on CPU (gloo) and writes what the test compares
+to ``<out>/<run>-rank<r>.pt``: FP8 scaling state, full weights, losses, loss scales, and the MAX
+all-reduces issued at each step.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py SCENARIO OUT
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+import fp8_plugin  # noqa: E402,F401  (registers the precision strings)
+from fp8_plugin import FP8Linear  # noqa: E402
+
+STEPS = 6  # two epochs of three steps: checkpoints at an epoch end resume exactly
+GLOBAL_BATCH = 16
+
+# Every all-reduce with MAX is an amax reduction (Lightning's and the scaler's use SUM).
+MAX_ALL_REDUCES = []
+_all_reduce = dist.all_reduce
+
+
+def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if op == dist.ReduceOp.MAX:
+        MAX_ALL_REDUCES.append(tensor.numel())
+    return _all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+dist.all_reduce = _counting_all_reduce
+
+
+class MLP(L.LightningModule):
+    def __init__(self, fsdp2: bool = False, inf_grad_step: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        self.fsdp2 = fsdp2
+        self.inf_grad_step = inf_grad_step
+
+    def configure_model(self):
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            # Convert before sharding: FSDP2 hooks belong to the module objects it shards.
+            self.trainer.precision_plugin.convert_module(self)
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x).float(), y)
+
+    def on_after_backward(self):
+        # An overflow on one rank only: every rank must skip this step.
+        if self.global_step == self.inf_grad_step and self.global_rank == 1:
+            grad = self.net[2].weight.grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad)[0, 0] = float("inf")
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Record(Callback):
+    """Per step: loss, MAX all-reduces issued, loss scale, and (full) weights after the step."""
+
+    def __init__(self) -> None:
+        self.losses, self.max_all_reduces, self.loss_scales, self.weights, self.scales = [], [], [], [], []
+        self._seen = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.max_all_reduces.append(MAX_ALL_REDUCES[self._seen:])
+        self._seen = len(MAX_ALL_REDUCES)
+        scaler = trainer.precision_plugin.scaler
+        self.loss_scales.append(float(scaler.get_scale()) if scaler is not None else None)
+        self.weights.append(_full(module.net[2].weight).clone())
+        self.scales.append(torch.cat([module.net[0].fp8_state.scale, module.net[0].fp8_state.amax_history[:, :3].flatten()]).clone())
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+
+def loader(world):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS // 2 * GLOBAL_BATCH, 32, generator=gen) * 3
+    y = torch.randint(0, 4, (STEPS // 2 * GLOBAL_BATCH,), generator=gen)
+    data = TensorDataset(x, y)
+    # Rank r gets samples r, r + world, ... in order, every epoch: the ranks together see the
+    # same global batches as one rank with the whole batch, and a resumed run the same order.
+    rank = int(os.environ.get("RANK", "0"))
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+    return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+
+
+def fit(out: Path, run: str, precision: str, fsdp2: bool, inf_grad_step: int = -1, ckpt_path=None,
+        save: bool = False) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if fsdp2 else (
+        "ddp" if world > 1 else "auto")
+    record = Record()
+    callbacks = [record]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=out / f"{run}-ckpt", save_top_k=-1, filename="{epoch}"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision=precision, max_epochs=STEPS // 3,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=save,
+        callbacks=callbacks, use_distributed_sampler=False,
+    )
+    model = MLP(fsdp2=fsdp2, inf_grad_step=inf_grad_step)
+    trainer.fit(model, loader(world), ckpt_path=ckpt_path)
+    fp8_plugin.update_pending_scales(trainer.precision_plugin.amax_reducer())
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            state[name] = {k: v.clone() for k, v in module.fp8_state.state_dict().items() if k != "_extra_state"}
+    result = {
+        "fp8_state": state,
+        "weights": {k: _full(v).clone() for k, v in model.state_dict().items() if ".fp8_state." not in k},
+        "losses": record.losses,
+        "max_all_reduces": record.max_all_reduces,
+        "loss_scales": record.loss_scales,
+        "weight_per_step": record.weights,
+        "scales": record.scales,
+        "skipped_steps": trainer.precision_plugin.skipped_steps,
+        "recipe": repr(trainer.precision_plugin.report.recipe),
+    }
+    torch.save(result, out / f"{run}-rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["ddp", "single", "fp16", "fsdp2"])
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    fsdp2 = args.scenario == "fsdp2"
+    if args.scenario == "fp16":
+        fit(args.out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
+        return
+    precision = "fp8-hybrid"
+    if args.scenario == "single":
+        fit(args.out, "single", precision, fsdp2)
+        return
+    fit(args.out, "full", precision, fsdp2, save=True)
+    fit(args.out, "resumed", precision, fsdp2, ckpt_path=args.out / "full-ckpt" / "epoch=0.ckpt")
+    if fsdp2:  # current scaling casts the all-gathered weight: its amax is the whole weight's
+        fit(args.out, "current", "fp8-current", fsdp2)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

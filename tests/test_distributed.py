@@ -1,0 +1,138 @@
+"""Multi-process FP8 training on CPU (gloo, 2 ranks, real Lightning Trainers), bounded in time.
+
+Each test starts tests/distributed_worker.py under torchrun and compares what the ranks wrote.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(scenario: str, out: Path, ranks: int = 2) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parent)}
+    if ranks == 1:
+        cmd = [sys.executable, str(WORKER), scenario, str(out)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+               f"--master_port={_free_port()}", str(WORKER), scenario, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
+
+
+def assert_identical(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_identical(a[key], b[key], f"{what}.{key}")
+        else:
+            assert torch.equal(a[key], b[key]), f"{what}.{key} differs"
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    results = run_worker("ddp", out)
+    results.update(run_worker("single", out, ranks=1))
+    return results
+
+
+def test_ddp_ranks_hold_identical_scales_histories_and_weights(ddp):
+    r0, r1 = ddp["full-rank0"], ddp["full-rank1"]
+    assert "DelayedScaling" in r0["recipe"]
+    assert_identical(r0["fp8_state"], r1["fp8_state"], "fp8_state")
+    assert_identical(r0["weights"], r1["weights"], "weights")
+    # The ranks saw different samples, so without the reduction their amaxes would differ.
+    assert r0["losses"] != r1["losses"]
+
+
+def test_ddp_issues_exactly_one_amax_all_reduce_per_step(ddp):
+    # Step 1 has no amaxes yet; each later step reduces all 2 layers x 3 roles in one call.
+    assert ddp["full-rank0"]["max_all_reduces"] == [[]] + [[6]] * 5
+    assert ddp["full-rank1"]["max_all_reduces"] == [[]] + [[6]] * 5
+
+
+def test_two_ranks_match_one_rank_on_the_same_global_batch(ddp):
+    two, one = ddp["full-rank0"], ddp["single-rank0"]
+    # Inputs do not depend on the weights: the reduced input amaxes must be the whole batch's.
+    assert torch.equal(two["fp8_state"]["net.0"]["amax_history"][0], one["fp8_state"]["net.0"]["amax_history"][0])
+    mean_two = [(a + b) / 2 for a, b in zip(ddp["full-rank0"]["losses"], ddp["full-rank1"]["losses"])]
+    for a, b in zip(mean_two, one["losses"]):
+        assert abs(a - b) / b < 0.02, (mean_two, one["losses"])
+    for layer in ("net.0", "net.2"):
+        two_scale, one_scale = two["fp8_state"][layer]["scale"], one["fp8_state"][layer]["scale"]
+        torch.testing.assert_close(two_scale[:2], one_scale[:2], rtol=0.1, atol=0)  # input, weight
+        # Each rank's loss is a mean over half the batch: its grad_output is twice as large.
+        torch.testing.assert_close(two_scale[2] * 2, one_scale[2], rtol=0.1, atol=0)
+
+
+def test_ddp_checkpoint_resume_is_exact_on_every_rank(ddp):
+    for rank in (0, 1):
+        full, resumed = ddp[f"full-rank{rank}"], ddp[f"resumed-rank{rank}"]
+        assert resumed["losses"] == full["losses"][3:]
+        assert_identical(full["fp8_state"], resumed["fp8_state"], "fp8_state")
+        assert_identical(full["weights"], resumed["weights"], "weights")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    return run_worker("fsdp2", tmp_path_factory.mktemp("fsdp2"))
+
+
+def test_fsdp2_trains_like_ddp_with_identical_ranks(fsdp2, ddp):
+    r0, r1 = fsdp2["full-rank0"], fsdp2["full-rank1"]
+    assert_identical(r0["fp8_state"], r1["fp8_state"], "fp8_state")
+    assert_identical(r0["weights"], r1["weights"], "weights")
+    assert r0["max_all_reduces"] == [[]] + [[6]] * 5
+    # Same global batches, same FP8 numerics: FSDP2 follows DDP's loss curve.
+    for rank in (0, 1):
+        for a, b in zip(fsdp2[f"full-rank{rank}"]["losses"], ddp[f"full-rank{rank}"]["losses"]):
+            assert abs(a - b) / b < 1e-3
+    assert r0["losses"][-1] < r0["losses"][0] - 0.3
+
+
+def test_fsdp2_checkpoint_resume_is_exact_on_every_rank(fsdp2):
+    for rank in (0, 1):
+        full, resumed = fsdp2[f"full-rank{rank}"], fsdp2[f"resumed-rank{rank}"]
+        assert resumed["losses"] == full["losses"][3:]
+        assert_identical(full["fp8_state"], resumed["fp8_state"], "fp8_state")
+        assert_identical(full["weights"], resumed["weights"], "weights")
+
+
+def test_fsdp2_current_scaling_uses_the_whole_weights_amax(fsdp2):
+    for rank in (0, 1):
+        run = fsdp2[f"current-rank{rank}"]
+        # The last step's forward cast net.2's weight as it was after the step before.
+        whole = run["weight_per_step"][-2].abs().max()
+        assert run["fp8_state"]["net.2"]["amax_history"][1, 0] == whole
+
+
+@pytest.fixture(scope="module")
+def fp16(tmp_path_factory):
+    return run_worker("fp16", tmp_path_factory.mktemp("fp16"))
+
+
+def test_fp16_loss_scaling_skips_an_overflow_on_one_rank_on_every_rank(fp16):
+    # Rank 1 alone gets an inf gradient at step 4 (global_step 3): found-inf must be agreed.
+    for rank in (0, 1):
+        run = fp16[f"fp16-rank{rank}"]
+        weights = run["weight_per_step"]
+        assert torch.equal(weights[3], weights[2]), "the skipped step changed the weights"
+        assert not torch.equal(weights[4], weights[3])
+        assert run["loss_scales"] == [2.0**16] * 3 + [2.0**15] * 3  # backoff 0.5, growth after 2000
+        assert run["skipped_steps"] == 1
+    assert_identical(fp16["fp16-rank0"]["weights"], fp16["fp16-rank1"]["weights"], "weights")
