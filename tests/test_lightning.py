@@ -229,3 +229,20 @@ def test_load_from_checkpoint_gives_plain_module_with_trained_weights(tmp_path):
     fp.convert_model(converted)
     state = torch.load(tmp_path / "ckpt" / "epoch=0.ckpt", weights_only=False)["state_dict"]
     converted.load_state_dict(state)
+
+
+def test_fsdp_strategy_gets_the_fp8_fsdp_plugin():
+    # FSDPStrategy accepts FSDPPrecision plugins only; its run needs GPUs, its selection does not.
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from fp8_plugin.lightning import FP8FSDPPrecision
+
+    for strategy in ("fsdp", FSDPStrategy()):
+        plugin = precision_plugin_from_string("fp8-hybrid-float16", strategy=strategy)
+        assert isinstance(plugin, FP8FSDPPrecision)
+        assert plugin.compute_dtype == torch.float16 and plugin.scaler is not None
+        FSDPStrategy().precision_plugin = plugin  # the strategy's own type check
+        config = plugin.mixed_precision_config
+        assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (torch.float16, torch.float32, None)
+    assert precision_plugin_from_string("fp8-hybrid", strategy="fsdp").scaler is None
+    assert type(precision_plugin_from_string("fp8-hybrid", strategy="ddp")) is FP8Precision
