@@ -143,24 +143,29 @@ def fit(out: Path, run: str, precision: str, fsdp2: bool, inf_grad_step: int = -
     torch.save(result, out / f"{run}-rank{trainer.global_rank}.pt")
 
 
+def run(scenario: str, out: Path) -> None:
+    fsdp2 = scenario == "fsdp2"
+    if scenario == "fp16":
+        fit(out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
+    elif scenario == "single":
+        fit(out, "single", "fp8-hybrid", False)
+    else:
+        fit(out, "full", "fp8-hybrid", fsdp2, save=True)
+        fit(out, "resumed", "fp8-hybrid", fsdp2, ckpt_path=out / "full-ckpt" / "epoch=0.ckpt")
+        if fsdp2:  # current scaling casts the all-gathered weight: its amax is the whole weight's
+            fit(out, "current", "fp8-current", fsdp2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["ddp", "single", "fp16", "fsdp2"])
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
-    fsdp2 = args.scenario == "fsdp2"
-    if args.scenario == "fp16":
-        fit(args.out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
-        return
-    precision = "fp8-hybrid"
-    if args.scenario == "single":
-        fit(args.out, "single", precision, fsdp2)
-        return
-    fit(args.out, "full", precision, fsdp2, save=True)
-    fit(args.out, "resumed", precision, fsdp2, ckpt_path=args.out / "full-ckpt" / "epoch=0.ckpt")
-    if fsdp2:  # current scaling casts the all-gathered weight: its amax is the whole weight's
-        fit(args.out, "current", "fp8-current", fsdp2)
+    run(args.scenario, args.out)
+    # Tear gloo down before the interpreter does: its threads abort the process otherwise. (On
+    # an error the rank exits at once and torchrun stops the others.)
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
