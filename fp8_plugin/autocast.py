@@ -119,8 +119,8 @@ def autocast(
     """
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(
-            f"autocast(recipe={recipe!r}) is not a recipe; valid: DelayedScaling(...), "
-            "Float8CurrentScaling(...) or None"
+            f"autocast(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
+            "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
         )
     recipe = resolve_recipe(recipe)
     outer = _local.context

@@ -175,7 +175,8 @@ def convert_model(
     """
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(
-            f"convert_model(recipe={recipe!r}) is not a recipe; valid: DelayedScaling(...), Float8CurrentScaling(...) or None"
+            f"convert_model(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
+            "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
         )
     chosen = get_backend(backend)
     target = _target_device(model, device)
