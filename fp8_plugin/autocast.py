@@ -17,7 +17,7 @@ import torch
 
 from .device import resolve_recipe
 from .quantizers import ScalingState, update_delayed_scaling
-from .recipes import DelayedScaling, Recipe
+from .recipes import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "update_pending_scales", "AmaxReducer"]
 
@@ -117,11 +117,7 @@ def autocast(
     Backward passes need not be inside the context: each layer keeps what it needs from its
     forward. Contexts nest; the innermost one decides.
     """
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"autocast(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
-            "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
-        )
+    check_recipe(recipe, "autocast")
     recipe = resolve_recipe(recipe)
     outer = _local.context
     if enabled and not outer.enabled:

@@ -22,7 +22,7 @@ from .backends import get_backend
 from .device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
 from .gemm import native_gemm
 from .quantizers import ScalingState
-from .recipes import DelayedScaling, Recipe
+from .recipes import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "HEAD_NAMES"]
 
@@ -173,11 +173,7 @@ def convert_model(
     Warns:
         UserWarning: nothing was swapped.
     """
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"convert_model(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
-            "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
-        )
+    check_recipe(recipe, "convert_model")
     chosen = get_backend(backend)
     target = _target_device(model, device)
     recipe = resolve_recipe(recipe, target)

@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 
 from .formats import Format
-from .gemm import native_gemm
+from .gemm import native_gemm, normalize_device
 from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["describe_device", "DeviceReport", "RecipeSupport", "auto_recipe", "resolve_recipe", "recipe_gemm_kind", "default_device"]
@@ -45,10 +45,11 @@ def recipe_name(recipe: Recipe) -> str:
 
 
 def default_device(device: Device = None) -> torch.device:
-    """``device`` as a torch device; None means the current CUDA device if CUDA is available, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """``device`` as a torch device (``"cuda"``: the current CUDA device); None means the current
+    CUDA device if CUDA is available, else CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return normalize_device(device)
 
 
 def auto_recipe(fp8_format: Union[Format, str] = Format.HYBRID, device: Device = None) -> Recipe:
@@ -128,8 +129,6 @@ def describe_device(device: Device = None) -> DeviceReport:
         A :class:`DeviceReport`; ``print()`` it for a table.
     """
     target = default_device(device)
-    if target.type == "cuda" and target.index is None:
-        target = default_device(None)
     report = DeviceReport(str(target), _device_name(target), torch.__version__)
     for cls, (kind, granularity) in _RECIPES.items():
         support = native_gemm(kind, target)

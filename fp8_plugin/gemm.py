@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
-__all__ = ["fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported"]
+__all__ = ["fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device"]
 
 GEMM_KINDS = ("tensorwise", "blockwise", "mxfp8")
 # Compute capabilities (major) whose tensor cores run each block kind through cuBLAS.
@@ -73,7 +73,8 @@ def gemm_kind(a: QuantizedTensor, b: QuantizedTensor) -> str:
     return "unsupported-blocks"
 
 
-def _normalize(device: torch.device) -> torch.device:
+def normalize_device(device: Union[str, torch.device]) -> torch.device:
+    """``device`` as a torch device, ``"cuda"`` pinned to the current CUDA device's index."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -92,7 +93,7 @@ def native_gemm(kind: str, device: torch.device) -> NativeGemm:
     """
     if kind not in GEMM_KINDS:
         raise ValueError(f"kind={kind!r} is not a GEMM kind; valid: {', '.join(GEMM_KINDS)}")
-    return _native_gemm(kind, _normalize(device))
+    return _native_gemm(kind, normalize_device(device))
 
 
 @lru_cache(maxsize=None)
@@ -178,31 +179,37 @@ def _scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dty
     )  # fmt: skip
 
 
+def _plan(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, Optional[NativeGemm], str]:
+    # (kind, its native support if this call can use it, else None, and why not).
+    kind = gemm_kind(a, b)
+    if kind not in GEMM_KINDS:
+        return kind, None, f"no native GEMM for {a.block} x {b.block} blocks"
+    support = _native_gemm(kind, a.data.device)  # a tensor's device already carries its index
+    if not support.native:
+        return kind, None, support.reason
+    if a.data.device.type != "cuda":
+        return kind, support, ""
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    if any(d % 16 for d in (m, k, n)):
+        return kind, None, f"dims {tuple(a.data.shape)} x {tuple(b.data.shape)} not all multiples of 16 on CUDA"
+    if kind == "tensorwise" and a.data.dtype == b.data.dtype == torch.float8_e5m2:
+        return kind, None, "E5M2 x E5M2 has no CUDA kernel"
+    if kind in _BLOCK_KIND_K_MULTIPLE and k % _BLOCK_KIND_K_MULTIPLE[kind]:
+        return kind, None, f"{kind} GEMM needs the contraction dim ({k}) to be a multiple of {_BLOCK_KIND_K_MULTIPLE[kind]}"
+    if b.block == (128, 128) and n % 128:
+        return kind, None, f"128x128-scaled operand needs its rows ({n}) to be a multiple of 128"
+    return kind, support, ""
+
+
 def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, str]:
     """Whether ``a @ b.T`` runs natively on this device and shape, and if not, why.
 
     Decided from shapes, dtypes, blocks and the (cached) device support alone: no host-device
     synchronisation.
     """
-    kind = gemm_kind(a, b)
-    if kind not in GEMM_KINDS:
-        return False, f"no native GEMM for {a.block} x {b.block} blocks"
-    support = native_gemm(kind, a.data.device)
-    if not support.native:
-        return False, support.reason
-    if a.data.device.type != "cuda":
-        return True, ""
-    m, k = a.data.shape
-    n = b.data.shape[0]
-    if any(d % 16 for d in (m, k, n)):
-        return False, f"dims {tuple(a.data.shape)} x {tuple(b.data.shape)} not all multiples of 16 on CUDA"
-    if kind == "tensorwise" and a.data.dtype == b.data.dtype == torch.float8_e5m2:
-        return False, "E5M2 x E5M2 has no CUDA kernel"
-    if kind in _BLOCK_KIND_K_MULTIPLE and k % _BLOCK_KIND_K_MULTIPLE[kind]:
-        return False, f"{kind} GEMM needs the contraction dim ({k}) to be a multiple of {_BLOCK_KIND_K_MULTIPLE[kind]}"
-    if b.block == (128, 128) and n % 128:
-        return False, f"128x128-scaled operand needs its rows ({n}) to be a multiple of 128"
-    return True, ""
+    _, support, reason = _plan(a, b)
+    return support is not None, reason
 
 
 def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -237,11 +244,10 @@ def fp8_gemm(
     Warns:
         UserWarning: once per reason, when a GEMM is emulated.
     """
-    ok, reason = scaled_mm_supported(a, b)
-    if not ok:
+    kind, support, reason = _plan(a, b)
+    if support is None:
         _warn_once(reason)
         return _emulated(a, b, out_dtype, bias)
-    kind = gemm_kind(a, b)
     if kind == "tensorwise":
         # The kernel's epilogue takes a bias only for low-precision outputs.
         fused = bias if out_dtype != torch.float32 and bias is not None else None
@@ -255,8 +261,7 @@ def fp8_gemm(
         )
         return out if fused is not None or bias is None else out + bias
     # Block kernels: out_dtype where the kernel writes it, else bfloat16 then cast (documented).
-    written = native_gemm(kind, a.data.device).out_dtypes
-    kernel_dtype = out_dtype if out_dtype in written else torch.bfloat16
+    kernel_dtype = out_dtype if out_dtype in support.out_dtypes else torch.bfloat16
     out = _scaled_mm_blocks(kind, a, b, kernel_dtype)
     if bias is not None:
         out = (out.float() + bias.float()).to(out_dtype)

@@ -26,6 +26,7 @@ __all__ = [
     "Float8BlockScaling",
     "QParams",
     "AutoRecipe",
+    "check_recipe",
     "AMAX_COMPUTE_ALGOS",
 ]
 
@@ -40,6 +41,23 @@ def _check_forward_format(fmt: Format, recipe: str) -> None:
             f"{recipe}(fp8_format=Format.E5M2) is not supported: E5M2 cannot be the forward format "
             "(its 2-bit mantissa is too coarse for activations and weights); "
             "valid: Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3"
+        )
+
+
+def check_recipe(recipe: object, owner: str) -> None:
+    """Raise unless ``recipe`` is None or a :class:`Recipe`.
+
+    Args:
+        recipe: the value given.
+        owner: the function or class it was passed to as ``recipe=``, e.g. ``"autocast"``.
+
+    Raises:
+        TypeError: naming the setting, the value and the valid recipes.
+    """
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"{owner}(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
+            "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
         )
 
 

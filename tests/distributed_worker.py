@@ -79,7 +79,7 @@ class Record(Callback):
     """Per step: loss, MAX all-reduces issued, loss scale, and (full) weights after the step."""
 
     def __init__(self) -> None:
-        self.losses, self.max_all_reduces, self.loss_scales, self.weights, self.scales = [], [], [], [], []
+        self.losses, self.max_all_reduces, self.loss_scales, self.weights = [], [], [], []
         self._seen = 0
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -89,7 +89,6 @@ class Record(Callback):
         scaler = trainer.precision_plugin.scaler
         self.loss_scales.append(float(scaler.get_scale()) if scaler is not None else None)
         self.weights.append(_full(module.net[2].weight).clone())
-        self.scales.append(torch.cat([module.net[0].fp8_state.scale, module.net[0].fp8_state.amax_history[:, :3].flatten()]).clone())
 
 
 def _full(t):
@@ -136,7 +135,6 @@ def fit(out: Path, run: str, precision: str, fsdp2: bool, inf_grad_step: int = -
         "max_all_reduces": record.max_all_reduces,
         "loss_scales": record.loss_scales,
         "weight_per_step": record.weights,
-        "scales": record.scales,
         "skipped_steps": trainer.precision_plugin.skipped_steps,
         "recipe": repr(trainer.precision_plugin.report.recipe),
     }

@@ -43,6 +43,21 @@ def assert_identical(a: dict, b: dict, what: str) -> None:
             assert torch.equal(a[key], b[key]), f"{what}.{key} differs"
 
 
+def assert_ranks_identical(runs: dict, run: str) -> None:
+    r0, r1 = runs[f"{run}-rank0"], runs[f"{run}-rank1"]
+    assert_identical(r0["fp8_state"], r1["fp8_state"], "fp8_state")
+    assert_identical(r0["weights"], r1["weights"], "weights")
+
+
+def assert_resume_exact(runs: dict) -> None:
+    # The resumed runs start from the checkpoint after step 3 of the full runs.
+    for rank in (0, 1):
+        full, resumed = runs[f"full-rank{rank}"], runs[f"resumed-rank{rank}"]
+        assert resumed["losses"] == full["losses"][3:]
+        assert_identical(full["fp8_state"], resumed["fp8_state"], "fp8_state")
+        assert_identical(full["weights"], resumed["weights"], "weights")
+
+
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
@@ -54,8 +69,7 @@ def ddp(tmp_path_factory):
 def test_ddp_ranks_hold_identical_scales_histories_and_weights(ddp):
     r0, r1 = ddp["full-rank0"], ddp["full-rank1"]
     assert "DelayedScaling" in r0["recipe"]
-    assert_identical(r0["fp8_state"], r1["fp8_state"], "fp8_state")
-    assert_identical(r0["weights"], r1["weights"], "weights")
+    assert_ranks_identical(ddp, "full")
     # The ranks saw different samples, so without the reduction their amaxes would differ.
     assert r0["losses"] != r1["losses"]
 
@@ -81,11 +95,7 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(ddp):
 
 
 def test_ddp_checkpoint_resume_is_exact_on_every_rank(ddp):
-    for rank in (0, 1):
-        full, resumed = ddp[f"full-rank{rank}"], ddp[f"resumed-rank{rank}"]
-        assert resumed["losses"] == full["losses"][3:]
-        assert_identical(full["fp8_state"], resumed["fp8_state"], "fp8_state")
-        assert_identical(full["weights"], resumed["weights"], "weights")
+    assert_resume_exact(ddp)
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +104,8 @@ def fsdp2(tmp_path_factory):
 
 
 def test_fsdp2_trains_like_ddp_with_identical_ranks(fsdp2, ddp):
-    r0, r1 = fsdp2["full-rank0"], fsdp2["full-rank1"]
-    assert_identical(r0["fp8_state"], r1["fp8_state"], "fp8_state")
-    assert_identical(r0["weights"], r1["weights"], "weights")
+    r0 = fsdp2["full-rank0"]
+    assert_ranks_identical(fsdp2, "full")
     assert r0["max_all_reduces"] == [[]] + [[6]] * 5
     # Same global batches, same FP8 numerics: FSDP2 follows DDP's loss curve.
     for rank in (0, 1):
@@ -106,11 +115,7 @@ def test_fsdp2_trains_like_ddp_with_identical_ranks(fsdp2, ddp):
 
 
 def test_fsdp2_checkpoint_resume_is_exact_on_every_rank(fsdp2):
-    for rank in (0, 1):
-        full, resumed = fsdp2[f"full-rank{rank}"], fsdp2[f"resumed-rank{rank}"]
-        assert resumed["losses"] == full["losses"][3:]
-        assert_identical(full["fp8_state"], resumed["fp8_state"], "fp8_state")
-        assert_identical(full["weights"], resumed["weights"], "weights")
+    assert_resume_exact(fsdp2)
 
 
 def test_fsdp2_current_scaling_uses_the_whole_weights_amax(fsdp2):
@@ -135,4 +140,4 @@ def test_fp16_loss_scaling_skips_an_overflow_on_one_rank_on_every_rank(fp16):
         assert not torch.equal(weights[4], weights[3])
         assert run["loss_scales"] == [2.0**16] * 3 + [2.0**15] * 3  # backoff 0.5, growth after 2000
         assert run["skipped_steps"] == 1
-    assert_identical(fp16["fp16-rank0"]["weights"], fp16["fp16-rank1"]["weights"], "weights")
+    assert_ranks_identical(fp16, "fp16")

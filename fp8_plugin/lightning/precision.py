@@ -27,7 +27,7 @@ from ..autocast import AmaxReducer, autocast, update_pending_scales
 from ..convert import ConversionReport, convert_model, fp8_state_dict, fp8_state_keys
 from ..distributed import amax_reducer
 from ..linear import FP8Linear
-from ..recipes import AutoRecipe, Recipe
+from ..recipes import AutoRecipe, Recipe, check_recipe
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 
@@ -38,11 +38,7 @@ Patterns = Union[str, Sequence[str], None]
 
 
 def _check_arguments(plugin: str, recipe: Optional[Recipe], compute_dtype: torch.dtype) -> Recipe:
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"{plugin}(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
-            "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
-        )
+    check_recipe(recipe, plugin)
     if compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(
             f"{plugin}(compute_dtype={compute_dtype}) is not supported; valid: "
