@@ -1,34 +1,38 @@
 """``fp8_plugin.autocast``: the context inside which FP8 layers run their GEMMs in FP8.
 
 Modelled on Transformer Engine's ``te.autocast`` (formerly ``fp8_autocast``). Outside the
-context, FP8 layers compute exactly as the layers they replaced. Delayed-scaling amaxes recorded
-during a step (forward and backward) are turned into new scales when the next outermost enabled
-context is entered: one batched update, and one amax reduction, per step.
+context, FP8 layers compute exactly as the layers they replaced. An outermost enabled context
+entered with grad enabled is a training step: its forwards record amaxes, and the first FP8
+forward in it turns the previous step's amaxes into scales (one batched update and one amax
+reduction per step, see :mod:`fp8_plugin.scaling_group`). A context entered without grad
+(evaluation, prediction) runs FP8 with the current scales and changes no state: as in
+Transformer Engine, evaluation never moves training numerics and never issues a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .device import resolve_recipe
-from .quantizers import ScalingState, update_delayed_scaling
-from .recipes import DelayedScaling, Recipe, check_recipe
+from .recipes import Recipe, check_recipe
+from .scaling_group import AmaxReducer, update_pending_scales
 
-__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "update_pending_scales", "AmaxReducer"]
-
-AmaxReducer = Callable[[torch.Tensor], None]
+__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "current_step", "update_pending_scales", "AmaxReducer"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _FP8Context:
     enabled: bool = False
     recipe: Optional[Recipe] = None
     reduce_amax: Optional[AmaxReducer] = None
+    # Unique id of the training step (outermost enabled entry with grad on); None outside one.
+    step: Optional[int] = None
 
 
 class _Local(threading.local):
@@ -37,51 +41,7 @@ class _Local(threading.local):
 
 
 _local = _Local()
-
-# Amaxes recorded since the last scale update: {(recipe, role): {id(state): state}}, in
-# insertion order so that every rank reduces them in the same order.
-_pending: dict[tuple[DelayedScaling, int], dict[int, ScalingState]] = {}
-_pending_lock = threading.Lock()
-
-
-def mark_pending(state: ScalingState, role: int, recipe: Recipe) -> None:
-    """Remember that ``state`` recorded an amax for ``role`` under ``recipe`` this step."""
-    with _pending_lock:
-        _pending.setdefault((recipe, role), {})[id(state)] = state
-        state.pending_roles.add(role)
-
-
-def set_pending(state: ScalingState, roles: set[int], recipe: Recipe) -> None:
-    """Make ``roles`` the pending roles of ``state`` (after loading it), and no others."""
-    with _pending_lock:
-        for states in _pending.values():
-            states.pop(id(state), None)
-        state.pending_roles = set()
-    for role in sorted(roles):
-        mark_pending(state, role, recipe)
-
-
-def update_pending_scales(reduce_amax: Optional[AmaxReducer] = None) -> None:
-    """Turn every amax recorded since the last update into new scales, now.
-
-    Called on entry to the outermost enabled :func:`autocast`; call it yourself only to apply a
-    step's amaxes before the next forward (for example before saving a checkpoint).
-
-    Args:
-        reduce_amax: in-place reduction (MAX across ranks) of a flat float32 tensor holding all
-            current-step amaxes; ``None`` skips the reduction. Recipes with
-            ``reduce_amax=False`` are never reduced.
-    """
-    with _pending_lock:
-        groups = [(recipe, role, list(states.values())) for (recipe, role), states in _pending.items()]
-        _pending.clear()
-        for _, role, states in groups:
-            for state in states:
-                state.pending_roles.discard(role)
-    reduced = [g for g in groups if g[0].reduce_amax]
-    local = [g for g in groups if not g[0].reduce_amax]
-    update_delayed_scaling(reduced, reduce_amax)
-    update_delayed_scaling(local, None)
+_step_ids = itertools.count()  # unique across threads: a model moved between threads still updates
 
 
 def is_fp8_enabled() -> bool:
@@ -92,6 +52,16 @@ def is_fp8_enabled() -> bool:
 def get_fp8_recipe() -> Optional[Recipe]:
     """Recipe of the innermost enabled :func:`autocast`, or None (layers use their own)."""
     return _local.context.recipe
+
+
+def current_context() -> _FP8Context:
+    """The innermost context on this thread (enabled, recipe, reducer, training step id)."""
+    return _local.context
+
+
+def current_step() -> Optional[int]:
+    """Id of the training step this thread is in (see the module docstring), or None."""
+    return _local.context.step
 
 
 @contextlib.contextmanager
@@ -114,18 +84,24 @@ def autocast(
     Raises:
         TypeError: ``recipe`` is not a :class:`~fp8_plugin.recipes.Recipe`.
 
-    Backward passes need not be inside the context: each layer keeps what it needs from its
-    forward. Contexts nest; the innermost one decides.
+    Enter it with grad enabled for training steps and under ``torch.no_grad()`` /
+    ``torch.inference_mode()`` for evaluation. Backward passes need not be inside the context:
+    each layer keeps what it needs from its forward, and activation-checkpoint recomputations
+    (``torch.utils.checkpoint``, reentrant or not) rerun under the forward's context. Contexts
+    nest; the innermost one decides.
     """
     check_recipe(recipe, "autocast")
     recipe = resolve_recipe(recipe)
     outer = _local.context
     if enabled and not outer.enabled:
-        update_pending_scales(reduce_amax)
+        step = next(_step_ids) if torch.is_grad_enabled() else None
+    else:
+        step = outer.step
     _local.context = _FP8Context(
         enabled=enabled,
         recipe=recipe if recipe is not None else (outer.recipe if enabled else None),
         reduce_amax=reduce_amax if reduce_amax is not None else outer.reduce_amax,
+        step=step,
     )
     try:
         yield

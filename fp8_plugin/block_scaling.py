@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import fp8_max
-from .scaling import divide
+from .scaling import divide, saturate
 
 __all__ = ["block_amax", "mx_scale_inv", "blockwise_scale", "quantize_blocks", "dequantize_blocks", "E8M0_EMAX"]
 
@@ -87,15 +87,16 @@ def blockwise_scale(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool,
 
 
 def quantize_blocks(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of ``x * scale[block]`` (float32 product) to ``dtype``, of ``x``'s shape.
+    """Saturating cast of ``x * scale[block]`` (float32 product) to ``dtype``, of ``x``'s shape;
+    infinities of ``x`` are kept, as in :func:`fp8_plugin.scaling.quantize`.
 
     ``scale`` is ``[ceil(R / block[0]), ceil(C / block[1])]``: the blockwise scale, or ``1 / X``
     for MX (exact, X being a power of two).
     """
     rows, cols = x.shape
-    tiles = _padded_blocks(x, block) * scale[:, None, :, None]
-    bound = fp8_max(dtype)
-    data = tiles.clamp(-bound, bound).reshape(tiles.shape[0] * block[0], -1)[:rows, :cols]
+    padded = _padded_blocks(x, block)
+    tiles = saturate(padded * scale[:, None, :, None], padded, dtype)
+    data = tiles.reshape(tiles.shape[0] * block[0], -1)[:rows, :cols]
     return data.to(dtype)
 
 

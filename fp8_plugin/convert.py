@@ -23,6 +23,7 @@ from .device import default_device, recipe_gemm_kind, recipe_name, resolve_recip
 from .gemm import native_gemm
 from .quantizers import ScalingState
 from .recipes import DelayedScaling, Recipe, check_recipe
+from .scaling_group import ScalingGroup
 
 __all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "HEAD_NAMES"]
 
@@ -209,6 +210,7 @@ def convert_model(
             if id(child) in replacements:
                 setattr(parent, child_name, replacements[id(child)])
 
+    _join_one_scaling_group(model, chosen.fp8_types)
     _ignore_fp8_state_on_save(model)
     report.recipe, report.device = recipe or DelayedScaling(), str(target)
     kind = recipe_gemm_kind(report.recipe)
@@ -268,6 +270,14 @@ def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def fp8_state_keys(model: nn.Module) -> list[str]:
     """``state_dict`` keys of ``model`` that hold FP8 scaling state (and nothing else)."""
     return list(fp8_state_dict(model))
+
+
+def _join_one_scaling_group(model: nn.Module, fp8_types: tuple[type, ...]) -> None:
+    # The model's FP8 layers update their scales together: one amax reduction per step.
+    group = ScalingGroup()
+    for module in model.modules():
+        if isinstance(module, fp8_types):
+            group.add(module)
 
 
 def _ignore_fp8_state_on_save(model: nn.Module) -> None:

@@ -248,6 +248,13 @@ def fp8_gemm(
     if support is None:
         _warn_once(reason)
         return _emulated(a, b, out_dtype, bias)
+    # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower.
+    with torch.autocast(a.data.device.type, enabled=False):
+        return _native(kind, support, a, b, out_dtype, bias)
+
+
+def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+            bias: Optional[torch.Tensor]) -> torch.Tensor:
     if kind == "tensorwise":
         # The kernel's epilogue takes a bias only for low-precision outputs.
         fused = bias if out_dtype != torch.float32 and bias is not None else None

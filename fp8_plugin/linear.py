@@ -1,6 +1,6 @@
 """``FP8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 inside :func:`fp8_plugin.autocast`.
 
-Forward: input and weight are cast to the recipe's forward format (E4M3) with per-tensor
+Forward: input and weight are cast to the recipe's forward format (E4M3) with the recipe's
 scales and multiplied by an FP8 GEMM with FP32 accumulation; the bias is added in high
 precision. Backward: grad_output is cast to the backward format (E5M2 under HYBRID), and dgrad
 (``grad_output @ W``) and wgrad (``grad_output.T @ x``) are FP8 GEMMs on the FP8 copies of input
@@ -9,24 +9,31 @@ and weight saved by the forward. Master weights stay in their own dtype (FP32).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .autocast import get_fp8_recipe, is_fp8_enabled, mark_pending, set_pending
+from ._torch_private import in_backward_pass
+from .autocast import current_context
 from .gemm import fp8_gemm
 from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from .recipes import DelayedScaling, Recipe
+from .scaling_group import ScalingGroup
 
 __all__ = ["FP8Linear"]
 
 
-def _resume_pending_scales(layer: "FP8Linear", incompatible_keys: Any) -> None:
-    # A state dict saved mid-step carries amaxes not yet turned into scales: queue them again,
-    # so that the next autocast entry applies them (with its amax reduction) as it would have.
-    set_pending(layer.fp8_state, set(layer.fp8_state.pending_roles), layer.recipe)
+@dataclass(frozen=True)
+class _ForwardContext:
+    # How a layer's last forward ran, so that an activation-checkpoint recompute (which runs in
+    # the backward, outside the autocast) reruns it alike: the FP8 recipe (None: high
+    # precision), whether it was a training forward, and the group's update it used.
+    recipe: Optional[Recipe]
+    training: bool
+    group_step: Optional[int]
 
 
 def _unpack(q: Optional[QuantizedTensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -40,24 +47,27 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W.T + b with FP8 GEMMs in forward, dgrad and wgrad."""
+    """y = x @ W.T + b on 2-D ``x`` with FP8 GEMMs in forward, dgrad and wgrad.
+
+    The output is the GEMM's own tensor, not a view, so that a model may modify it in place.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: "FP8Linear", recipe: Recipe) -> torch.Tensor:
+    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: "FP8Linear",
+                recipe: Recipe, record_forward: bool, record_backward: bool) -> torch.Tensor:
         state = layer.fp8_state
-        x2d = x.reshape(-1, layer.in_features)
         w = weight.t() if layer.weight_transposed else weight  # [out, in]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Backward consumes the transposed operands: wgrad needs x.T, dgrad needs W.T.
-        qx, qx_t = make_quantizer(recipe, INPUT, state, mark_pending).quantize_pair(x2d, columnwise=need_wgrad)
-        qw, qw_t = make_quantizer(recipe, WEIGHT, state, mark_pending).quantize_pair(w, columnwise=need_dgrad)
-        out = fp8_gemm(qx, qw, _output_dtype(x), bias)
+        qx, qx_t = make_quantizer(recipe, INPUT, state, record_forward).quantize_pair(x2d, columnwise=need_wgrad)
+        qw, qw_t = make_quantizer(recipe, WEIGHT, state, record_forward).quantize_pair(w, columnwise=need_dgrad)
+        out = fp8_gemm(qx, qw, _output_dtype(x2d), bias)
         # FP8 copies, not the high-precision tensors, are kept for backward: 1 byte per value.
         ctx.save_for_backward(*_unpack(qx_t), *_unpack(qw_t))
         ctx.blocks = (qx_t.block if qx_t else None, qw_t.block if qw_t else None)
-        ctx.layer, ctx.recipe = layer, recipe
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return out.reshape(*x.shape[:-1], layer.out_features)
+        ctx.layer, ctx.recipe, ctx.record = layer, recipe, record_backward
+        ctx.x_dtype = x2d.dtype
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
@@ -67,20 +77,19 @@ class _FP8LinearFunction(torch.autograd.Function):
         qw_t = QuantizedTensor(w_data, w_scale_inv, ctx.blocks[1])
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        g2d = grad_out.reshape(-1, layer.out_features)
         if need_x or need_w:
-            quantizer = make_quantizer(ctx.recipe, GRAD_OUTPUT, layer.fp8_state, mark_pending)
-            qg, qg_t = quantizer.quantize_pair(g2d, columnwise=need_w)
+            quantizer = make_quantizer(ctx.recipe, GRAD_OUTPUT, layer.fp8_state, ctx.record)
+            qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=need_w)
         if need_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
             grad_w = fp8_gemm(qg_t, qx_t, torch.float32)
             if layer.weight_transposed:
                 grad_w = grad_w.t()
             grad_w = grad_w.to(layer.weight.dtype)
         if need_b:
-            grad_b = g2d.to(torch.float32).sum(0).to(layer.bias.dtype)
-        return grad_x, grad_w, grad_b, None, None
+            grad_b = grad_out.to(torch.float32).sum(0).to(layer.bias.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -100,6 +109,13 @@ class FP8Linear(nn.Linear):
         use_fp8: per-layer switch; False runs this layer in high precision even inside the
             autocast (used for reference replays and per-layer fallback).
         fp8_state: :class:`~fp8_plugin.quantizers.ScalingState` with amax history and scales.
+        scaling_group: the :class:`~fp8_plugin.scaling_group.ScalingGroup` whose layers update
+            their delayed scales together (one per ``convert_model`` call).
+
+    Forwards inside an autocast entered with grad enabled are training forwards: they record
+    amaxes, and the first of a step applies the previous step's. Other FP8 forwards (evaluation)
+    use the current scales and leave the state alone. A forward rerun by activation
+    checkpointing runs as the original did, with the same scales, recording nothing twice.
 
     Shapes: input ``[..., in_features]`` in any floating dtype; output ``[..., out_features]``
     in the torch autocast dtype when torch autocast is on, else the input dtype.
@@ -120,7 +136,9 @@ class FP8Linear(nn.Linear):
         self.weight_transposed = False
         self.use_fp8 = True
         self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
-        self.register_load_state_dict_post_hook(_resume_pending_scales)
+        self._forward_context: Optional[_ForwardContext] = None
+        # A layer of its own; convert_model puts all the layers of a model in one group.
+        ScalingGroup().add(self)
 
     @staticmethod
     def _history_len(recipe: Recipe) -> int:
@@ -155,12 +173,44 @@ class FP8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.use_fp8 and is_fp8_enabled()):
+        if torch.is_grad_enabled() and in_backward_pass() and self._forward_context is not None:
+            return self._recompute(x, self._forward_context)
+        context = current_context()
+        training = context.step is not None
+        recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
+        if recipe is None:
+            self._forward_context = _ForwardContext(None, training, None)
             return self._high_precision_forward(x)
-        recipe = get_fp8_recipe() or self.recipe
+        group = self.scaling_group
+        if training and group.step != context.step:
+            # First FP8 forward of a training step: last step's amaxes become scales (all the
+            # group's layers, one amax reduction), before this forward casts with them.
+            group.step = context.step
+            group.update(context.reduce_amax, context.recipe)
+        self._forward_context = _ForwardContext(recipe, training, group.step)
+        return self._fp8_forward(x, recipe, record_forward=training, record_backward=training)
+
+    def _recompute(self, x: torch.Tensor, original: _ForwardContext) -> torch.Tensor:
+        # torch.utils.checkpoint reruns the forward in the backward, outside the autocast: run it
+        # as the original ran, with the same scales, and record no amax twice (the original
+        # forward recorded input and weight; grad_output is recorded by whichever backward runs).
+        if original.recipe is None:
+            return self._high_precision_forward(x)
+        if self.scaling_group.step != original.group_step:
+            raise RuntimeError(
+                "FP8Linear: an activation-checkpoint recomputation ran after the FP8 scales were updated "
+                "by a later training step; run each step's backward before the next step's forward"
+            )
+        return self._fp8_forward(x, original.recipe, record_forward=False, record_backward=original.training)
+
+    def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool) -> torch.Tensor:
         if isinstance(recipe, DelayedScaling):
             self.fp8_state.resize_history(recipe.amax_history_len)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe)
+        if self.fp8_state.device != x.device:
+            self.fp8_state.follow(x.device)
+        x2d = x.reshape(-1, self.in_features)
+        out = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, recipe, record_forward, record_backward)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.weight_transposed:

@@ -4,9 +4,9 @@ One small interface, :class:`Quantizer`, that every scaling granularity implemen
 delayed and current scaling here; block-scaled recipes (MXFP8, 128-blockwise) plug in beside
 them by returning a :class:`QuantizedTensor` whose ``scale_inv`` has block shape.
 
-Per-tensor scaling state of a layer lives in :class:`ScalingState`, a module of buffers, so that
-``state_dict()`` / ``load_state_dict()`` restore identical scales and per-layer figures (amaxes,
-scales, non-finite counts) can be read without recomputation.
+Per-tensor scaling state of a layer lives in :class:`ScalingState`, whose extra state carries it
+through ``state_dict()`` / ``load_state_dict()`` (identical scales on resume), and whose tensors
+give per-layer figures (amaxes, scales, non-finite counts) without recomputation.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ __all__ = [
     "BlockQuantizer",
     "make_quantizer",
     "ScalingState",
+    "is_scaling_state_key",
     "update_delayed_scaling",
 ]
 
@@ -90,32 +91,49 @@ class Quantizer(ABC):
 class ScalingState(nn.Module):
     """Per-tensor FP8 scaling state of one layer: a row per role (input, weight, grad_output).
 
-    Buffers (all stay float32 / int64 whatever ``module.to(dtype)`` asks; only the device moves):
+    Tensors (float32 / bool / int64 whatever ``module.to(dtype)`` or
+    ``torch.set_default_dtype`` ask; only the device moves):
 
     - ``amax_history``: float32 ``[3, amax_history_len]``; column 0 is the current step, column i
-      the step i updates ago. Under current scaling column 0 holds the last cast's amax.
+      the step i updates ago. Under current and block scaling column 0 holds the last cast's amax.
     - ``scale``: float32 ``[3]``; multiplies a tensor before its FP8 cast.
     - ``initialized``: bool ``[3]``; False until a scale has been computed from a history.
     - ``nonfinite_amax_count``: int64 ``[3]``; casts whose amax was inf or NaN.
 
-    ``pending_roles`` (host-side) holds the roles whose current-step amax has not yet become a
-    scale; it is saved as the module's extra state (bool ``[3]``), so that a state dict taken
-    mid-step resumes with the same update still to come, without a collective at save time.
+    They are plain tensor attributes, not buffers, as in Transformer Engine: data-parallel
+    wrappers broadcast buffers from rank 0 (DDP's ``broadcast_buffers``), which would overwrite
+    each rank's scales; what makes ranks agree is the amax reduction alone. They travel in
+    ``state_dict()`` as this module's extra state (one ``"_extra_state"`` entry: a dict of the
+    tensors above plus ``"pending"``, bool ``[3]``).
+
+    ``pending`` (host-side) maps each role whose current-step amax has not yet become a scale to
+    the recipe that recorded it (None after loading: the recipe in force at the update applies),
+    so that a state dict taken mid-step resumes with the same update still to come, without a
+    collective at save time.
     """
 
     def __init__(self, amax_history_len: int = 1024, device: Optional[torch.device] = None) -> None:
         super().__init__()
-        self.register_buffer("amax_history", torch.zeros(3, amax_history_len, device=device))
-        self.register_buffer("scale", torch.ones(3, device=device))
-        self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device))
-        self.register_buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
-        self.pending_roles: set[int] = set()
+        # Explicit dtypes: the documented float32 must not follow torch.set_default_dtype.
+        self.amax_history = torch.zeros(3, amax_history_len, dtype=torch.float32, device=device)
+        self.scale = torch.ones(3, dtype=torch.float32, device=device)
+        self.initialized = torch.zeros(3, dtype=torch.bool, device=device)
+        self.nonfinite_amax_count = torch.zeros(3, dtype=torch.int64, device=device)
+        self.pending: dict[int, Optional[Recipe]] = {}
         # A vanilla checkpoint (no FP8 state) loads into a converted model: scaling starts fresh.
         self.register_load_state_dict_post_hook(_allow_missing_scaling_state)
 
     @property
     def amax_history_len(self) -> int:
         return self.amax_history.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state tensors by name (live, not copies)."""
+        return {name: getattr(self, name) for name in _STATE_TENSORS}
 
     def resize_history(self, length: int) -> None:
         """Keep the ``length`` most recent columns, padding older ones with zeros."""
@@ -142,39 +160,50 @@ class ScalingState(nn.Module):
         self.amax_history[role, 0] = amax
         self.scale[role] = scale
 
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor([role in self.pending_roles for role in range(len(ROLES))])
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        state = {name: t.detach().clone() for name, t in self.tensors().items()}
+        state["pending"] = torch.tensor([role in self.pending for role in range(len(ROLES))])
+        return state
 
-    def set_extra_state(self, state: torch.Tensor) -> None:
-        self.pending_roles = {role for role, pending in enumerate(state.tolist()) if pending}
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        if not isinstance(state, dict) or set(state) != {*_STATE_TENSORS, "pending"}:
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise RuntimeError(
+                f"FP8 scaling state in the checkpoint has entries {found}; expected "
+                f"{sorted({*_STATE_TENSORS, 'pending'})} (a checkpoint written by another fp8_plugin version?)"
+            )
+        device = self.device
+        for name in _STATE_TENSORS:
+            # A checkpoint written with another amax_history_len restores its own length.
+            setattr(self, name, state[name].detach().to(device=device, dtype=getattr(self, name).dtype).clone())
+        # Which recipe recorded them is not saved: the one in force at the next update applies.
+        self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
+
+    def follow(self, device: torch.device) -> None:
+        """Move the state to ``device`` (a layer whose weights moved without ``Module.to``)."""
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to(device))
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` must not round amaxes and scales: follow the device only.
-        for name, buf in self._buffers.items():
-            if buf is not None:
-                device = fn(torch.empty(0, device=buf.device)).device
-                self._buffers[name] = buf.to(device)
+        device = fn(torch.empty(0, device=self.device)).device
+        if device != self.device:
+            self.follow(device)
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A checkpoint written with another amax_history_len restores its own length.
-        saved = state_dict.get(prefix + "amax_history")
-        if saved is not None and saved.dim() == 2 and saved.shape[1] != self.amax_history_len:
-            self.amax_history = self.amax_history.new_zeros(saved.shape)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+_STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count")
 
 
 def _allow_missing_scaling_state(module: nn.Module, incompatible_keys) -> None:
     missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not _is_scaling_state_key(k)]
+    missing[:] = [k for k in missing if not is_scaling_state_key(k)]
 
 
-def _is_scaling_state_key(key: str) -> bool:
+def is_scaling_state_key(key: str) -> bool:
+    """Whether a ``state_dict`` key holds FP8 scaling state (``...fp8_state._extra_state``)."""
     head, _, leaf = key.rpartition(".")
-    return leaf in _STATE_BUFFERS and (head == "fp8_state" or head.endswith(".fp8_state"))
-
-
-_STATE_BUFFERS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "_extra_state")
+    return leaf == "_extra_state" and (head == "fp8_state" or head.endswith(".fp8_state"))
 
 
 class PerTensorQuantizer(Quantizer):
@@ -185,21 +214,17 @@ class PerTensorQuantizer(Quantizer):
             :class:`~fp8_plugin.recipes.Float8CurrentScaling`.
         role: row of ``state``: 0 input, 1 weight, 2 grad_output.
         state: the layer's :class:`ScalingState`.
-        on_record: called with ``(state, role, recipe)`` after a delayed-scaling amax is
-            recorded, so that the autocast can update every pending scale once per step.
+        record: True for training casts: the amax enters the state (delayed scaling: the
+            current-step slot of the history, marked pending until the next scale update;
+            current scaling: the statistics). False (evaluation, recomputation) leaves the state
+            untouched, as Transformer Engine does for forwards without grad.
     """
 
-    def __init__(
-        self,
-        recipe: Recipe,
-        role: int,
-        state: ScalingState,
-        on_record: Optional[Callable[[ScalingState, int, Recipe], None]] = None,
-    ) -> None:
+    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True) -> None:
         self.recipe = recipe
         self.role = role
         self.state = state
-        self.on_record = on_record
+        self.record = record
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
         self.max = fp8_max(self.dtype)
 
@@ -212,12 +237,13 @@ class PerTensorQuantizer(Quantizer):
             # First step of a tensor: no history yet, so scale from its own amax.
             role = self.role
             scale = torch.where(self.state.initialized[role], self.state.scale[role], current)
-            self.state.record_amax(role, amax)
-            if self.on_record is not None:
-                self.on_record(self.state, role, self.recipe)
+            if self.record:
+                self.state.record_amax(role, amax)
+                self.state.pending[role] = self.recipe
         else:
             scale = current
-            self.state.observe_current(self.role, amax, scale)
+            if self.record:
+                self.state.observe_current(self.role, amax, scale)
         return QuantizedTensor(quantize(x, scale, self.dtype), divide(1.0, scale))
 
 
@@ -231,12 +257,14 @@ class BlockQuantizer(Quantizer):
             :class:`~fp8_plugin.recipes.Float8BlockScaling`.
         role: 0 input, 1 weight, 2 grad_output.
         state: the layer's :class:`ScalingState`.
+        record: as in :class:`PerTensorQuantizer` (here only statistics are recorded).
     """
 
-    def __init__(self, recipe: Recipe, role: int, state: ScalingState) -> None:
+    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True) -> None:
         self.recipe = recipe
         self.role = role
         self.state = state
+        self.record = record
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
         if isinstance(recipe, MXFP8BlockScaling):
             self.block, self.qparams = (1, 32), None
@@ -263,20 +291,17 @@ class BlockQuantizer(Quantizer):
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         row, amax = self._cast(x)
         # The tensor's amax is the max of its block amaxes: no second pass over x.
-        self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
+        if self.record:
+            self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
         return row, (self.quantize(x.t()) if columnwise else None)
 
 
-def make_quantizer(
-    recipe: Recipe,
-    role: int,
-    state: ScalingState,
-    on_record: Optional[Callable[[ScalingState, int, Recipe], None]] = None,
-) -> Quantizer:
-    """The quantizer a recipe uses for one role of one layer."""
+def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool = True) -> Quantizer:
+    """The quantizer a recipe uses for one role of one layer (``record`` as in
+    :class:`PerTensorQuantizer`)."""
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
-        return BlockQuantizer(recipe, role, state)
-    return PerTensorQuantizer(recipe, role, state, on_record)
+        return BlockQuantizer(recipe, role, state, record)
+    return PerTensorQuantizer(recipe, role, state, record)
 
 
 @torch.no_grad()

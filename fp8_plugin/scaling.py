@@ -11,7 +11,7 @@ import torch
 
 from .formats import fp8_max
 
-__all__ = ["amax", "scale_from_amax", "quantize", "dequantize", "divide"]
+__all__ = ["amax", "scale_from_amax", "quantize", "saturate", "dequantize", "divide"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -54,11 +54,14 @@ def scale_from_amax(
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of ``x * scale`` to the FP8 ``dtype``.
+    """Saturating cast of ``x * scale`` to the FP8 ``dtype``; infinities of ``x`` are kept.
 
-    Values beyond the format's range become +-max (OCP OFP8 "saturating" conversion) rather than
-    NaN (E4M3) or inf (E5M2): the clamp happens before the cast, which on its own overflows.
-    NaN stays NaN. Rounding is round-to-nearest-even, as ``Tensor.to`` does.
+    Finite values beyond the format's range become +-max (OCP OFP8 "saturating" conversion):
+    the clamp happens before the cast, which on its own overflows. An infinite ``x`` is not a
+    range problem but an overflow upstream (a loss-scaled gradient that blew up): it stays inf
+    in E5M2 and becomes NaN in E4M3 (which has no inf), as in Transformer Engine, so that it
+    reaches the GEMM's output and ``GradScaler``'s found-inf check. NaN stays NaN. Rounding is
+    round-to-nearest-even, as ``Tensor.to`` does.
 
     Args:
         x: any floating dtype and shape.
@@ -68,8 +71,16 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     Returns:
         Tensor of ``x``'s shape in ``dtype``.
     """
+    return saturate(x.to(torch.float32) * scale, x, dtype).to(dtype)
+
+
+def saturate(scaled: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scaled`` (float32 ``x * scale``) clamped to +-max of ``dtype`` where ``x`` is finite;
+    infinities of ``x`` stay infinite (see :func:`quantize`)."""
     bound = fp8_max(dtype)
-    return (x.to(torch.float32) * scale).clamp_(-bound, bound).to(dtype)
+    # E4M3 (fn) has no inf, and torch's CPU cast would saturate one: make it the format's NaN.
+    overflow = scaled if dtype == torch.float8_e5m2 else torch.full_like(scaled, float("nan"))
+    return torch.where(torch.isinf(x), overflow, scaled.clamp(-bound, bound))
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -65,6 +65,9 @@ class MLP(L.LightningModule):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x).float(), y)
 
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
     def on_after_backward(self):
         # An overflow on one rank only: every rank must skip this step.
         if self.global_step == self.inf_grad_step and self.global_rank == 1:
@@ -95,20 +98,24 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
 
 
-def loader(world):
+def loader(world, rank_factor: float = 1.0):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(STEPS // 2 * GLOBAL_BATCH, 32, generator=gen) * 3
+    if rank_factor != 1.0 and int(os.environ.get("RANK", "0")) == 1:
+        x = x * rank_factor
     y = torch.randint(0, 4, (STEPS // 2 * GLOBAL_BATCH,), generator=gen)
     data = TensorDataset(x, y)
     # Rank r gets samples r, r + world, ... in order, every epoch: the ranks together see the
     # same global batches as one rank with the whole batch, and a resumed run the same order.
     rank = int(os.environ.get("RANK", "0"))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+    if rank_factor != 1.0:
+        sampler = None  # every rank the same samples, rank 1's scaled
     return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
 
 
-def fit(out: Path, run: str, precision: str, fsdp2: bool, inf_grad_step: int = -1, ckpt_path=None,
-        save: bool = False) -> None:
+def fit(out: Path, run: str, precision, fsdp2: bool, inf_grad_step: int = -1, ckpt_path=None,
+        save: bool = False, rank_factor: float = 1.0, predict: bool = False) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if fsdp2 else (
         "ddp" if world > 1 else "auto")
@@ -116,18 +123,20 @@ def fit(out: Path, run: str, precision: str, fsdp2: bool, inf_grad_step: int = -
     callbacks = [record]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=out / f"{run}-ckpt", save_top_k=-1, filename="{epoch}"))
+    plugin = {"plugins": [precision]} if not isinstance(precision, str) else {"precision": precision}
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision=precision, max_epochs=STEPS // 3,
+        accelerator="cpu", devices=world, strategy=strategy, **plugin, max_epochs=STEPS // 3,
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=save,
         callbacks=callbacks, use_distributed_sampler=False,
     )
     model = MLP(fsdp2=fsdp2, inf_grad_step=inf_grad_step)
-    trainer.fit(model, loader(world), ckpt_path=ckpt_path)
-    fp8_plugin.update_pending_scales(trainer.precision_plugin.amax_reducer())
+    trainer.fit(model, loader(world, rank_factor), ckpt_path=ckpt_path)
+    # The state as fit left it: no settling call here, it must be settled and rank-independent.
     state = {}
     for name, module in model.named_modules():
         if isinstance(module, FP8Linear):
-            state[name] = {k: v.clone() for k, v in module.fp8_state.state_dict().items() if k != "_extra_state"}
+            state[name] = {k: v.clone() for k, v in module.fp8_state.tensors().items()}
+            state[name]["pending"] = torch.tensor(sorted(module.fp8_state.pending))
     result = {
         "fp8_state": state,
         "weights": {k: _full(v).clone() for k, v in model.state_dict().items() if ".fp8_state." not in k},
@@ -138,6 +147,12 @@ def fit(out: Path, run: str, precision: str, fsdp2: bool, inf_grad_step: int = -
         "skipped_steps": trainer.precision_plugin.skipped_steps,
         "recipe": repr(trainer.precision_plugin.report.recipe),
     }
+    if predict:
+        # Uneven split: rank 0 predicts 3 batches, rank 1 one. Nothing may wait on a collective.
+        before = len(MAX_ALL_REDUCES)
+        data = TensorDataset(torch.randn(8 * (3 if trainer.global_rank == 0 else 1), 32))
+        result["predictions"] = len(trainer.predict(model, DataLoader(data, batch_size=8)))
+        result["predict_max_all_reduces"] = len(MAX_ALL_REDUCES) - before
     torch.save(result, out / f"{run}-rank{trainer.global_rank}.pt")
 
 
@@ -147,8 +162,12 @@ def run(scenario: str, out: Path) -> None:
         fit(out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
     elif scenario == "single":
         fit(out, "single", "fp8-hybrid", False)
+    elif scenario == "ddp-local":
+        # No amax reduction and rank 1's inputs 11x rank 0's: each rank keeps its own scales.
+        local = fp8_plugin.FP8Precision(fp8_plugin.DelayedScaling(reduce_amax=False, amax_history_len=16))
+        fit(out, "local", local, False, rank_factor=11.0)
     else:
-        fit(out, "full", "fp8-hybrid", fsdp2, save=True)
+        fit(out, "full", "fp8-hybrid", fsdp2, save=True, predict=not fsdp2)
         fit(out, "resumed", "fp8-hybrid", fsdp2, ckpt_path=out / "full-ckpt" / "epoch=0.ckpt")
         if fsdp2:  # current scaling casts the all-gathered weight: its amax is the whole weight's
             fit(out, "current", "fp8-current", fsdp2)
@@ -156,7 +175,7 @@ def run(scenario: str, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ddp", "single", "fp16", "fsdp2"])
+    parser.add_argument("scenario", choices=["ddp", "ddp-local", "single", "fp16", "fsdp2"])
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     run(args.scenario, args.out)

@@ -21,6 +21,36 @@ def fp8_operand(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     return q.double() / scale
 
 
+def gemm_error_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                     bias: torch.Tensor = None) -> torch.Tensor:
+    """Per-element bound on |fl(a @ b.T + bias) - (a @ b.T + bias)| for float32 accumulation.
+
+    ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are float64 copies of the dequantized FP8 operands (their
+    products are exact in float32). Summing K products in float32, in any order, errs by at most
+    gamma_K * sum_k |a_ik b_jk| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, "Accuracy and
+    Stability of Numerical Algorithms", 3.1); the bias add and the rounding to ``out_dtype`` add
+    one rounding each of the result (u = 2^-24 float32, 2^-8 bfloat16, 2^-11 float16).
+    """
+    k = a.shape[1] + (1 if bias is not None else 0)
+    u32 = 2.0**-24
+    gamma = k * u32 / (1 - k * u32)
+    magnitude = a.abs() @ b.abs().t() + (bias.abs() if bias is not None else 0)
+    exact = a @ b.t() + (bias if bias is not None else 0)
+    u_out = {torch.float32: u32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 0.0}[out_dtype]
+    return gamma * magnitude + (u_out + u32) * exact.abs()
+
+
+def assert_within_bound(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    """|got - expected| <= bound elementwise, with the worst offender in the message."""
+    error = (got.double() - expected).abs()
+    excess = error - bound
+    worst = int(excess.argmax())
+    assert (excess <= 0).all(), (
+        f"{int((excess > 0).sum())} elements beyond the bound; worst at flat index {worst}: "
+        f"error {error.flatten()[worst].item():.3g} > bound {bound.flatten()[worst].item():.3g}"
+    )
+
+
 def te_scale(amax: float, dtype: torch.dtype, margin: int = 0) -> float:
     """TE's formula, scale = (FP8_MAX / amax) / 2 ** margin."""
     return MAX[dtype] / amax / 2**margin
@@ -28,14 +58,49 @@ def te_scale(amax: float, dtype: torch.dtype, margin: int = 0) -> float:
 
 def train_losses(model, use_fp8: bool, steps: int = 6, lr: float = 1e-3, **batch) -> list[float]:
     """Losses of ``steps`` AdamW steps on one batch; FP8 on or off. The unconverted copy of a
-    model trained this way is the reference the FP8 run is compared with."""
+    model trained this way is the reference the FP8 run is compared with.
+
+    With FP8 on, every FP8 layer must run three FP8 GEMMs per step (forward, dgrad, wgrad): a
+    layer that silently ran in high precision fails here."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    layers = sum(isinstance(m, fp.FP8Linear) for m in model.modules())
     losses = []
-    for _ in range(steps):
-        with fp.autocast(enabled=use_fp8):
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    with count_fp8_gemms() as gemms:
+        for _ in range(steps):
+            with fp.autocast(enabled=use_fp8):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert gemms.count == (steps * 3 * layers if use_fp8 else 0), (gemms.count, layers)
+    if use_fp8:
+        assert layers > 0
     return losses
+
+
+class count_fp8_gemms:
+    """Counts the FP8 GEMMs FP8 layers run (operands in an FP8 dtype) while the context is open.
+
+    A model-level test that asserts ``count`` fails if its layers silently ran in high precision.
+    """
+
+    def __enter__(self):
+        import fp8_plugin.linear as linear
+
+        self.count = 0
+        self.dtypes = []  # dtype of each GEMM's first operand
+        self._linear, self._original = linear, linear.fp8_gemm
+
+        def counting(a, b, *args, **kwargs):
+            if a.data.dtype in MAX and b.data.dtype in MAX:
+                self.count += 1
+                self.dtypes.append(a.data.dtype)
+            return self._original(a, b, *args, **kwargs)
+
+        linear.fp8_gemm = counting
+        return self
+
+    def __exit__(self, *exc):
+        self._linear.fp8_gemm = self._original
+        return False

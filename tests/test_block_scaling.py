@@ -113,7 +113,7 @@ def test_non_finite_blocks():
     assert torch.isnan(q.dequantize()[0, :32]).all()
     _, bw_scale, qb = _quantize(Float8BlockScaling(), x)
     assert bw_scale.tolist() == [[1.0], [1.0]]
-    assert qb.dequantize()[1, 40].item() == 448.0  # inf saturates under blockwise
+    assert math.isnan(qb.dequantize()[1, 40].item())  # inf is an overflow, not a range: E4M3 NaN
 
 
 def test_bad_block_recipe_arguments():

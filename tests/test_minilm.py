@@ -8,6 +8,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 import fp8_plugin  # noqa: F401
 from fp8_plugin import FP8Linear
 from fp8_plugin.data import bbc_news_path, load_text_folders, minilm_path
+from reference import count_fp8_gemms
 
 
 class Classifier(L.LightningModule):
@@ -41,8 +42,11 @@ def test_minilm_fine_tunes_on_bbc_news_with_fp8_hybrid():
         module.model.train()
     trainer = L.Trainer(precision="fp8-hybrid", max_steps=12, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(rows, batch_size=8, shuffle=True, collate_fn=collate))
+    with count_fp8_gemms() as gemms:
+        trainer.fit(module, DataLoader(rows, batch_size=8, shuffle=True, collate_fn=collate))
     assert sum(isinstance(m, FP8Linear) for m in module.modules()) == 36
+    # 36 layers x (forward, dgrad, wgrad) x 12 steps: every layer ran its GEMMs in FP8.
+    assert gemms.count == 36 * 3 * 12
     with torch.no_grad():
         module.model.eval()
         after = module.model(**batch).loss.item()

@@ -42,8 +42,9 @@ def _run_steps(layer, recipe, amaxes):
         x = torch.full((16, 16), a / 4)
         x[0, 0] = a
         with fp.autocast(recipe=recipe):
-            used.append(_input_scale_in_use(layer))
             layer(x)
+            # A step's first forward applies the previous step's amaxes, then casts.
+            used.append(_input_scale_in_use(layer))
     return used
 
 
@@ -67,7 +68,7 @@ def test_delayed_scaling_follows_hand_computed_history(algo, expected_amax):
     used = _run_steps(layer, recipe, [2, 8, 1, 0.5, 0.25, 4])
     expected = [None if a is None else 448.0 / a / 2 for a in expected_amax]
     assert used == pytest.approx(expected)
-    fp.update_pending_scales()
+    fp.update_pending_scales(layer)
     assert layer.fp8_state.amax_history[INPUT].tolist() == [0.0, 4.0, 0.25]
 
 
@@ -75,16 +76,16 @@ def test_zero_amax_keeps_previous_scale_and_nonfinite_is_counted_not_recorded():
     recipe = DelayedScaling(amax_history_len=1)
     layer = fp.FP8Linear(16, 16, recipe=recipe)
     _run_steps(layer, recipe, [4.0])
-    fp.update_pending_scales()
+    fp.update_pending_scales(layer)
     assert layer.fp8_state.scale[INPUT].item() == pytest.approx(112.0)
     _run_steps(layer, recipe, [0.0])
-    fp.update_pending_scales()
+    fp.update_pending_scales(layer)
     assert layer.fp8_state.scale[INPUT].item() == pytest.approx(112.0)
     x = torch.ones(16, 16)
     x[3, 3] = float("inf")
     with fp.autocast(recipe=recipe):
         layer(x)
-    fp.update_pending_scales()
+    fp.update_pending_scales(layer)
     assert layer.fp8_state.nonfinite_amax_count[INPUT].item() == 1
     assert layer.fp8_state.scale[INPUT].item() == pytest.approx(112.0)
 
@@ -93,6 +94,6 @@ def test_zero_amax_at_start_gives_scale_one():
     recipe = DelayedScaling(amax_history_len=4)
     layer = fp.FP8Linear(16, 16, recipe=recipe)
     _run_steps(layer, recipe, [0.0, 0.0])
-    fp.update_pending_scales()
+    fp.update_pending_scales(layer)
     assert layer.fp8_state.scale[INPUT].item() == 1.0
     assert not layer.fp8_state.initialized[INPUT]

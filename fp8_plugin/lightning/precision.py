@@ -23,10 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from ..autocast import AmaxReducer, autocast, update_pending_scales
-from ..convert import ConversionReport, convert_model, fp8_state_dict, fp8_state_keys
+from ..autocast import AmaxReducer, autocast
+from ..convert import ConversionReport, convert_model, fp8_state_dict
 from ..distributed import amax_reducer
 from ..linear import FP8Linear
+from ..quantizers import is_scaling_state_key
+from ..scaling_group import update_pending_scales
 from ..recipes import AutoRecipe, Recipe, check_recipe
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
@@ -78,6 +80,11 @@ class _FP8Behaviour:
             return module
         self.report = convert_model(module, self.recipe, include=self.include, exclude=self.exclude)
         self._module = module
+        # Every checkpoint Lightning writes takes the module's state from module.state_dict(),
+        # weights-only ones too (which skip on_save_checkpoint): keep it vanilla, so that
+        # load_from_checkpoint into a plain module works; FP8 state travels under this plugin's
+        # key (state_dict below), settled and identical on every rank.
+        module.register_state_dict_post_hook(_drop_fp8_state)
         rank_zero_info(f"FP8 layers:\n{self.report}")
         return module
 
@@ -112,6 +119,11 @@ class _FP8Behaviour:
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
+        # The step's amaxes become scales now, with the reduction: between steps (checkpoints,
+        # validation, the end of fit) the FP8 state is settled and the same on every rank. The
+        # next forward then finds nothing pending: still one amax reduction per step.
+        if self._module is not None:
+            update_pending_scales(self._module, self.amax_reducer())
         scale = getattr(self.scaler, "_scale", None)
         if scale is not None and self._scale_before_step is not None:
             skipped = (scale < self._scale_before_step).to(torch.int64)
@@ -158,26 +170,11 @@ class _FP8Behaviour:
         if self.scaler is not None:
             state[_SCALER_KEY] = self.scaler.state_dict()
         if self._module is not None:
-            # Lightning builds checkpoints on every rank: apply the step's amaxes with the same
-            # reduction the next forward would use, so every rank saves (and resumes) alike.
-            update_pending_scales(self.amax_reducer())
-            state[_STATE_KEY] = {k: v.clone() for k, v in fp8_state_dict(self._module).items()}
+            # Lightning builds checkpoints on every rank: anything still pending (a save outside
+            # the optimizer step) is applied with the same reduction the next forward would use.
+            update_pending_scales(self._module, self.amax_reducer())
+            state[_STATE_KEY] = fp8_state_dict(self._module)
         return state
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The module is restored before convert_module runs on resume, and load_from_checkpoint
-        # builds a plain module: keep checkpoint["state_dict"] vanilla, FP8 state lives above.
-        # A distributed (sharded) checkpoint is loaded into the model as configure_model built
-        # it, converted before sharding: there the keys must stay.
-        if self._module is None or "state_dict" not in checkpoint:
-            return
-        strategy = getattr(getattr(self._module, "_trainer", None), "strategy", None)
-        if getattr(strategy, "_save_distributed_checkpoint", False):
-            # The model's state was taken before state_dict() applied the step's amaxes.
-            checkpoint["state_dict"].update(fp8_state_dict(self._module))
-            return
-        for key in fp8_state_keys(self._module):
-            checkpoint["state_dict"].pop(key, None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and _SCALER_KEY in state_dict:
@@ -193,6 +190,11 @@ class _FP8Behaviour:
                 "The checkpoint holds FP8 state for layers this model does not run in FP8: "
                 f"{result.unexpected_keys[:5]}; convert the same layers (include/exclude) as when it was saved"
             )
+
+
+def _drop_fp8_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and is_scaling_state_key(k)]:
+        del state_dict[key]
 
 
 class FP8Precision(_FP8Behaviour, MixedPrecision):

@@ -1,0 +1,20 @@
+"""The one private torch API this package relies on, kept here so that a change shows in one place.
+
+``tests/test_torch_private.py`` fails loudly if its behaviour changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["in_backward_pass"]
+
+
+def in_backward_pass() -> bool:
+    """True while the autograd engine runs a backward pass on this thread.
+
+    A forward that runs then is an activation-checkpoint recomputation (``torch.utils.checkpoint``,
+    reentrant or not, recomputes inside the backward). torch has no public way to ask; the
+    engine's graph-task id is -1 outside a backward and the id of the running task inside it.
+    """
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,100 @@
+"""Delayed-scaling updates: the FP8 layers of one model turn their amaxes into scales together.
+
+Amaxes recorded during a training step (forward and backward) wait in each layer's
+:class:`~fp8_plugin.quantizers.ScalingState` (``pending``). The first FP8 forward of the next
+training step updates every pending layer of its :class:`ScalingGroup` at once: one flat tensor
+of amaxes, one amax reduction across ranks, a fixed number of batched kernels per (recipe, role).
+The group belongs to the model (``convert_model`` makes one per call), not to the process: a
+dropped model is freed with it, and two models or two threads never share an update.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .quantizers import ScalingState, update_delayed_scaling
+from .recipes import DelayedScaling, Recipe
+
+__all__ = ["ScalingGroup", "AmaxReducer", "update_pending_scales", "scaling_groups"]
+
+AmaxReducer = Callable[[torch.Tensor], None]
+
+
+class ScalingGroup:
+    """FP8 layers whose pending delayed-scaling amaxes become scales in one update.
+
+    Attributes:
+        layers: the FP8 layers, in conversion order (the order every rank reduces them in).
+        step: id of the :func:`fp8_plugin.autocast` training step in which the group last
+            updated; a forward in another step updates first.
+    """
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Module] = []
+        self.step: Optional[int] = None
+
+    def add(self, layer: nn.Module) -> None:
+        """Make ``layer`` (it has ``fp8_state`` and ``recipe``) a member; it leaves its old group."""
+        old = getattr(layer, "scaling_group", None)
+        if old is self:
+            return
+        if old is not None:
+            old.layers = [m for m in old.layers if m is not layer]
+        self.layers.append(layer)
+        layer.scaling_group = self
+
+    def update(self, reduce_amax: Optional[AmaxReducer] = None, recipe: Optional[Recipe] = None) -> None:
+        """Turn every pending amax of the group into new scales, now.
+
+        Args:
+            reduce_amax: in-place reduction (MAX across ranks) of one flat float32 tensor holding
+                the current-step amaxes of recipes with ``reduce_amax=True``; None skips it.
+            recipe: the recipe in force (the autocast's), for amaxes whose recording recipe is
+                unknown (restored from a checkpoint); None means each layer's own.
+
+        Every rank must call this at the same point with the same layers pending when
+        ``reduce_amax`` is a collective. Amaxes recorded under a recipe that is not delayed
+        scaling (after a recipe change) are dropped.
+        """
+        groups: dict[tuple[DelayedScaling, int], list[ScalingState]] = {}
+        for layer in self.layers:
+            state: ScalingState = layer.fp8_state
+            if not state.pending:
+                continue
+            for role, recorded in sorted(state.pending.items()):
+                chosen = recorded or recipe or layer.recipe
+                if isinstance(chosen, DelayedScaling):
+                    groups.setdefault((chosen, role), []).append(state)
+            state.pending = {}
+        entries = [(r, role, states) for (r, role), states in groups.items()]
+        update_delayed_scaling([e for e in entries if e[0].reduce_amax], reduce_amax)
+        update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None)
+
+
+def scaling_groups(model: nn.Module) -> list[ScalingGroup]:
+    """The distinct scaling groups of the FP8 layers in ``model``, in module order."""
+    seen: dict[int, ScalingGroup] = {}
+    for module in model.modules():
+        group = getattr(module, "scaling_group", None)
+        if isinstance(group, ScalingGroup):
+            seen.setdefault(id(group), group)
+    return list(seen.values())
+
+
+def update_pending_scales(model: nn.Module, reduce_amax: Optional[AmaxReducer] = None) -> None:
+    """Turn every amax ``model``'s FP8 layers recorded since their last update into scales, now.
+
+    The next training forward does this on its own; call it to settle the state first, for
+    example before saving or comparing checkpoints. With ``reduce_amax`` (a collective), every
+    rank must call it.
+
+    Args:
+        model: a converted model or an FP8 layer.
+        reduce_amax: as in :meth:`ScalingGroup.update`.
+    """
+    for group in scaling_groups(model):
+        group.update(reduce_amax)
+

@@ -1,0 +1,109 @@
+"""fp8_plugin/scaling_group.py: delayed-scaling updates belong to the model, once per step."""
+
+import copy
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_plugin as fp
+from fp8_plugin import DelayedScaling, Float8CurrentScaling
+from fp8_plugin.convert import fp8_state_dict
+from fp8_plugin.quantizers import INPUT
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _train_step(model, x, recipe=None, reduce_amax=None):
+    with fp.autocast(recipe=recipe, reduce_amax=reduce_amax):
+        loss = model(x).square().mean()
+    loss.backward()
+
+
+def test_one_amax_reduction_per_step_covers_every_layer_of_the_model():
+    model = _mlp()
+    fp.convert_model(model, DelayedScaling(amax_history_len=4))
+    sizes = []
+    for step in range(4):
+        _train_step(model, torch.randn(8, 16), reduce_amax=lambda t: sizes.append(t.numel()))
+    # Step 1 has nothing pending; each later step reduces 2 layers x 3 roles in one call.
+    assert sizes == [6, 6, 6]
+
+
+def test_a_dropped_model_is_freed_and_models_never_share_an_update():
+    a, b = _mlp(), _mlp()
+    fp.convert_model(a), fp.convert_model(b)
+    _train_step(a, torch.randn(4, 16))
+    _train_step(b, torch.randn(4, 16))
+    fp.update_pending_scales(a)
+    assert all(not m.fp8_state.pending for m in a.modules() if isinstance(m, fp.FP8Linear))
+    assert all(m.fp8_state.pending for m in b.modules() if isinstance(m, fp.FP8Linear))
+    ref = weakref.ref(b[0])
+    del b
+    gc.collect()
+    assert ref() is None  # no process-wide registry keeps it alive
+
+
+@pytest.mark.parametrize("later", [Float8CurrentScaling(), DelayedScaling(margin=1, amax_history_len=4)],
+                         ids=["current", "delayed-margin-1"])
+def test_resume_mid_step_applies_pending_amaxes_under_the_recipe_in_force(later):
+    # Amaxes recorded under the autocast's recipe, saved before they became scales, then resumed
+    # under the same autocast recipe: the resumed run equals the uninterrupted one. (The layer's
+    # own recipe, DelayedScaling(margin=0), must not be the one applied.)
+    torch.manual_seed(0)
+    model = _mlp()
+    fp.convert_model(model, DelayedScaling(amax_history_len=4))
+    xs = [torch.randn(8, 16) * (i + 1) for i in range(4)]
+    for x in xs[:2]:
+        _train_step(model, x, later)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    resumed = _mlp()
+    fp.convert_model(resumed, DelayedScaling(amax_history_len=4))
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for x in xs[2:]:
+        _train_step(model, x, later)
+        _train_step(resumed, x, later)
+    fp.update_pending_scales(model), fp.update_pending_scales(resumed)
+    for (key, a), b in zip(fp8_state_dict(model).items(), fp8_state_dict(resumed).values()):
+        for name in a:
+            assert torch.equal(a[name], b[name]), (key, name)
+
+
+def test_copies_update_on_their_own():
+    model = _mlp()
+    fp.convert_model(model, DelayedScaling(amax_history_len=4))
+    _train_step(model, torch.randn(8, 16))
+    twin = copy.deepcopy(model)
+    _train_step(model, torch.randn(8, 16) * 100)
+    assert not torch.equal(model[0].fp8_state.scale, twin[0].fp8_state.scale)
+    assert twin[0].fp8_state.pending  # the copy's amaxes still wait for its own next step
+    assert twin[0].scaling_group is twin[2].scaling_group is not model[0].scaling_group
+
+
+def test_inf_gradient_reaches_grad_scaler_and_the_step_is_skipped():
+    # An overflowed loss-scaled gradient must not be saturated to the E5M2 max: GradScaler has to
+    # find the inf, skip the optimizer step and back off its scale. No biases: their gradient
+    # (a plain sum) would carry the inf past the FP8 GEMMs.
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 16, bias=False))
+    fp.convert_model(model, DelayedScaling(amax_history_len=4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with fp.autocast():
+        out = model[2](model[1](model[0](torch.randn(8, 16))))
+    out.register_hook(lambda g: torch.where(torch.arange(g.numel()).reshape(g.shape) == 5, torch.inf, g))
+    scaler.scale(out.square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 512.0
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    assert model[2].fp8_state.nonfinite_amax_count[2].item() == 1
+    assert model[0].fp8_state.initialized[INPUT].item() is False  # step 1: nothing applied yet

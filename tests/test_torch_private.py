@@ -1,0 +1,21 @@
+"""fp8_plugin/_torch_private.py: the private torch API behaves as the package assumes."""
+
+import torch
+import torch.utils.checkpoint
+
+from fp8_plugin._torch_private import in_backward_pass
+
+
+def test_in_backward_pass_is_false_in_forward_and_true_in_a_checkpoint_recompute():
+    seen = []
+
+    def block(x):
+        seen.append(in_backward_pass())
+        return x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    for reentrant in (True, False):
+        seen.clear()
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+        assert seen == [False, True], (reentrant, seen)
+    assert in_backward_pass() is False
