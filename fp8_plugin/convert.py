@@ -215,7 +215,10 @@ def convert_model(
     report.recipe, report.device = recipe or DelayedScaling(), str(target)
     kind = recipe_gemm_kind(report.recipe)
     support = native_gemm(kind, target)
-    report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
+    if support.native and kind == "tensorwise" and target.type == "cpu":
+        report.gemm = "tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation, whichever is timed faster here (python -m fp8_plugin)"
+    else:
+        report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
     if not report.swapped:
         warnings.warn(
             f"convert_model found no layer to run in FP8 among {len(report.layers)} candidate linear layers "

@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 
 from .formats import Format
-from .gemm import native_gemm, normalize_device
+from .gemm import native_gemm, normalize_device, tensorwise_choice
 from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["describe_device", "DeviceReport", "RecipeSupport", "auto_recipe", "resolve_recipe", "recipe_gemm_kind", "default_device"]
@@ -96,6 +96,9 @@ class DeviceReport:
     torch_version: str
     recipes: list[RecipeSupport] = field(default_factory=list)
     auto: Optional[Recipe] = None
+    # CPU: the timed choice of tensorwise GEMM path per operand pairing, e.g.
+    # "E4M3 x E4M3 -> bfloat16 (forward): float32 emulation (128x256x256: ...)".
+    gemm_paths: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         header = ("recipe", "scaling", "GEMM", "native")
@@ -106,6 +109,9 @@ class DeviceReport:
         lines.insert(2, "  ".join("-" * w for w in widths))
         if self.auto is not None:
             lines.append(f'recipe "auto" (precision strings fp8-hybrid / fp8-e4m3): {type(self.auto).__name__}')
+        if self.gemm_paths:
+            lines.append("tensorwise GEMM path per operand pairing (timed once per process):")
+            lines += [f"  {p}" for p in self.gemm_paths]
         return "\n".join(lines)
 
 
@@ -130,9 +136,36 @@ def describe_device(device: Device = None) -> DeviceReport:
     """
     target = default_device(device)
     report = DeviceReport(str(target), _device_name(target), torch.__version__)
+    timed = target.type == "cpu" and native_gemm("tensorwise", target).native
+    chosen_native = []
+    if timed:
+        for (a, b, out, role) in _CPU_PAIRINGS:
+            choice = tensorwise_choice(target, a, b, out)
+            chosen_native.append(choice.native)
+            report.gemm_paths.append(f"{_short(a)} x {_short(b)} -> {str(out).replace('torch.', '')} ({role}): {choice.describe()}")
     for cls, (kind, granularity) in _RECIPES.items():
         support = native_gemm(kind, target)
-        report.recipes.append(RecipeSupport(cls.__name__, granularity, kind, support.native, support.reason))
+        native, reason = support.native, support.reason
+        if kind == "tensorwise" and timed and not all(chosen_native):
+            native = any(chosen_native)
+            reason = "the float32 emulation measured faster here for some or all operand pairings (below)"
+        report.recipes.append(RecipeSupport(cls.__name__, granularity, kind, native,
+                                            reason if not native or kind != "tensorwise" else ""))
     report.auto = auto_recipe(Format.HYBRID, target)
     return report
+
+
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# The operand pairings of a training step (HYBRID and E4M3): forward under BF16 autocast and in
+# float32, dgrad / wgrad with E5M2 or E4M3 gradients.
+_CPU_PAIRINGS = (
+    (_E4M3, _E4M3, torch.bfloat16, "forward"),
+    (_E4M3, _E4M3, torch.float32, "forward fp32, E4M3 wgrad"),
+    (_E5M2, _E4M3, torch.bfloat16, "HYBRID dgrad"),
+    (_E5M2, _E4M3, torch.float32, "HYBRID wgrad"),
+)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return "E4M3" if dtype == _E4M3 else "E5M2"
 

@@ -14,16 +14,23 @@ Three kinds of scaling reach the GEMM, each with its own native kernel:
 Whether a kind is native on a device is decided once per device and cached: from the device,
 the installed torch, and for the block kinds a one-off probe GEMM on that device whose result
 must match the emulation (a kernel that is missing, refuses the layout, or disagrees is not
-used). Elsewhere the emulation dequantizes both operands to float32 and multiplies: products of
-FP8 values and power-of-two scales are exact in float32, so only the summation order differs.
+used). On CPU, where no FP8 hardware exists, ``torch._scaled_mm`` is also timed against the
+emulation once per operand pairing (:func:`tensorwise_choice`), and the faster is used: its
+speed depends on the oneDNN kernel the CPU gets, and some CPUs get a reference kernel hundreds
+of times slower. The emulation dequantizes both operands to float32 and multiplies: products of
+FP8 values and float32 scales are exact in float32 for power-of-two scales, so only the
+summation order differs. Native kernels run outside torch autocast (under it, CPU
+``_scaled_mm`` takes a path about 40x slower).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +38,10 @@ import torch.nn.functional as F
 from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
-__all__ = ["fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device"]
+__all__ = [
+    "fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
+    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path",
+]
 
 GEMM_KINDS = ("tensorwise", "blockwise", "mxfp8")
 # Compute capabilities (major) whose tensor cores run each block kind through cuBLAS.
@@ -179,15 +189,23 @@ def _scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dty
     )  # fmt: skip
 
 
-def _plan(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, Optional[NativeGemm], str]:
+def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32) -> tuple[str, Optional[NativeGemm], str]:
     # (kind, its native support if this call can use it, else None, and why not).
     kind = gemm_kind(a, b)
     if kind not in GEMM_KINDS:
         return kind, None, f"no native GEMM for {a.block} x {b.block} blocks"
+    if _forced == "emulated":
+        return kind, None, ""
+    if out_dtype not in _KERNEL_OUT_DTYPES:
+        return kind, None, f"the kernels do not write {out_dtype}"
     support = _native_gemm(kind, a.data.device)  # a tensor's device already carries its index
     if not support.native:
         return kind, None, support.reason
     if a.data.device.type != "cuda":
+        if kind == "tensorwise" and _forced != "native":
+            choice = tensorwise_choice(a.data.device, a.data.dtype, b.data.dtype, out_dtype)
+            if not choice.native:
+                return kind, None, ""  # measured: the emulation is the faster exact path here
         return kind, support, ""
     m, k = a.data.shape
     n = b.data.shape[0]
@@ -212,13 +230,135 @@ def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, s
     return support is not None, reason
 
 
+_KERNEL_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_forced: Optional[str] = None
+_PATHS = ("auto", "native", "emulated")
+
+
+@contextlib.contextmanager
+def force_path(path: str) -> Iterator[None]:
+    """Force every FP8 GEMM in the context onto one path, for tests and comparisons.
+
+    Args:
+        path: ``"native"`` (the native kernel wherever the device and shape allow one, even if
+            the timed probe found it slower), ``"emulated"`` (always the float32 emulation) or
+            ``"auto"`` (the default: the fastest exact path).
+
+    Raises:
+        ValueError: unknown ``path``.
+    """
+    global _forced
+    if path not in _PATHS:
+        raise ValueError(f"force_path(path={path!r}) is not a GEMM path; valid: {', '.join(_PATHS)}")
+    previous, _forced = _forced, (None if path == "auto" else path)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+@dataclass(frozen=True)
+class TensorwiseChoice:
+    """The timed choice between ``torch._scaled_mm`` and the emulation for one operand pairing.
+
+    Attributes:
+        native: True if ``torch._scaled_mm`` is used.
+        native_s, emulated_s: seconds per probe GEMM of each path (``native_s`` is the one early
+            call when that call alone was far slower than the emulation).
+        shape: ``(M, K, N)`` of the probe the times were measured on.
+    """
+
+    native: bool
+    native_s: float
+    emulated_s: float
+    shape: tuple[int, int, int]
+
+    def describe(self) -> str:
+        path = "torch._scaled_mm" if self.native else "float32 emulation"
+        m, k, n = self.shape
+        return (f"{path} ({m}x{k}x{n}: _scaled_mm {self.native_s * 1e3:.2f} ms, "
+                f"emulation {self.emulated_s * 1e3:.2f} ms)")
+
+
+# Probe sizes: a first tiny product bounds the cost of a reference kernel (about 200 ns per
+# multiply-accumulate has been seen) before a larger one, nearer real layers, decides.
+_SCOUT_SHAPE = (32, 64, 64)
+_PROBE_SHAPE = (128, 256, 256)
+# The native kernel is used only when clearly faster: both paths are exact, so a tie goes to
+# the emulation, whose speed follows the float32 GEMM of the machine.
+NATIVE_SPEEDUP_REQUIRED = 1.25
+
+
+def choose_native(native_s: float, emulated_s: float) -> bool:
+    """Whether measured times favour the native kernel (at least ``NATIVE_SPEEDUP_REQUIRED``x)."""
+    return native_s * NATIVE_SPEEDUP_REQUIRED <= emulated_s
+
+
+@lru_cache(maxsize=None)
+def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch.dtype, out_dtype: torch.dtype) -> TensorwiseChoice:
+    """Time ``torch._scaled_mm`` against the emulation for one operand pairing, once per process.
+
+    On CPU, which oneDNN kernel ``_scaled_mm`` gets depends on the CPU and the operand formats: on
+    some, E4M3 x E4M3 falls to a reference kernel hundreds of times slower than the float32 GEMM
+    of the dequantised operands, which gives the same result. So the path is measured, never
+    assumed. Cost: a few milliseconds, about 0.1 s where the kernel is a reference one.
+
+    Args:
+        device: the device (CPU; CUDA GPUs use their tensor cores without a probe).
+        dtype_a, dtype_b: FP8 dtypes of the operands.
+        out_dtype: float32, bfloat16 or float16.
+    """
+    gen = torch.Generator().manual_seed(0)
+
+    def operands(m: int, k: int, n: int) -> tuple[QuantizedTensor, QuantizedTensor]:
+        one = torch.ones((), device=device)
+        a = (torch.randn(m, k, generator=gen) * 8).to(dtype_a).to(device)
+        b = (torch.randn(n, k, generator=gen) * 8).to(dtype_b).to(device)
+        return QuantizedTensor(a, one), QuantizedTensor(b, one)
+
+    def seconds(fn, *args) -> float:
+        start = time.perf_counter()
+        fn(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    with torch.autocast(device.type, enabled=False):
+        a, b = operands(*_SCOUT_SHAPE)
+        _emulated(a, b, out_dtype), _scaled_mm_tensorwise(a, b, out_dtype, None)  # warm-up
+        native_s, emulated_s = seconds(_scaled_mm_tensorwise, a, b, out_dtype, None), seconds(_emulated, a, b, out_dtype)
+        if native_s > 8 * emulated_s:
+            return TensorwiseChoice(False, native_s, emulated_s, _SCOUT_SHAPE)
+        a, b = operands(*_PROBE_SHAPE)
+        native_s = min(seconds(_scaled_mm_tensorwise, a, b, out_dtype, None) for _ in range(3))
+        emulated_s = min(seconds(_emulated, a, b, out_dtype) for _ in range(3))
+    return TensorwiseChoice(choose_native(native_s, emulated_s), native_s, emulated_s, _PROBE_SHAPE)
+
+
 def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     # Outside torch autocast, which would round the dequantized operands to bf16.
     with torch.autocast(a.data.device.type, enabled=False):
         out = a.dequantize() @ b.dequantize().t()
     if bias is not None:
-        out = out + bias.to(torch.float32)
+        out = out + _kernel_bias(bias, out_dtype).to(torch.float32)
     return out.to(out_dtype)
+
+
+def _kernel_bias(bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # The bias the GEMM epilogue adds: in the output dtype (cuBLASLt and oneDNN take it so for
+    # low-precision outputs), float32 for float32 and float64 outputs.
+    return bias.to(out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32)
+
+
+def _scaled_mm_tensorwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+                          bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # The kernel's epilogue takes a bias only for low-precision outputs.
+    fused = bias is not None and out_dtype != torch.float32
+    out = torch._scaled_mm(
+        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
+        bias=_kernel_bias(bias, out_dtype) if fused else None, out_dtype=out_dtype,
+    )  # fmt: skip
+    return out + bias.to(torch.float32) if bias is not None and not fused else out
 
 
 def fp8_gemm(
@@ -234,9 +374,12 @@ def fp8_gemm(
             along K.
         b: ``[N, K]`` FP8 data, row-major (the "NT" layout: ``b.data.t()`` is column-major, as
             the kernels want their second operand); per-tensor or block ``scale_inv``.
-        out_dtype: dtype of the result (float32, bfloat16 or float16).
-        bias: optional ``[N]`` tensor, added to the FP32 accumulator before the rounding to
-            ``out_dtype`` (in the GEMM epilogue where the kernel offers it).
+        out_dtype: dtype of the result (float32, bfloat16, float16; float64 and others are
+            computed in float32 and cast, as no kernel writes them).
+        bias: optional ``[N]`` tensor. One rule on every path: the bias is rounded to
+            ``out_dtype`` when that is bfloat16 / float16 (float32 otherwise), added to the FP32
+            accumulator, and the sum rounded to ``out_dtype`` (the GEMM epilogue of cuBLASLt and
+            oneDNN for low-precision outputs).
 
     Returns:
         ``[M, N]`` tensor in ``out_dtype``.
@@ -244,9 +387,10 @@ def fp8_gemm(
     Warns:
         UserWarning: once per reason, when a GEMM is emulated.
     """
-    kind, support, reason = _plan(a, b)
+    kind, support, reason = _plan(a, b, out_dtype)
     if support is None:
-        _warn_once(reason)
+        if reason:
+            _warn_once(reason)
         return _emulated(a, b, out_dtype, bias)
     # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower.
     with torch.autocast(a.data.device.type, enabled=False):
@@ -256,20 +400,10 @@ def fp8_gemm(
 def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
             bias: Optional[torch.Tensor]) -> torch.Tensor:
     if kind == "tensorwise":
-        # The kernel's epilogue takes a bias only for low-precision outputs.
-        fused = bias if out_dtype != torch.float32 and bias is not None else None
-        out = torch._scaled_mm(
-            a.data,
-            b.data.t(),
-            scale_a=a.scale_inv,
-            scale_b=b.scale_inv,
-            bias=None if fused is None else fused.to(out_dtype),
-            out_dtype=out_dtype,
-        )
-        return out if fused is not None or bias is None else out + bias
+        return _scaled_mm_tensorwise(a, b, out_dtype, bias)
     # Block kernels: out_dtype where the kernel writes it, else bfloat16 then cast (documented).
     kernel_dtype = out_dtype if out_dtype in support.out_dtypes else torch.bfloat16
     out = _scaled_mm_blocks(kind, a, b, kernel_dtype)
     if bias is not None:
-        out = (out.float() + bias.float()).to(out_dtype)
+        out = (out.float() + _kernel_bias(bias, out_dtype).float()).to(out_dtype)
     return out.to(out_dtype)

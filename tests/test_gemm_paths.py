@@ -8,7 +8,7 @@ import torch
 import fp8_plugin as fp
 from fp8_plugin.autocast import get_fp8_recipe
 from fp8_plugin.device import recipe_gemm_kind, resolve_recipe
-from fp8_plugin.gemm import fp8_gemm, gemm_kind, native_gemm, scaled_mm_supported
+from fp8_plugin.gemm import choose_native, force_path, fp8_gemm, gemm_kind, native_gemm, scaled_mm_supported
 from fp8_plugin.quantizers import INPUT, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from fp8_plugin.scale_layouts import (
     blockwise_1x128_gemm_scale,
@@ -70,7 +70,8 @@ def _operand(recipe, role, x):
 def test_each_recipe_maps_to_its_gemm_kind(recipe, kind):
     a, b = _operand(recipe, INPUT, torch.randn(32, 256)), _operand(recipe, WEIGHT, torch.randn(128, 256))
     assert gemm_kind(a, b) == kind == recipe_gemm_kind(recipe)
-    ok, reason = scaled_mm_supported(a, b)
+    with force_path("native"):  # the kernel where one exists, whatever the timing says
+        ok, reason = scaled_mm_supported(a, b)
     # On a CPU torch has tensorwise (and rowwise) FP8 GEMMs only.
     if torch.cuda.is_available():
         pytest.skip("CPU expectations")
@@ -101,18 +102,57 @@ def test_emulation_ignores_torch_autocast(recipe):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU expectations")
-def test_describe_device_on_cpu():
+def test_describe_device_on_cpu_reports_the_timed_gemm_paths():
     report = fp.describe_device("cpu")
-    rows = {r.recipe: (r.gemm, r.native) for r in report.recipes}
+    rows = {r.recipe: r.gemm for r in report.recipes}
     assert rows == {
-        "DelayedScaling": ("tensorwise", True),
-        "Float8CurrentScaling": ("tensorwise", True),
-        "Float8BlockScaling": ("blockwise", False),
-        "MXFP8BlockScaling": ("mxfp8", False),
+        "DelayedScaling": "tensorwise",
+        "Float8CurrentScaling": "tensorwise",
+        "Float8BlockScaling": "blockwise",
+        "MXFP8BlockScaling": "mxfp8",
     }
+    assert [r.native for r in report.recipes][2:] == [False, False]
     assert report.auto == fp.DelayedScaling(fp8_format=fp.Format.HYBRID)
     text = str(report)
     assert text.startswith("CPU (cpu), torch ") and 'recipe "auto"' in text and "no: torch has no mxfp8 GEMM" in text
+    # One timed line per operand pairing of a training step, with both measured times.
+    assert len(report.gemm_paths) == 4
+    for line in report.gemm_paths:
+        assert "_scaled_mm" in line and "emulation" in line and " ms" in line, line
+    native = any(r.native for r in report.recipes[:2])
+    assert native == any(line.split(": ", 1)[1].startswith("torch._scaled_mm") for line in report.gemm_paths)
+
+
+def test_the_native_kernel_is_chosen_only_when_clearly_faster():
+    # Times as measured on a CPU whose E4M3 x E4M3 kernel is a reference one (7.7 s against
+    # 12 ms), on one where both are equal, and on one where the kernel is twice as fast.
+    assert choose_native(7.7, 0.012) is False
+    assert choose_native(0.012, 0.012) is False  # both exact: a tie goes to the emulation
+    assert choose_native(0.006, 0.012) is True
+
+
+def test_forced_paths_and_bad_path_names():
+    a = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    b = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.25))
+    with force_path("native"):
+        assert scaled_mm_supported(a, b) == (True, "")
+    with force_path("emulated"):
+        assert scaled_mm_supported(a, b)[0] is False
+    with pytest.raises(ValueError, match=r"force_path\(path='fast'\) is not a GEMM path; valid: auto, native, emulated"):
+        with force_path("fast"):
+            pass
+
+
+@pytest.mark.parametrize("path", ["native", "emulated"])
+def test_float64_output_is_computed_in_float32_and_cast(path):
+    a = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    b = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.25))
+    bias = torch.randn(16, dtype=torch.float64)
+    with force_path(path):
+        out = fp8_gemm(a, b, torch.float64, bias)
+    assert out.dtype == torch.float64
+    expected = (a.dequantize() @ b.dequantize().t() + bias.float()).double()
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU expectations")
@@ -120,7 +160,7 @@ def test_auto_recipe_is_resolved_at_conversion_and_in_autocast():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     report = fp.convert_model(model, fp.AutoRecipe(fp.Format.E4M3))
     assert model[0].recipe == fp.DelayedScaling(fp8_format=fp.Format.E4M3) == report.recipe
-    assert str(report).endswith("recipe DelayedScaling(E4M3) on cpu: tensorwise GEMMs native")
+    assert "recipe DelayedScaling(E4M3) on cpu: tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation" in str(report)
     assert resolve_recipe(fp.Float8CurrentScaling()) == fp.Float8CurrentScaling()
     with fp.autocast(recipe=fp.AutoRecipe()):
         assert get_fp8_recipe() == fp.DelayedScaling()
@@ -144,3 +184,18 @@ def test_native_gemm_on_gpu_matches_the_emulation(recipe):
     expected = a.dequantize().double() @ b.dequantize().double().t()
     got = fp8_gemm(a, b, torch.bfloat16).double()
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+def test_bias_is_rounded_to_the_output_dtype_on_both_paths():
+    # One rule on every path: bias rounded to the (low-precision) output dtype, added to the
+    # float32 accumulator, the sum rounded. Operands on a coarse grid keep the accumulation exact,
+    # so only the bias rule can make the paths differ.
+    gen = torch.Generator().manual_seed(0)
+    a = QuantizedTensor(((torch.randn(32, 64, generator=gen) * 8).round() / 4).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    b = QuantizedTensor(((torch.randn(48, 64, generator=gen) * 8).round() / 4).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    bias = torch.randn(48, generator=gen) * 3  # not representable in bfloat16
+    acc = a.dequantize().double() @ b.dequantize().double().t()  # exact
+    expected = (acc.float() + bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    for path in ("emulated", "native"):
+        with force_path(path):
+            assert torch.equal(fp8_gemm(a, b, torch.bfloat16, bias), expected), path

@@ -150,7 +150,8 @@ def test_auto_recipe_resolves_to_delayed_scaling_on_cpu():
     chosen = fp.DelayedScaling(fp8_format=fp.Format.HYBRID)
     assert trainer.precision_plugin.report.recipe == chosen
     assert all(layer.recipe == chosen for layer in fp8_layers(model))
-    assert "recipe DelayedScaling(HYBRID) on cpu: tensorwise GEMMs native" in str(trainer.precision_plugin.report)
+    assert "recipe DelayedScaling(HYBRID) on cpu: tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation" in str(
+        trainer.precision_plugin.report)
 
 
 def test_configure_model_is_converted_too():
