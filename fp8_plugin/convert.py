@@ -6,6 +6,14 @@ classifier / score / qa_outputs heads, the pooler), layers whose weight is tied 
 and layers whose dims are not multiples of 16 (FP8 tensor cores need them). Embeddings and norms
 are not linear layers and are never swapped. The returned :class:`ConversionReport` says which
 layers were swapped and why the others were not.
+
+Only layers whose swap cannot change what the model computes are swapped: exact ``nn.Linear``
+and ``Conv1D``. Skipped, with the reason: subclasses (their own ``forward``, such as
+transformers' ``FalconLinear`` or bitsandbytes layers; others with ``allow_subclasses=True``),
+lazy layers, ``nn.MultiheadAttention``'s ``out_proj`` (read directly, its ``forward`` never
+runs), layers with hooks or an instance ``forward`` (Accelerate's ``_hf_hook``) that the new
+layer would drop, and PEFT adapters (``lora_A`` / ``lora_B``; the wrapped ``base_layer`` is
+swapped).
 """
 
 from __future__ import annotations
@@ -104,6 +112,60 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
+def _exact_types() -> tuple[type, ...]:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers without GPT-2's Conv1D
+        return (nn.Linear,)
+    return (nn.Linear, Conv1D)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _unsafe_reason(name: str, module: nn.Module, parents: dict[str, nn.Module], allow_subclasses: bool) -> str:
+    """Why swapping ``module`` could change what the model computes ("" if it cannot)."""
+    parent = parents.get(name.rpartition(".")[0]) if name else None
+    if isinstance(parent, nn.MultiheadAttention):
+        return "used by nn.MultiheadAttention without its forward"
+    adapter = _peft_adapter_of(name, parents)
+    if adapter:
+        return f"PEFT adapter layer ({adapter})"
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin):
+        return "lazy layer (parameters not initialized)"
+    hooks = [h.strip("_") for h in _HOOK_DICTS if getattr(module, h, None)]
+    if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+        hooks.append("forward replaced on the instance")
+    if hooks:
+        return f"has hooks ({', '.join(hooks)}) the FP8 layer would not carry"
+    if type(module) not in _exact_types():
+        own_forward = type(module).forward is not _base_of(module).forward
+        extra = {n for n, _ in module.named_parameters(recurse=False)} | {n for n, _ in module.named_buffers(recurse=False)}
+        extra -= {"weight", "bias"}
+        if own_forward or extra or list(module.children()):
+            what = "its own forward" if own_forward else "state of its own"
+            return f"subclass {type(module).__name__} of {_base_of(module).__name__} with {what}"
+        if not allow_subclasses:
+            return f"subclass {type(module).__name__} of {_base_of(module).__name__} (allow_subclasses=True converts it)"
+    return ""
+
+
+def _base_of(module: nn.Module) -> type:
+    return nn.Linear if isinstance(module, nn.Linear) else next(t for t in _exact_types() if isinstance(module, t))
+
+
+def _peft_adapter_of(name: str, parents: dict[str, nn.Module]) -> str:
+    # PEFT's tuner layers (LoRA and others) wrap the original layer as ``base_layer`` and keep
+    # their adapters (lora_A, lora_B, ...) beside it: those must stay high precision and out of
+    # the FP8 state. Detected by the class's module, so that peft need not be imported.
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        ancestor = parents.get(".".join(parts[:depth]))
+        if ancestor is not None and type(ancestor).__module__.startswith("peft.") and hasattr(ancestor, "base_layer"):
+            return "" if parts[depth] == "base_layer" else parts[depth]
+    return ""
+
+
 def _output_embedding_ids(model: nn.Module) -> set[int]:
     ids = set()
     for module in model.modules():
@@ -140,6 +202,7 @@ def convert_model(
     exclude: Patterns = None,
     backend: str = "native",
     device: Union[str, torch.device, None] = None,
+    allow_subclasses: bool = False,
 ) -> ConversionReport:
     """Replace the model's ``nn.Linear`` / ``Conv1D`` layers with FP8 layers, in place.
 
@@ -157,6 +220,10 @@ def convert_model(
             given, only matching layers are candidates, and a match overrides the head rule.
         exclude: glob patterns; matching layers always stay high precision.
         backend: name of the layer backend (``"native"``).
+        allow_subclasses: also swap subclasses of ``nn.Linear`` / ``Conv1D`` that cannot compute
+            otherwise: no ``forward`` of their own, no parameters, buffers or children beyond
+            weight and bias, not lazy. Off by default: only exact ``nn.Linear`` and
+            transformers' ``Conv1D`` are swapped.
         device: the device training will run on, for which "auto" is resolved and the GEMM
             path chosen (once, here: a GEMM probe on GPUs); None means the model's device if it
             is not the CPU, else the current CUDA device if CUDA is available, else the CPU
@@ -166,7 +233,8 @@ def convert_model(
         A :class:`ConversionReport`; ``print()`` it for a table.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe, or bad pattern types.
+        TypeError: ``recipe`` is not a Recipe, bad pattern types, or a non-bool
+            ``allow_subclasses``.
         ValueError: unknown backend.
         RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
             ``fully_shard``).
@@ -182,8 +250,11 @@ def convert_model(
     heads = _output_embedding_ids(model)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
+    if not isinstance(allow_subclasses, bool):
+        raise TypeError(f"convert_model(allow_subclasses={allow_subclasses!r}) must be True or False")
     report = ConversionReport()
     replacements: dict[int, nn.Module] = {}
+    parents = dict(model.named_modules())
     for name, module in list(model.named_modules()):
         if isinstance(module, chosen.fp8_types):
             report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
@@ -195,7 +266,10 @@ def convert_model(
         in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
         kind = "Conv1D" if conv else type(module).__name__
         explicit = include_p is not None and _matches(name, include_p)
-        if include_p is not None and not explicit:
+        unsafe = _unsafe_reason(name, module, parents, allow_subclasses)
+        if unsafe:  # not even an explicit include swaps these: the model would compute otherwise
+            reason = unsafe
+        elif include_p is not None and not explicit:
             reason = "not matched by include"
         elif exclude_p is not None and _matches(name, exclude_p):
             reason = "matched by exclude"

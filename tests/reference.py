@@ -74,8 +74,6 @@ def train_losses(model, use_fp8: bool, steps: int = 6, lr: float = 1e-3, **batch
             opt.zero_grad()
             losses.append(loss.item())
     assert gemms.count == (steps * 3 * layers if use_fp8 else 0), (gemms.count, layers)
-    if use_fp8:
-        assert layers > 0
     return losses
 
 
