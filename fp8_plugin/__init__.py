@@ -1,15 +1,20 @@
 """fp8-plugin: FP8 mixed-precision training for Hugging Face models in Lightning and Accelerate.
 
-Importing the package also registers the Lightning precision strings ``"fp8-hybrid"`` and
-``"fp8-e4m3"`` and the recipe strings (see :mod:`fp8_plugin.lightning.precision_strings`).
+Importing the package does not import Lightning: it arranges for the Lightning precision strings
+(``"fp8-hybrid"``, ``"fp8-e4m3"``, the recipe strings) to be registered when Lightning is
+imported (see :mod:`fp8_plugin.lightning_hook`). ``fp8_plugin.FP8Precision`` and
+``fp8_plugin.FP8FSDPPrecision`` import Lightning when first used.
 """
+
+from typing import Any
+
 
 from .autocast import autocast, is_fp8_enabled, update_pending_scales
 from .convert import ConversionReport, convert_model
 from .device import DeviceReport, auto_recipe, describe_device
 from .formats import Format
 from .distributed import amax_reducer
-from .lightning import FP8FSDPPrecision, FP8Precision, register_precision_strings
+from .lightning_hook import install as _install_lightning_hook
 from .linear import FP8Linear
 from .recipes import (
     AutoRecipe,
@@ -42,7 +47,24 @@ __all__ = [
     "ConversionReport",
     "is_fp8_enabled",
     "update_pending_scales",
+    "register_precision_strings",
 ]
 __version__ = "0.1.0"
 
-register_precision_strings()
+# The Lightning names, imported on first use (PEP 562).
+_LIGHTNING_NAMES = ("FP8Precision", "FP8FSDPPrecision", "register_precision_strings")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_NAMES:
+        from . import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module 'fp8_plugin' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LIGHTNING_NAMES))
+
+
+_install_lightning_hook()

@@ -1,30 +1,25 @@
 """``Trainer(precision="fp8-hybrid")``: FP8 precision strings for Lightning.
 
 Lightning has no registry for precision strings: its accelerator connector accepts a fixed list.
-This module extends it in one place: ``_AcceleratorConnector._check_config_and_set_final_flags``
-is wrapped so that an ``"fp8-*"`` string becomes an :class:`FP8Precision` plugin (as if passed in
-``plugins=[...]``) before Lightning validates the flag. The wrap is applied once, on
-``import fp8_plugin``, and only to the Lightning versions it was written for.
+:mod:`fp8_plugin.lightning_hook` extends it in one place, when Lightning's connector is imported:
+an ``"fp8-*"`` string becomes the plugin :func:`precision_plugin_from_string` builds (as if
+passed in ``plugins=[...]``) before Lightning validates the flag, and only on the Lightning
+versions the wrap was written for.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Iterable
 from typing import Callable, Union
 
 import torch
-from packaging.version import Version
 
 from ..formats import Format
 from ..recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from ..lightning_hook import SUPPORTED_LIGHTNING, register
 from .precision import FP8FSDPPrecision, FP8Precision
 
 __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
 
-# Lightning versions whose connector has the method and signature wrapped here.
-SUPPORTED_LIGHTNING = (Version("2.4"), Version("3"))
 
 # precision string -> (recipe, compute dtype of the non-FP8 ops). Float16 turns loss scaling on.
 PRECISION_STRINGS: dict[str, tuple[Callable[[], Recipe], torch.dtype]] = {
@@ -78,51 +73,16 @@ def precision_plugin_from_string(
     return FP8Precision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower(), device=device)
 
 
-def _is_fp8_string(precision: object) -> bool:
-    return isinstance(precision, str) and precision.lower().startswith("fp8")
-
-
 def register_precision_strings() -> bool:
-    """Teach ``lightning.pytorch.Trainer`` the ``"fp8-*"`` precision strings. Idempotent.
+    """Teach ``lightning.pytorch.Trainer`` the ``"fp8-*"`` precision strings now. Idempotent.
+
+    ``import fp8_plugin`` already arranges this for when Lightning is imported
+    (:mod:`fp8_plugin.lightning_hook`); calling it imports Lightning's accelerator connector.
 
     Returns:
         True when the strings are registered; False (with a warning) on a Lightning version
         outside ``SUPPORTED_LIGHTNING``, where ``plugins=[FP8Precision()]`` still works.
     """
-    import lightning
-    from lightning.pytorch.plugins.precision import Precision
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    from lightning.pytorch.trainer.connectors import accelerator_connector
 
-    if getattr(_AcceleratorConnector, "_fp8_plugin_registered", False):
-        return True
-    low, high = SUPPORTED_LIGHTNING
-    version = Version(lightning.__version__)
-    if not low <= version < high:
-        warnings.warn(
-            f"fp8_plugin: lightning=={version} is outside the supported range [{low}, {high}); precision "
-            "strings 'fp8-*' are not registered. Use Trainer(plugins=[fp8_plugin.FP8Precision()]).",
-            stacklevel=2,
-        )
-        return False
-    original = _AcceleratorConnector._check_config_and_set_final_flags
-
-    @functools.wraps(original)
-    def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins, sync_batchnorm):
-        if _is_fp8_string(precision):
-            plugin = precision_plugin_from_string(precision, strategy, accelerator)
-            if plugins is None:
-                plugins = []
-            elif not isinstance(plugins, Iterable) or isinstance(plugins, (str, torch.nn.Module)):
-                plugins = [plugins]
-            plugins = list(plugins)
-            if any(isinstance(p, Precision) for p in plugins):
-                raise ValueError(
-                    f"Received both precision={precision!r} and a precision plugin in plugins={plugins}; choose one"
-                )
-            plugins.append(plugin)
-            precision = None
-        return original(self, strategy, accelerator, precision, plugins, sync_batchnorm)
-
-    _AcceleratorConnector._check_config_and_set_final_flags = _check_config_and_set_final_flags
-    _AcceleratorConnector._fp8_plugin_registered = True
-    return True
+    return register(accelerator_connector)

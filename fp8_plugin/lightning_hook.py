@@ -1,0 +1,162 @@
+"""Teach Lightning the ``"fp8-*"`` precision strings without importing Lightning.
+
+``import fp8_plugin`` must stay as light as torch and transformers: plain-PyTorch and Accelerate
+users never pay for Lightning. Lightning has no registry for precision strings (its accelerator
+connector accepts a fixed list), so the strings are added by wrapping one private method,
+``_AcceleratorConnector._check_config_and_set_final_flags``, at the moment Lightning's
+connector module is imported: at once if it already is, otherwise from a post-import hook (a
+``sys.meta_path`` finder for that one module). Nothing else of Lightning is touched, and the
+plugin classes are imported only when a Trainer is given an ``"fp8-*"`` string.
+
+This module imports nothing from Lightning. ``tests/test_lightning_import.py`` fails loudly if
+the wrapped method's name or parameters change.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import warnings
+from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
+from types import ModuleType
+from typing import Any, Optional, Sequence
+
+__all__ = ["CONNECTOR_MODULE", "WRAPPED_METHOD", "SUPPORTED_LIGHTNING", "install", "register"]
+
+CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.accelerator_connector"
+WRAPPED_METHOD = "_check_config_and_set_final_flags"
+# Lightning versions whose connector has the method and signature wrapped here: [low, high).
+SUPPORTED_LIGHTNING = ("2.4", "3")
+
+_lock = threading.Lock()
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+def _is_fp8_string(precision: object) -> bool:
+    return isinstance(precision, str) and precision.lower().startswith("fp8")
+
+
+def register(connector: ModuleType) -> bool:
+    """Wrap the connector's flag check so that ``"fp8-*"`` strings become FP8 plugins. Idempotent.
+
+    Args:
+        connector: the imported ``lightning.pytorch.trainer.connectors.accelerator_connector``.
+
+    Returns:
+        True when the strings are registered; False (with a warning) on a Lightning version
+        outside ``SUPPORTED_LIGHTNING``, where ``plugins=[fp8_plugin.FP8Precision()]`` still works.
+    """
+    cls = connector._AcceleratorConnector
+    with _lock:
+        if getattr(cls, "_fp8_plugin_registered", False):
+            return True
+        try:
+            found = version("lightning")
+        except PackageNotFoundError:  # a source checkout: trust the method check below
+            found = "0"
+        low, high = SUPPORTED_LIGHTNING
+        if found != "0" and not _version_tuple(low) <= _version_tuple(found) < _version_tuple(high):
+            warnings.warn(
+                f"fp8_plugin: lightning=={found} is outside the supported range [{low}, {high}); precision "
+                "strings 'fp8-*' are not registered. Use Trainer(plugins=[fp8_plugin.FP8Precision()]).",
+                stacklevel=2,
+            )
+            return False
+        original = getattr(cls, WRAPPED_METHOD)
+
+        @functools.wraps(original)
+        def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins, sync_batchnorm):
+            if _is_fp8_string(precision):
+                plugins = _with_fp8_plugin(precision, strategy, accelerator, plugins)
+                precision = None
+            return original(self, strategy, accelerator, precision, plugins, sync_batchnorm)
+
+        setattr(cls, WRAPPED_METHOD, _check_config_and_set_final_flags)
+        cls._fp8_plugin_registered = True
+        return True
+
+
+def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: Any) -> list:
+    # Imported here: Lightning is fully imported by the time a Trainer is built.
+    import torch
+    from lightning.pytorch.plugins.precision import Precision
+
+    from .lightning.precision_strings import precision_plugin_from_string
+
+    plugin = precision_plugin_from_string(precision, strategy, accelerator)
+    if plugins is None:
+        plugins = []
+    elif not isinstance(plugins, Iterable) or isinstance(plugins, (str, torch.nn.Module)):
+        plugins = [plugins]
+    plugins = list(plugins)
+    if any(isinstance(p, Precision) for p in plugins):
+        raise ValueError(f"Received both precision={precision!r} and a precision plugin in plugins={plugins}; choose one")
+    plugins.append(plugin)
+    return plugins
+
+
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Runs the real loader, then :func:`register` on the module it executed."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        register(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
+        return getattr(self._loader, name)
+
+
+class _ConnectorFinder(importlib.abc.MetaPathFinder):
+    """Finds Lightning's connector module through the other finders and wraps its loader."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None):
+        if fullname != CONNECTOR_MODULE:
+            return None
+        _uninstall(self)  # fire once; the other finders find the real spec
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _RegisterAfterExec(spec.loader)
+        return spec
+
+
+def _uninstall(finder: _ConnectorFinder) -> None:
+    with _lock:
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
+
+
+def install() -> None:
+    """Register now if Lightning's connector is imported, else when it is. Idempotent."""
+    connector = sys.modules.get(CONNECTOR_MODULE)
+    if connector is not None:
+        register(connector)
+        return
+    with _lock:
+        if not any(isinstance(f, _ConnectorFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ConnectorFinder())
