@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fp8_plugin as fp
+from fp8_plugin.gemm import force_path
 from fp8_plugin import DelayedScaling, Float8CurrentScaling, Format
 from reference import assert_within_bound, fp8_operand, gemm_error_bound, te_scale
 
@@ -17,15 +18,17 @@ def _amax(t):
     return t.detach().abs().max().item()
 
 
+@pytest.mark.parametrize("path", ["native", "emulated"])
 @pytest.mark.parametrize("fmt, grad_dtype", [(Format.HYBRID, E5M2), (Format.E4M3, E4M3)])
 @pytest.mark.parametrize("recipe_cls", [DelayedScaling, Float8CurrentScaling])
-def test_forward_dgrad_wgrad_match_float64_reference(recipe_cls, fmt, grad_dtype):
+def test_forward_dgrad_wgrad_match_float64_reference(recipe_cls, fmt, grad_dtype, path):
     layer = fp.FP8Linear(48, 32, recipe=recipe_cls(fp8_format=fmt))
     x = (torch.randn(4, 8, 48) * 3).requires_grad_()
     g = torch.randn(4, 8, 32) * 1e-3
-    with fp.autocast():
+    with force_path(path), fp.autocast():
         y = layer(x)
-    y.backward(g)
+    with force_path(path):
+        y.backward(g)
 
     # First step of delayed scaling and every step of current scaling: scale from own amax.
     xq = fp8_operand(x.detach(), te_scale(_amax(x), E4M3), E4M3)
