@@ -5,10 +5,11 @@
 - :class:`FP8FSDPPrecision` for ``FSDPStrategy``, which accepts ``FSDPPrecision`` plugins only;
   built on Lightning's ``FSDPPrecision`` (``ShardedGradScaler``).
 
-Both add the same FP8 behaviour (:class:`_FP8Behaviour`): ``convert_module`` swaps the linear
-layers with :func:`fp8_plugin.convert_model`; ``forward_context`` enters torch autocast (BF16 or
-FP16 for the non-FP8 ops) and :func:`fp8_plugin.autocast` with a MAX all-reduce of the step's
-amaxes when several ranks train; FP8 state (and the loss scaler's) travels in checkpoints.
+Both map Lightning's hooks onto the loop-neutral :class:`~fp8_plugin.training.FP8Training`
+(:class:`_FP8Behaviour`): ``convert_module`` swaps the linear layers; ``forward_context`` enters
+torch autocast (BF16 or FP16 for the non-FP8 ops) and :func:`fp8_plugin.autocast` with a MAX
+all-reduce of the step's amaxes when several ranks train; the amaxes are settled after each
+optimizer step; FP8 state (and the loss scaler's) travels in checkpoints.
 """
 
 from __future__ import annotations
@@ -23,69 +24,58 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from ..autocast import AmaxReducer, autocast
-from ..convert import ConversionReport, convert_model, fp8_state_dict
-from ..distributed import amax_reducer
-from ..linear import FP8Linear
+from ..autocast import AmaxReducer
+from ..convert import ConversionReport
 from ..quantizers import is_scaling_state_key
-from ..scaling_group import update_pending_scales
-from ..recipes import AutoRecipe, Recipe, check_recipe
+from ..recipes import Recipe
+from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 
-COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_KEY = "fp8_state"
 _SCALER_KEY = "loss_scaler"
 Patterns = Union[str, Sequence[str], None]
 
 
-def _check_arguments(plugin: str, recipe: Optional[Recipe], compute_dtype: torch.dtype) -> Recipe:
-    check_recipe(recipe, plugin)
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"{plugin}(compute_dtype={compute_dtype}) is not supported; valid: "
-            f"{', '.join(str(d) for d in COMPUTE_DTYPES)}"
-        )
-    return recipe if recipe is not None else AutoRecipe()
-
-
 class _FP8Behaviour:
-    """The FP8 half of both plugins; the other half (scaler, FSDP config) is Lightning's."""
+    """The Lightning half of both plugins' FP8 work; the work itself is :class:`FP8Training`, the
+    other half (scaler, FSDP config) is Lightning's."""
 
-    recipe: Recipe
-    include: Patterns
-    exclude: Patterns
-    compute_dtype: torch.dtype
-    amax_reduction_group: Optional["dist.ProcessGroup"]
+    fp8: FP8Training
     scaler: Optional["torch.amp.GradScaler"]
 
     def _init_fp8(self, recipe: Recipe, include: Patterns, exclude: Patterns, compute_dtype: torch.dtype,
                   amax_reduction_group: Optional["dist.ProcessGroup"], precision: str) -> None:
-        self.recipe = recipe
-        self.include = include
-        self.exclude = exclude
-        self.compute_dtype = compute_dtype
-        self.amax_reduction_group = amax_reduction_group
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group)
         self.precision = precision  # type: ignore[assignment]
-        self.report: Optional[ConversionReport] = None
-        self._module: Optional[nn.Module] = None
         self._device_type = "cpu"
-        self._reducer: Optional[AmaxReducer] = None
-        self._reducer_ready = False
         self._scale_before_step: Optional[torch.Tensor] = None
         self._skipped_steps: Optional[torch.Tensor] = None
 
+    @property
+    def recipe(self) -> Recipe:
+        return self.fp8.recipe
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.fp8.compute_dtype
+
+    @property
+    def report(self) -> Optional[ConversionReport]:
+        return self.fp8.report
+
+    @property
+    def _module(self) -> Optional[nn.Module]:
+        return self.fp8.module
+
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if module is self._module:  # fit then test/validate/predict: converted already
-            return module
-        self.report = convert_model(module, self.recipe, include=self.include, exclude=self.exclude)
-        self._module = module
-        # Every checkpoint Lightning writes takes the module's state from module.state_dict(),
-        # weights-only ones too (which skip on_save_checkpoint): keep it vanilla, so that
-        # load_from_checkpoint into a plain module works; FP8 state travels under this plugin's
-        # key (state_dict below), settled and identical on every rank.
-        module.register_state_dict_post_hook(_drop_fp8_state)
-        rank_zero_info(f"FP8 layers:\n{self.report}")
+        if self.fp8.convert(module):  # fit then test/validate/predict: converted once
+            rank_zero_info(f"FP8 layers:\n{self.report}")
+            # Every checkpoint Lightning writes takes the module's state from module.state_dict(),
+            # weights-only ones too (which skip on_save_checkpoint): keep it vanilla, so that
+            # load_from_checkpoint into a plain module works; FP8 state travels under this plugin's
+            # key (state_dict below), settled and identical on every rank.
+            module.register_state_dict_post_hook(_drop_fp8_state)
         return module
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
@@ -96,19 +86,11 @@ class _FP8Behaviour:
         return super().connect(model, optimizers, lr_schedulers)  # type: ignore[misc]
 
     def amax_reducer(self) -> Optional[AmaxReducer]:
-        """The MAX all-reduce of each step's amaxes (None on one rank); built once, when first
-        needed, because the process group exists only after the strategy set it up."""
-        if not self._reducer_ready:
-            self._reducer = amax_reducer(self.amax_reduction_group)
-            self._reducer_ready = True
-        return self._reducer
+        """The MAX all-reduce of each step's amaxes (None on one rank)."""
+        return self.fp8.amax_reducer()
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        if self.compute_dtype != torch.float32:
-            stack.enter_context(torch.autocast(self._device_type, dtype=self.compute_dtype))
-        stack.enter_context(autocast(enabled=True, reduce_amax=self.amax_reducer()))
-        return stack
+        return self.fp8.forward_context(self._device_type)
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         # The scale the backward used, kept on device: a lower scale after update() means the
@@ -119,11 +101,7 @@ class _FP8Behaviour:
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
-        # The step's amaxes become scales now, with the reduction: between steps (checkpoints,
-        # validation, the end of fit) the FP8 state is settled and the same on every rank. The
-        # next forward then finds nothing pending: still one amax reduction per step.
-        if self._module is not None:
-            update_pending_scales(self._module, self.amax_reducer())
+        self.fp8.after_optimizer_step()
         scale = getattr(self.scaler, "_scale", None)
         if scale is not None and self._scale_before_step is not None:
             skipped = (scale < self._scale_before_step).to(torch.int64)
@@ -148,18 +126,9 @@ class _FP8Behaviour:
 
         One host-device synchronisation; called at ``log_every_n_steps`` only.
         """
-        layers = [m for m in (self._module.modules() if self._module else ()) if isinstance(m, FP8Linear)]
-        if not layers:
+        metrics = self.fp8.metrics()
+        if not metrics:
             return {}
-        scales = torch.stack([m.fp8_state.scale for m in layers])
-        nonfinite = torch.stack([m.fp8_state.nonfinite_amax_count for m in layers]).sum()
-        values = torch.stack([scales.min(), scales.max(), nonfinite.to(scales.dtype)]).tolist()
-        metrics = {
-            "fp8/layers": float(len(layers)),
-            "fp8/scale_min": values[0],
-            "fp8/scale_max": values[1],
-            "fp8/nonfinite_amax": values[2],
-        }
         if self.scaler is not None:
             metrics["fp8/loss_scale"] = float(self.scaler.get_scale())
             metrics["fp8/skipped_steps"] = float(self.skipped_steps)
@@ -172,24 +141,13 @@ class _FP8Behaviour:
         if self._module is not None:
             # Lightning builds checkpoints on every rank: anything still pending (a save outside
             # the optimizer step) is applied with the same reduction the next forward would use.
-            update_pending_scales(self._module, self.amax_reducer())
-            state[_STATE_KEY] = fp8_state_dict(self._module)
+            state[_STATE_KEY] = self.fp8.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and _SCALER_KEY in state_dict:
             self.scaler.load_state_dict(state_dict[_SCALER_KEY])
-        saved = state_dict.get(_STATE_KEY)
-        if not saved:
-            return
-        if self._module is None:
-            raise RuntimeError(f"{type(self).__name__}.load_state_dict called before convert_module: no module to restore into")
-        result = self._module.load_state_dict(saved, strict=False)
-        if result.unexpected_keys:
-            raise RuntimeError(
-                "The checkpoint holds FP8 state for layers this model does not run in FP8: "
-                f"{result.unexpected_keys[:5]}; convert the same layers (include/exclude) as when it was saved"
-            )
+        self.fp8.load_state_dict(state_dict.get(_STATE_KEY), type(self).__name__)
 
 
 def _drop_fp8_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -249,7 +207,7 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         amax_reduction_group: Optional["dist.ProcessGroup"] = None,
         device: Optional[str] = None,
     ) -> None:
-        recipe = _check_arguments("FP8Precision", recipe, compute_dtype)
+        recipe = check_arguments("FP8Precision", recipe, compute_dtype)
         if loss_scaling is False and scaler is not None:
             raise ValueError("FP8Precision(loss_scaling=False, scaler=...) contradict each other; pass one")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -315,7 +273,7 @@ class FP8FSDPPrecision(_FP8Behaviour, FSDPPrecision):
         scaler: Optional[Any] = None,
         amax_reduction_group: Optional["dist.ProcessGroup"] = None,
     ) -> None:
-        recipe = _check_arguments("FP8FSDPPrecision", recipe, compute_dtype)
+        recipe = check_arguments("FP8FSDPPrecision", recipe, compute_dtype)
         base = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}[compute_dtype]
         super().__init__(base, scaler=scaler)
         self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision)

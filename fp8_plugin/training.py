@@ -1,0 +1,151 @@
+"""The FP8 work of a training loop, written once for every loop.
+
+Lightning's Trainer and Fabric plugins (and later Accelerate and the transformers Trainer) are
+thin adapters over :class:`FP8Training`: convert the model once, enter the forward context
+(torch autocast for the non-FP8 ops plus :func:`fp8_plugin.autocast` with the amax reducer),
+settle each step's amaxes after the optimizer step, save and restore FP8 state, report figures.
+Loss scaling stays with each loop's own mixed-precision machinery (torch's ``GradScaler``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .autocast import AmaxReducer, autocast
+from .convert import ConversionReport, convert_model, fp8_state_dict
+from .distributed import amax_reducer
+from .linear import FP8Linear
+from .recipes import AutoRecipe, Recipe, check_recipe
+from .scaling_group import update_pending_scales
+
+__all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
+
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+Patterns = Union[str, Sequence[str], None]
+
+
+def check_arguments(owner: str, recipe: Optional[Recipe], compute_dtype: torch.dtype) -> Recipe:
+    """The recipe to use (``AutoRecipe()`` for None), after checking both settings.
+
+    Raises:
+        TypeError: ``recipe`` is not a Recipe.
+        ValueError: ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
+    """
+    check_recipe(recipe, owner)
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"{owner}(compute_dtype={compute_dtype}) is not supported; valid: "
+            f"{', '.join(str(d) for d in COMPUTE_DTYPES)}"
+        )
+    return recipe if recipe is not None else AutoRecipe()
+
+
+class FP8Training:
+    """FP8 training of one model, independent of the training loop.
+
+    Args:
+        recipe: scaling recipe of the FP8 layers (an ``AutoRecipe`` is resolved at conversion).
+        include, exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
+        compute_dtype: dtype of the non-FP8 ops under torch autocast; float32 means no autocast.
+        amax_reduction_group: process group whose ranks share amaxes; None means the world.
+
+    Attributes:
+        module: the converted model (None before :meth:`convert`).
+        report: its :class:`~fp8_plugin.convert.ConversionReport`.
+    """
+
+    def __init__(self, recipe: Recipe, include: Patterns = None, exclude: Patterns = None,
+                 compute_dtype: torch.dtype = torch.bfloat16,
+                 amax_reduction_group: Optional["dist.ProcessGroup"] = None) -> None:
+        self.recipe = recipe
+        self.include = include
+        self.exclude = exclude
+        self.compute_dtype = compute_dtype
+        self.amax_reduction_group = amax_reduction_group
+        self.module: Optional[nn.Module] = None
+        self.report: Optional[ConversionReport] = None
+        self._reducer: Optional[AmaxReducer] = None
+        self._reducer_ready = False
+
+    def convert(self, module: nn.Module) -> bool:
+        """Swap ``module``'s linear layers for FP8 ones, once. Returns False if already done."""
+        if module is self.module:
+            return False
+        self.report = convert_model(module, self.recipe, include=self.include, exclude=self.exclude)
+        self.module = module
+        return True
+
+    def amax_reducer(self) -> Optional[AmaxReducer]:
+        """The MAX all-reduce of each step's amaxes (None on one rank); built once, when first
+        needed, because the process group exists only after the loop set it up."""
+        if not self._reducer_ready:
+            self._reducer = amax_reducer(self.amax_reduction_group)
+            self._reducer_ready = True
+        return self._reducer
+
+    def forward_context(self, device_type: Optional[str] = None) -> contextlib.AbstractContextManager:
+        """Torch autocast in ``compute_dtype`` for the non-FP8 ops, and the FP8 autocast.
+
+        Args:
+            device_type: the autocast device; None means the converted module's device.
+        """
+        stack = contextlib.ExitStack()
+        if self.compute_dtype != torch.float32:
+            stack.enter_context(torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype))
+        stack.enter_context(autocast(enabled=True, reduce_amax=self.amax_reducer()))
+        return stack
+
+    def _device_type(self) -> str:
+        param = next(self.module.parameters(), None) if self.module is not None else None
+        return param.device.type if param is not None else "cpu"
+
+    def after_optimizer_step(self) -> None:
+        """Apply the step's amaxes now, with the reduction: between steps (checkpoints,
+        validation, the end of training) the FP8 state is settled and the same on every rank.
+        The next forward then finds nothing pending: still one amax reduction per step."""
+        if self.module is not None:
+            update_pending_scales(self.module, self.amax_reducer())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The settled FP8 state of the module (every rank must call it: it may reduce)."""
+        if self.module is None:
+            return {}
+        update_pending_scales(self.module, self.amax_reducer())
+        return fp8_state_dict(self.module)
+
+    def load_state_dict(self, saved: dict[str, Any], owner: str) -> None:
+        """Restore what :meth:`state_dict` returned into the converted module.
+
+        Raises:
+            RuntimeError: no module converted yet, or state for layers that are not FP8 here.
+        """
+        if not saved:
+            return
+        if self.module is None:
+            raise RuntimeError(f"{owner}.load_state_dict called before convert_module: no module to restore into")
+        result = self.module.load_state_dict(saved, strict=False)
+        if result.unexpected_keys:
+            raise RuntimeError(
+                "The checkpoint holds FP8 state for layers this model does not run in FP8: "
+                f"{result.unexpected_keys[:5]}; convert the same layers (include/exclude) as when it was saved"
+            )
+
+    def metrics(self) -> dict[str, float]:
+        """Layer count, min/max scale and non-finite amaxes of the FP8 layers (one host sync)."""
+        layers = [m for m in (self.module.modules() if self.module else ()) if isinstance(m, FP8Linear)]
+        if not layers:
+            return {}
+        scales = torch.stack([m.fp8_state.scale for m in layers])
+        nonfinite = torch.stack([m.fp8_state.nonfinite_amax_count for m in layers]).sum()
+        values = torch.stack([scales.min(), scales.max(), nonfinite.to(scales.dtype)]).tolist()
+        return {
+            "fp8/layers": float(len(layers)),
+            "fp8/scale_min": values[0],
+            "fp8/scale_max": values[1],
+            "fp8/nonfinite_amax": values[2],
+        }
