@@ -1,12 +1,13 @@
-"""Teach Lightning the ``"fp8-*"`` precision strings without importing Lightning.
+"""Teach Lightning's Trainer and Fabric the ``"fp8-*"`` precision strings without importing Lightning.
 
 ``import fp8_plugin`` must stay as light as torch and transformers: plain-PyTorch and Accelerate
 users never pay for Lightning. Lightning has no registry for precision strings (its accelerator
 connector accepts a fixed list), so the strings are added by wrapping one private method,
-``_AcceleratorConnector._check_config_and_set_final_flags``, at the moment Lightning's
-connector module is imported: at once if it already is, otherwise from a post-import hook (a
-``sys.meta_path`` finder for that one module). Nothing else of Lightning is touched, and the
-plugin classes are imported only when a Trainer is given an ``"fp8-*"`` string.
+``_check_config_and_set_final_flags`` of the Trainer's ``_AcceleratorConnector`` and of Fabric's
+``_Connector``, at the moment each connector module is imported: at once if it already is,
+otherwise from a post-import hook (a ``sys.meta_path`` finder for those two modules). Nothing
+else of Lightning is touched, and the plugin classes are imported only when a Trainer or Fabric
+is given an ``"fp8-*"`` string.
 
 This module imports nothing from Lightning. ``tests/test_lightning_import.py`` fails loudly if
 the wrapped method's name or parameters change.
@@ -25,9 +26,10 @@ from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
-__all__ = ["CONNECTOR_MODULE", "WRAPPED_METHOD", "SUPPORTED_LIGHTNING", "install", "register"]
+__all__ = ["CONNECTOR_MODULE", "FABRIC_CONNECTOR_MODULE", "WRAPPED_METHOD", "SUPPORTED_LIGHTNING", "install", "register"]
 
 CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.accelerator_connector"
+FABRIC_CONNECTOR_MODULE = "lightning.fabric.connector"
 WRAPPED_METHOD = "_check_config_and_set_final_flags"
 # Lightning versions whose connector has the method and signature wrapped here: [low, high).
 SUPPORTED_LIGHTNING = ("2.4", "3")
@@ -52,16 +54,19 @@ def _is_fp8_string(precision: object) -> bool:
 
 
 def register(connector: ModuleType) -> bool:
-    """Wrap the connector's flag check so that ``"fp8-*"`` strings become FP8 plugins. Idempotent.
+    """Wrap a connector's flag check so that ``"fp8-*"`` strings become FP8 plugins. Idempotent.
 
     Args:
-        connector: the imported ``lightning.pytorch.trainer.connectors.accelerator_connector``.
+        connector: the imported ``lightning.pytorch.trainer.connectors.accelerator_connector``
+            (Trainer) or ``lightning.fabric.connector`` (Fabric).
 
     Returns:
         True when the strings are registered; False (with a warning) on a Lightning version
-        outside ``SUPPORTED_LIGHTNING``, where ``plugins=[fp8_plugin.FP8Precision()]`` still works.
+        outside ``SUPPORTED_LIGHTNING``, where ``plugins=[fp8_plugin.FP8Precision()]`` (or
+        ``fp8_plugin.fabric.FP8Precision()``) still works.
     """
-    cls = connector._AcceleratorConnector
+    fabric = connector.__name__ == FABRIC_CONNECTOR_MODULE
+    cls = connector._Connector if fabric else connector._AcceleratorConnector
     with _lock:
         if getattr(cls, "_fp8_plugin_registered", False):
             return True
@@ -73,30 +78,47 @@ def register(connector: ModuleType) -> bool:
         if found != "0" and not _version_tuple(low) <= _version_tuple(found) < _version_tuple(high):
             warnings.warn(
                 f"fp8_plugin: lightning=={found} is outside the supported range [{low}, {high}); precision "
-                "strings 'fp8-*' are not registered. Use Trainer(plugins=[fp8_plugin.FP8Precision()]).",
+                "strings 'fp8-*' are not registered. Use plugins=[fp8_plugin.FP8Precision()] (Trainer) or "
+                "plugins=[fp8_plugin.fabric.FP8Precision()] (Fabric).",
                 stacklevel=2,
             )
             return False
         original = getattr(cls, WRAPPED_METHOD)
+        if fabric:
 
-        @functools.wraps(original)
-        def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins, sync_batchnorm):
-            if _is_fp8_string(precision):
-                plugins = _with_fp8_plugin(precision, strategy, accelerator, plugins)
-                precision = None
-            return original(self, strategy, accelerator, precision, plugins, sync_batchnorm)
+            @functools.wraps(original)
+            def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins):
+                if _is_fp8_string(precision):
+                    plugins = _with_fp8_plugin(precision, strategy, accelerator, plugins, fabric=True)
+                    precision = None
+                return original(self, strategy, accelerator, precision, plugins)
+
+        else:
+
+            @functools.wraps(original)
+            def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins, sync_batchnorm):
+                if _is_fp8_string(precision):
+                    plugins = _with_fp8_plugin(precision, strategy, accelerator, plugins, fabric=False)
+                    precision = None
+                return original(self, strategy, accelerator, precision, plugins, sync_batchnorm)
 
         setattr(cls, WRAPPED_METHOD, _check_config_and_set_final_flags)
         cls._fp8_plugin_registered = True
         return True
 
 
-def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: Any) -> list:
-    # Imported here: Lightning is fully imported by the time a Trainer is built.
+def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: Any, fabric: bool) -> list:
+    # Imported here: Lightning is fully imported by the time a Trainer or Fabric is built.
     import torch
-    from lightning.pytorch.plugins.precision import Precision
 
-    from .lightning.precision_strings import precision_plugin_from_string
+    if fabric:
+        from lightning.fabric.plugins.precision import Precision
+
+        from .fabric import precision_plugin_from_string
+    else:
+        from lightning.pytorch.plugins.precision import Precision
+
+        from .lightning.precision_strings import precision_plugin_from_string
 
     plugin = precision_plugin_from_string(precision, strategy, accelerator)
     if plugins is None:
@@ -128,10 +150,13 @@ class _RegisterAfterExec(importlib.abc.Loader):
 
 
 class _ConnectorFinder(importlib.abc.MetaPathFinder):
-    """Finds Lightning's connector module through the other finders and wraps its loader."""
+    """Finds one Lightning connector module through the other finders and wraps its loader."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None):
-        if fullname != CONNECTOR_MODULE:
+        if fullname != self.module:
             return None
         _uninstall(self)  # fire once; the other finders find the real spec
         for finder in sys.meta_path:
@@ -152,11 +177,12 @@ def _uninstall(finder: _ConnectorFinder) -> None:
 
 
 def install() -> None:
-    """Register now if Lightning's connector is imported, else when it is. Idempotent."""
-    connector = sys.modules.get(CONNECTOR_MODULE)
-    if connector is not None:
-        register(connector)
-        return
-    with _lock:
-        if not any(isinstance(f, _ConnectorFinder) for f in sys.meta_path):
-            sys.meta_path.insert(0, _ConnectorFinder())
+    """Register now for each connector already imported, else when it is. Idempotent."""
+    for module in (CONNECTOR_MODULE, FABRIC_CONNECTOR_MODULE):
+        connector = sys.modules.get(module)
+        if connector is not None:
+            register(connector)
+            continue
+        with _lock:
+            if not any(isinstance(f, _ConnectorFinder) and f.module == module for f in sys.meta_path):
+                sys.meta_path.insert(0, _ConnectorFinder(module))

@@ -70,3 +70,22 @@ def test_the_wrapped_private_lightning_method_is_as_expected():
     method = getattr(_AcceleratorConnector, WRAPPED_METHOD)
     params = list(inspect.signature(inspect.unwrap(method)).parameters)
     assert params == ["self", "strategy", "accelerator", "precision", "plugins", "sync_batchnorm"]
+
+
+def test_fabric_precision_strings_work_after_import_fp8_plugin():
+    out = _run("""
+        import fp8_plugin
+        import lightning as L
+        fabric = L.Fabric(precision="fp8-current", accelerator="cpu", devices=1)
+        print(type(fabric._precision).__name__, type(fabric._precision.fp8.recipe).__name__)
+    """)
+    assert out == "FP8Precision Float8CurrentScaling"
+
+
+def test_the_wrapped_private_fabric_method_is_as_expected():
+    from lightning.fabric.connector import _Connector
+
+    from fp8_plugin.lightning_hook import WRAPPED_METHOD
+
+    params = list(inspect.signature(inspect.unwrap(getattr(_Connector, WRAPPED_METHOD))).parameters)
+    assert params == ["self", "strategy", "accelerator", "precision", "plugins"]

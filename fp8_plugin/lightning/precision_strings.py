@@ -9,37 +9,13 @@ versions the wrap was written for.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Union
 
-import torch
-
-from ..formats import Format
-from ..recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 from ..lightning_hook import SUPPORTED_LIGHTNING, register
+from ..precision_strings import PRECISION_STRINGS, parse_precision_string
 from .precision import FP8FSDPPrecision, FP8Precision
 
 __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
-
-
-# precision string -> (recipe, compute dtype of the non-FP8 ops). Float16 turns loss scaling on.
-PRECISION_STRINGS: dict[str, tuple[Callable[[], Recipe], torch.dtype]] = {
-    # The best native recipe for the device ("auto": MXFP8 on Blackwell, delayed scaling
-    # elsewhere), E4M3 forward / E5M2 backward, BF16 for the non-FP8 ops.
-    "fp8-hybrid": (lambda: AutoRecipe(fp8_format=Format.HYBRID), torch.bfloat16),
-    # "auto" with E4M3 in both passes.
-    "fp8-e4m3": (lambda: AutoRecipe(fp8_format=Format.E4M3), torch.bfloat16),
-    # The same with FP16 for the non-FP8 ops and dynamic loss scaling (GPUs without BF16).
-    "fp8-hybrid-float16": (lambda: AutoRecipe(fp8_format=Format.HYBRID), torch.float16),
-    "fp8-e4m3-float16": (lambda: AutoRecipe(fp8_format=Format.E4M3), torch.float16),
-    # Per-tensor delayed scaling (amax history), HYBRID, on every device.
-    "fp8-delayed": (DelayedScaling, torch.bfloat16),
-    # Per-tensor current scaling, HYBRID.
-    "fp8-current": (Float8CurrentScaling, torch.bfloat16),
-    # OCP MXFP8: E8M0 scale per 32 values, E4M3 (TE's default).
-    "fp8-mxfp8": (MXFP8BlockScaling, torch.bfloat16),
-    # DeepSeek-V3 style 1x128 / 128x128 blocks, FP32 power-of-two scales, E4M3.
-    "fp8-blockwise": (Float8BlockScaling, torch.bfloat16),
-}
 
 
 def precision_plugin_from_string(
@@ -54,11 +30,7 @@ def precision_plugin_from_string(
         ValueError: unknown ``fp8-*`` string (the message lists the valid ones), or a DeepSpeed
             strategy (not supported: DeepSpeed owns mixed precision and the optimizer step).
     """
-    entry = PRECISION_STRINGS.get(precision.lower())
-    if entry is None:
-        raise ValueError(
-            f"precision={precision!r} is not a valid FP8 precision; valid: {', '.join(PRECISION_STRINGS)}"
-        )
+    make_recipe, compute_dtype = parse_precision_string(precision)
     name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
     if "deepspeed" in name:
         raise ValueError(
@@ -66,7 +38,6 @@ def precision_plugin_from_string(
             "mixed precision and loss scaling. Valid strategies: 'auto', 'ddp', 'fsdp', ModelParallelStrategy "
             "(FSDP2), or a single device"
         )
-    make_recipe, compute_dtype = entry
     if name.startswith("fsdp"):
         return FP8FSDPPrecision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower())
     device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None

@@ -1,0 +1,119 @@
+"""Lightning Fabric: ``Fabric(precision="fp8-hybrid")`` or ``Fabric(plugins=[FP8Precision()])``.
+
+A thin adapter of :class:`~fp8_plugin.training.FP8Training` onto Fabric's precision hooks, built
+on Fabric's ``MixedPrecision`` (its ``GradScaler`` steps for float16). ``fabric.setup(model)``
+converts the model; each forward of the set-up model runs in torch autocast plus
+:func:`fp8_plugin.autocast` (with the amax all-reduce when several ranks train);
+``fabric.backward`` and the optimizer step are Fabric's, and each step's amaxes become scales
+right after the step. FP8 state is part of the model's own ``state_dict()`` (each FP8 layer's
+``fp8_state._extra_state``), so ``fabric.save(path, {"model": model, ...})`` and
+``fabric.load`` carry it in the user's checkpoint dict, with nothing to add.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision import MixedPrecision
+from torch import nn
+from typing_extensions import override
+
+from .convert import ConversionReport
+from .precision_strings import parse_precision_string
+from .recipes import Recipe
+from .training import FP8Training, check_arguments
+
+__all__ = ["FP8Precision", "precision_plugin_from_string"]
+
+Patterns = Union[str, Sequence[str], None]
+
+
+class FP8Precision(MixedPrecision):
+    """FP8 training for ``lightning.fabric``.
+
+    Args:
+        recipe: scaling recipe of the FP8 layers; default ``AutoRecipe()`` (HYBRID), resolved
+            when the model is set up (``self.report.recipe`` holds the one chosen).
+        include, exclude: module-name glob patterns passed to :func:`fp8_plugin.convert_model`.
+        compute_dtype: dtype of the non-FP8 ops: ``torch.bfloat16`` (default), ``torch.float16``
+            (dynamic loss scaling with ``torch.amp.GradScaler``) or ``torch.float32`` (no autocast,
+            inputs left as they are).
+        precision: the name the plugin reports as its ``precision``.
+        scaler: the ``torch.amp.GradScaler`` for float16; default one.
+        amax_reduction_group: process group whose ranks share amaxes; None means the world.
+        device: device type of autocast and the scaler; None means "cuda" when CUDA is
+            available, else "cpu".
+
+    Raises:
+        TypeError: ``recipe`` is not a Recipe.
+        ValueError: ``compute_dtype`` is not bfloat16, float16 or float32, or a ``scaler`` with
+            another compute dtype than float16.
+    """
+
+    def __init__(
+        self,
+        recipe: Optional[Recipe] = None,
+        *,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        precision: str = "fp8-hybrid",
+        scaler: Optional["torch.amp.GradScaler"] = None,
+        amax_reduction_group: Optional["dist.ProcessGroup"] = None,
+        device: Optional[str] = None,
+    ) -> None:
+        recipe = check_arguments("fabric.FP8Precision", recipe, compute_dtype)
+        if scaler is not None and compute_dtype != torch.float16:
+            raise ValueError(f"fabric.FP8Precision(scaler=...) needs compute_dtype=torch.float16, got {compute_dtype}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__("16-mixed" if compute_dtype == torch.float16 else "bf16-mixed", device=device, scaler=scaler)
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group)
+        self.precision = precision  # type: ignore[assignment]
+
+    @property
+    def report(self) -> Optional[ConversionReport]:
+        """What the conversion swapped, and why not the rest (None before ``fabric.setup``)."""
+        return self.fp8.report
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        self.fp8.convert(module)
+        return module
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.fp8.forward_context(self.device)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return data if self.fp8.compute_dtype == torch.float32 else super().convert_input(data)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.fp8.after_optimizer_step()
+        return output
+
+    def fp8_metrics(self) -> dict[str, float]:
+        """FP8 figures of the set-up model (one host sync): see ``FP8Training.metrics``."""
+        return self.fp8.metrics()
+
+
+def precision_plugin_from_string(precision: str, strategy: object = None, accelerator: object = None) -> FP8Precision:
+    """The Fabric plugin an ``"fp8-*"`` string names.
+
+    Raises:
+        ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy.
+    """
+    make_recipe, compute_dtype = parse_precision_string(precision)
+    name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
+    if "deepspeed" in name:
+        raise ValueError(
+            f"precision={precision!r} with strategy={strategy!r} is not supported: DeepSpeed runs its own mixed "
+            "precision and loss scaling. Valid strategies: 'auto', 'ddp', or a single device"
+        )
+    device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None
+    return FP8Precision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower(), device=device)

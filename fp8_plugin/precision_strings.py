@@ -1,0 +1,49 @@
+"""The ``"fp8-*"`` precision strings, shared by every training loop that takes one.
+
+Each names a recipe and the dtype of the non-FP8 ops; float16 turns dynamic loss scaling on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .formats import Format
+from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+
+__all__ = ["PRECISION_STRINGS", "parse_precision_string"]
+
+# precision string -> (recipe, compute dtype of the non-FP8 ops). Float16 turns loss scaling on.
+PRECISION_STRINGS: dict[str, tuple[Callable[[], Recipe], torch.dtype]] = {
+    # The best native recipe for the device ("auto": MXFP8 on Blackwell, delayed scaling
+    # elsewhere), E4M3 forward / E5M2 backward, BF16 for the non-FP8 ops.
+    "fp8-hybrid": (lambda: AutoRecipe(fp8_format=Format.HYBRID), torch.bfloat16),
+    # "auto" with E4M3 in both passes.
+    "fp8-e4m3": (lambda: AutoRecipe(fp8_format=Format.E4M3), torch.bfloat16),
+    # The same with FP16 for the non-FP8 ops and dynamic loss scaling (GPUs without BF16).
+    "fp8-hybrid-float16": (lambda: AutoRecipe(fp8_format=Format.HYBRID), torch.float16),
+    "fp8-e4m3-float16": (lambda: AutoRecipe(fp8_format=Format.E4M3), torch.float16),
+    # Per-tensor delayed scaling (amax history), HYBRID, on every device.
+    "fp8-delayed": (DelayedScaling, torch.bfloat16),
+    # Per-tensor current scaling, HYBRID.
+    "fp8-current": (Float8CurrentScaling, torch.bfloat16),
+    # OCP MXFP8: E8M0 scale per 32 values, E4M3 (TE's default).
+    "fp8-mxfp8": (MXFP8BlockScaling, torch.bfloat16),
+    # DeepSeek-V3 style 1x128 / 128x128 blocks, FP32 power-of-two scales, E4M3.
+    "fp8-blockwise": (Float8BlockScaling, torch.bfloat16),
+}
+
+
+def parse_precision_string(precision: str) -> tuple[Callable[[], Recipe], torch.dtype]:
+    """``(recipe factory, compute dtype)`` of an ``"fp8-*"`` string (case-insensitive).
+
+    Raises:
+        ValueError: unknown string; the message lists the valid ones.
+    """
+    entry = PRECISION_STRINGS.get(precision.lower())
+    if entry is None:
+        raise ValueError(
+            f"precision={precision!r} is not a valid FP8 precision; valid: {', '.join(PRECISION_STRINGS)}"
+        )
+    return entry
