@@ -156,9 +156,37 @@ def fit(out: Path, run: str, precision, fsdp2: bool, inf_grad_step: int = -1, ck
     torch.save(result, out / f"{run}-rank{trainer.global_rank}.pt")
 
 
+def fit_fabric(out: Path) -> None:
+    """Fabric DDP: each rank its own half of every global batch, as with the Trainer."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", precision="fp8-hybrid")
+    fabric.launch()
+    model = MLP().net
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    losses, reduces = [], []
+    for _ in range(STEPS // 3):
+        for x, y in loader(world):
+            seen = len(MAX_ALL_REDUCES)
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            reduces.append(MAX_ALL_REDUCES[seen:])
+    state = {name: {k: v.clone() for k, v in m.fp8_state.tensors().items()}
+             for name, m in model.module.named_modules() if isinstance(m, FP8Linear)}
+    result = {"fp8_state": state, "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()
+                                              if ".fp8_state." not in k},
+              "losses": losses, "max_all_reduces": reduces}
+    torch.save(result, out / f"fabric-rank{fabric.global_rank}.pt")
+
+
 def run(scenario: str, out: Path) -> None:
     fsdp2 = scenario == "fsdp2"
-    if scenario == "fp16":
+    if scenario == "fabric-ddp":
+        fit_fabric(out)
+    elif scenario == "fp16":
         fit(out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
     elif scenario == "single":
         fit(out, "single", "fp8-hybrid", False)
@@ -175,7 +203,7 @@ def run(scenario: str, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ddp", "ddp-local", "single", "fp16", "fsdp2"])
+    parser.add_argument("scenario", choices=["ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp"])
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     run(args.scenario, args.out)

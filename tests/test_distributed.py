@@ -158,3 +158,12 @@ def test_fp16_loss_scaling_skips_an_overflow_on_one_rank_on_every_rank(fp16):
         assert run["loss_scales"] == [2.0**16] * 3 + [2.0**15] * 3  # backoff 0.5, growth after 2000
         assert run["skipped_steps"] == 1
     assert_ranks_identical(fp16, "fp16")
+
+
+def test_fabric_ddp_ranks_end_identical_with_one_amax_all_reduce_per_step(tmp_path):
+    runs = run_worker("fabric-ddp", tmp_path)
+    assert_ranks_identical(runs, "fabric")
+    r0, r1 = runs["fabric-rank0"], runs["fabric-rank1"]
+    assert r0["losses"] != r1["losses"]  # different samples: the reduction made the scales agree
+    # Step 1 reduces at its optimizer step (2 layers x 3 roles), and so does every later one.
+    assert r0["max_all_reduces"] == r1["max_all_reduces"] == [[6]] * 6
