@@ -22,7 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from .convert import ConversionReport
-from .precision_strings import parse_precision_string
+from .precision_strings import settings_for_loop
 from .recipes import Recipe
 from .training import FP8Training, check_arguments
 
@@ -108,12 +108,6 @@ def precision_plugin_from_string(precision: str, strategy: object = None, accele
     Raises:
         ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy.
     """
-    make_recipe, compute_dtype = parse_precision_string(precision)
-    name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
-    if "deepspeed" in name:
-        raise ValueError(
-            f"precision={precision!r} with strategy={strategy!r} is not supported: DeepSpeed runs its own mixed "
-            "precision and loss scaling. Valid strategies: 'auto', 'ddp', or a single device"
-        )
-    device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None
-    return FP8Precision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower(), device=device)
+    settings = settings_for_loop(precision, strategy, accelerator, "'auto', 'ddp', or a single device")
+    return FP8Precision(settings.make_recipe(), compute_dtype=settings.compute_dtype, precision=precision.lower(),
+                        device=settings.device)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 import threading
 import warnings
@@ -26,11 +27,13 @@ from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
-__all__ = ["CONNECTOR_MODULE", "FABRIC_CONNECTOR_MODULE", "WRAPPED_METHOD", "SUPPORTED_LIGHTNING", "install", "register"]
+__all__ = ["CONNECTOR_MODULE", "FABRIC_CONNECTOR_MODULE", "WRAPPED_METHOD", "WRAPPED_PARAMETERS", "SUPPORTED_LIGHTNING", "install", "register"]
 
 CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.accelerator_connector"
 FABRIC_CONNECTOR_MODULE = "lightning.fabric.connector"
 WRAPPED_METHOD = "_check_config_and_set_final_flags"
+# Its parameters in the Trainer's connector; Fabric's lacks the last one.
+WRAPPED_PARAMETERS = ("self", "strategy", "accelerator", "precision", "plugins", "sync_batchnorm")
 # Lightning versions whose connector has the method and signature wrapped here: [low, high).
 SUPPORTED_LIGHTNING = ("2.4", "3")
 
@@ -62,11 +65,13 @@ def register(connector: ModuleType) -> bool:
 
     Returns:
         True when the strings are registered; False (with a warning) on a Lightning version
-        outside ``SUPPORTED_LIGHTNING``, where ``plugins=[fp8_plugin.FP8Precision()]`` (or
-        ``fp8_plugin.fabric.FP8Precision()``) still works.
+        outside ``SUPPORTED_LIGHTNING`` or whose connector lacks the wrapped method with the
+        expected parameters, where ``plugins=[fp8_plugin.FP8Precision()]`` (or
+        ``fp8_plugin.fabric.FP8Precision()``) still works. It never raises for a changed
+        Lightning: it runs inside ``import lightning``, which must not fail because of it.
     """
     fabric = connector.__name__ == FABRIC_CONNECTOR_MODULE
-    cls = connector._Connector if fabric else connector._AcceleratorConnector
+    cls = getattr(connector, "_Connector" if fabric else "_AcceleratorConnector", None)
     with _lock:
         if getattr(cls, "_fp8_plugin_registered", False):
             return True
@@ -83,7 +88,17 @@ def register(connector: ModuleType) -> bool:
                 stacklevel=2,
             )
             return False
-        original = getattr(cls, WRAPPED_METHOD)
+        # The one private Lightning API used here (tests/test_lightning_import.py pins it).
+        expected = WRAPPED_PARAMETERS[:-1] if fabric else WRAPPED_PARAMETERS
+        original = getattr(cls, WRAPPED_METHOD, None)
+        if original is None or tuple(inspect.signature(original).parameters) != expected:
+            warnings.warn(
+                f"fp8_plugin: lightning=={found} has no {connector.__name__}.{getattr(cls, '__name__', '?')}."
+                f"{WRAPPED_METHOD}{expected}; precision strings 'fp8-*' are not registered. Use "
+                "plugins=[fp8_plugin.FP8Precision()] (Trainer) or plugins=[fp8_plugin.fabric.FP8Precision()] (Fabric).",
+                stacklevel=2,
+            )
+            return False
         if fabric:
 
             @functools.wraps(original)
@@ -139,10 +154,15 @@ class _RegisterAfterExec(importlib.abc.Loader):
         self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        return self._loader.create_module(spec)
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
 
     def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
+        try:
+            self._loader.exec_module(module)
+        except BaseException:
+            install()  # the import failed and the finder is gone: register when it is retried
+            raise
         register(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...

@@ -5,14 +5,14 @@ Each names a recipe and the dtype of the non-FP8 ops; float16 turns dynamic loss
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .formats import Format
 from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["PRECISION_STRINGS", "parse_precision_string"]
+__all__ = ["PRECISION_STRINGS", "parse_precision_string", "StringSettings", "settings_for_loop"]
 
 # precision string -> (recipe, compute dtype of the non-FP8 ops). Float16 turns loss scaling on.
 PRECISION_STRINGS: dict[str, tuple[Callable[[], Recipe], torch.dtype]] = {
@@ -47,3 +47,32 @@ def parse_precision_string(precision: str) -> tuple[Callable[[], Recipe], torch.
             f"precision={precision!r} is not a valid FP8 precision; valid: {', '.join(PRECISION_STRINGS)}"
         )
     return entry
+
+
+class StringSettings(NamedTuple):
+    """What an ``"fp8-*"`` string means for one loop: recipe factory, compute dtype, the
+    strategy's name (lower case) and the device type the plugin should target (None: default)."""
+
+    make_recipe: Callable[[], Recipe]
+    compute_dtype: torch.dtype
+    strategy: str
+    device: Optional[str]
+
+
+def settings_for_loop(precision: str, strategy: object, accelerator: object, valid_strategies: str) -> StringSettings:
+    """Parse ``precision`` for a loop given its ``strategy`` and ``accelerator`` flags.
+
+    Raises:
+        ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy (not
+            supported: DeepSpeed owns mixed precision and the optimizer step); the message lists
+            ``valid_strategies``.
+    """
+    make_recipe, compute_dtype = parse_precision_string(precision)
+    name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
+    if "deepspeed" in name:
+        raise ValueError(
+            f"precision={precision!r} with strategy={strategy!r} is not supported: DeepSpeed runs its own "
+            f"mixed precision and loss scaling. Valid strategies: {valid_strategies}"
+        )
+    device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None
+    return StringSettings(make_recipe, compute_dtype, name, device)

@@ -65,11 +65,12 @@ def test_the_wrapped_private_lightning_method_is_as_expected():
     # The one private Lightning API used: fail loudly if its name or parameters change.
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    from fp8_plugin.lightning_hook import WRAPPED_METHOD
+    from fp8_plugin.lightning_hook import WRAPPED_METHOD, WRAPPED_PARAMETERS
 
     method = getattr(_AcceleratorConnector, WRAPPED_METHOD)
     params = list(inspect.signature(inspect.unwrap(method)).parameters)
     assert params == ["self", "strategy", "accelerator", "precision", "plugins", "sync_batchnorm"]
+    assert tuple(params) == WRAPPED_PARAMETERS  # what register() checks at run time
 
 
 def test_fabric_precision_strings_work_after_import_fp8_plugin():
@@ -89,3 +90,68 @@ def test_the_wrapped_private_fabric_method_is_as_expected():
 
     params = list(inspect.signature(inspect.unwrap(getattr(_Connector, WRAPPED_METHOD))).parameters)
     assert params == ["self", "strategy", "accelerator", "precision", "plugins"]
+
+
+def test_a_changed_private_method_warns_and_import_lightning_still_works():
+    # A Lightning that renamed the method: the strings are not registered, Lightning is not broken.
+    out = _run("""
+        import warnings, fp8_plugin
+        from fp8_plugin import lightning_hook
+        lightning_hook.WRAPPED_METHOD = "_renamed_by_a_future_lightning"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import lightning as L
+        trainer = L.Trainer(plugins=[fp8_plugin.FP8Precision()], accelerator="cpu", logger=False)
+        print(type(trainer.precision_plugin).__name__, any("are not registered" in str(w.message) for w in caught))
+    """)
+    assert out == "FP8Precision True"
+
+
+def test_the_hook_is_installed_once_and_removed_after_it_fired():
+    out = _run("""
+        import sys, fp8_plugin
+        from fp8_plugin import lightning_hook
+        lightning_hook.install()
+        count = lambda: sum(isinstance(f, lightning_hook._ConnectorFinder) for f in sys.meta_path)
+        before = count()
+        import lightning, json, xml.dom.minidom
+        print(before, count())
+    """)
+    assert out == "2 0"
+
+
+def test_a_failed_connector_import_leaves_the_hook_for_the_retry():
+    out = _run("""
+        import importlib.machinery, sys, fp8_plugin
+        from fp8_plugin.lightning_hook import CONNECTOR_MODULE
+
+        class FailsOnce:  # a loader whose first exec fails (say, a broken optional dependency)
+            failed = False
+            def __init__(self, loader): self.loader = loader
+            def create_module(self, spec): return None
+            def exec_module(self, module):
+                if not FailsOnce.failed:
+                    FailsOnce.failed = True
+                    raise ImportError("simulated")
+                self.loader.exec_module(module)
+
+        class Finder:  # behind fp8_plugin's finder, as any other finder would be
+            def find_spec(self, name, path, target=None):
+                if name != CONNECTOR_MODULE:
+                    return None
+                spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+                spec.loader = FailsOnce(spec.loader)
+                return spec
+
+        sys.meta_path.insert(1, Finder())
+        try:
+            import lightning
+        except ImportError as err:
+            print("first import:", err)
+        for name in [m for m in sys.modules if m.startswith("lightning")]:
+            del sys.modules[name]
+        import lightning as L
+        trainer = L.Trainer(precision="fp8-hybrid", accelerator="cpu", logger=False, enable_checkpointing=False)
+        print(type(trainer.precision_plugin).__name__)
+    """)
+    assert out == "FP8Precision"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Union
 
 from ..lightning_hook import SUPPORTED_LIGHTNING, register
-from ..precision_strings import PRECISION_STRINGS, parse_precision_string
+from ..precision_strings import PRECISION_STRINGS, settings_for_loop
 from .precision import FP8FSDPPrecision, FP8Precision
 
 __all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
@@ -30,19 +30,12 @@ def precision_plugin_from_string(
         ValueError: unknown ``fp8-*`` string (the message lists the valid ones), or a DeepSpeed
             strategy (not supported: DeepSpeed owns mixed precision and the optimizer step).
     """
-    make_recipe, compute_dtype = parse_precision_string(precision)
-    name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
-    if "deepspeed" in name:
-        raise ValueError(
-            f"precision={precision!r} with strategy={strategy!r} is not supported: DeepSpeed runs its own "
-            "mixed precision and loss scaling. Valid strategies: 'auto', 'ddp', 'fsdp', ModelParallelStrategy "
-            "(FSDP2), or a single device"
-        )
-    if name.startswith("fsdp"):
-        return FP8FSDPPrecision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower())
-    device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None
-    return FP8Precision(make_recipe(), compute_dtype=compute_dtype, precision=precision.lower(), device=device)
-
+    settings = settings_for_loop(precision, strategy, accelerator,
+                                 "'auto', 'ddp', 'fsdp', ModelParallelStrategy (FSDP2), or a single device")
+    recipe, name = settings.make_recipe(), precision.lower()
+    if settings.strategy.startswith("fsdp"):
+        return FP8FSDPPrecision(recipe, compute_dtype=settings.compute_dtype, precision=name)
+    return FP8Precision(recipe, compute_dtype=settings.compute_dtype, precision=name, device=settings.device)
 
 def register_precision_strings() -> bool:
     """Teach ``lightning.pytorch.Trainer`` the ``"fp8-*"`` precision strings now. Idempotent.
