@@ -161,7 +161,7 @@ class _RegisterAfterExec(importlib.abc.Loader):
         try:
             self._loader.exec_module(module)
         except BaseException:
-            install()  # the import failed and the finder is gone: register when it is retried
+            _install_finder(module.__name__)  # the import failed: register when it is retried
             raise
         register(module)
 
@@ -202,7 +202,11 @@ def install() -> None:
         connector = sys.modules.get(module)
         if connector is not None:
             register(connector)
-            continue
-        with _lock:
-            if not any(isinstance(f, _ConnectorFinder) and f.module == module for f in sys.meta_path):
-                sys.meta_path.insert(0, _ConnectorFinder(module))
+        else:
+            _install_finder(module)
+
+
+def _install_finder(module: str) -> None:
+    with _lock:
+        if not any(isinstance(f, _ConnectorFinder) and f.module == module for f in sys.meta_path):
+            sys.meta_path.insert(0, _ConnectorFinder(module))

@@ -143,7 +143,8 @@ def test_a_failed_connector_import_leaves_the_hook_for_the_retry():
                 spec.loader = FailsOnce(spec.loader)
                 return spec
 
-        sys.meta_path.insert(1, Finder())
+        ours = next(i for i, f in enumerate(sys.meta_path) if getattr(f, "module", None) == CONNECTOR_MODULE)
+        sys.meta_path.insert(ours + 1, Finder())
         try:
             import lightning
         except ImportError as err:
