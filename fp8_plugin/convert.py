@@ -8,18 +8,22 @@ are not linear layers and are never swapped. The returned :class:`ConversionRepo
 layers were swapped and why the others were not.
 
 Only layers whose swap cannot change what the model computes are swapped: exact ``nn.Linear``
-and ``Conv1D``. Skipped, with the reason: subclasses (their own ``forward``, such as
-transformers' ``FalconLinear`` or bitsandbytes layers; others with ``allow_subclasses=True``),
-lazy layers, ``nn.MultiheadAttention``'s ``out_proj`` (read directly, its ``forward`` never
-runs), layers with hooks or an instance ``forward`` (Accelerate's ``_hf_hook``) that the new
-layer would drop, and PEFT adapters (``lora_A`` / ``lora_B``; the wrapped ``base_layer`` is
-swapped).
+and exact ``transformers.pytorch_utils.Conv1D``. The other linear layers stay, each with its
+reason in the report: subclasses with a ``forward`` of their own (transformers' ``FalconLinear``,
+bitsandbytes layers) or state of their own; lazy layers; ``nn.MultiheadAttention``'s
+``out_proj`` (MHA reads its weight directly, its ``forward`` never runs); layers with hooks or an
+instance ``forward`` (Accelerate's ``_hf_hook``) that the new layer would drop; and PEFT adapters
+(``lora_A`` / ``lora_B``, ``modules_to_save``; the wrapped ``base_layer`` is swapped).
+``allow_subclasses=True`` also swaps the ``nn.Linear`` subclasses that provably compute as
+``nn.Linear``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
@@ -42,6 +46,9 @@ HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs", "pooler"
 DIM_MULTIPLE = 16
 
 Patterns = Union[str, Sequence[str], None]
+
+# Report kinds of the two layer types convert_model swaps.
+_PLAIN_KINDS = frozenset({"Linear", "Conv1D"})
 
 
 @dataclass
@@ -77,6 +84,11 @@ class ConversionReport:
     def skipped(self) -> list[LayerDecision]:
         return [d for d in self.layers if not d.swapped]
 
+    @property
+    def skipped_types(self) -> dict[str, int]:
+        """Layer types other than ``Linear`` / ``Conv1D`` that stayed high precision, with counts."""
+        return dict(Counter(d.kind for d in self.skipped if d.kind not in _PLAIN_KINDS))
+
     def __str__(self) -> str:
         header = ("layer", "type", "in", "out", "FP8", "reason")
         rows = [
@@ -87,6 +99,9 @@ class ConversionReport:
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"{len(self.swapped)} of {len(self.layers)} linear layers in FP8")
+        if self.skipped_types:
+            types = ", ".join(f"{kind} ({n})" for kind, n in sorted(self.skipped_types.items()))
+            lines.append(f"skipped layer types: {types}")
         if self.recipe is not None:
             lines.append(f"recipe {recipe_name(self.recipe)} on {self.device}: {self.gemm}")
         return "\n".join(lines)
@@ -112,57 +127,91 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
-def _exact_types() -> tuple[type, ...]:
+@functools.lru_cache(maxsize=None)
+def _transformers_conv1d() -> Optional[type]:
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # transformers without GPT-2's Conv1D
-        return (nn.Linear,)
-    return (nn.Linear, Conv1D)
+        return None
+    return Conv1D
+
+
+def _is_candidate(module: nn.Module) -> bool:
+    conv1d = _transformers_conv1d()
+    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)) or _is_conv1d(module)
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# Methods through which a subclass can change what a call computes.
+_CALL_METHODS = ("forward", "__call__", "_call_impl")
 
 
-def _unsafe_reason(name: str, module: nn.Module, parents: dict[str, nn.Module], allow_subclasses: bool) -> str:
-    """Why swapping ``module`` could change what the model computes ("" if it cannot)."""
-    parent = parents.get(name.rpartition(".")[0]) if name else None
-    if isinstance(parent, nn.MultiheadAttention):
-        return "used by nn.MultiheadAttention without its forward"
-    adapter = _peft_adapter_of(name, parents)
-    if adapter:
-        return f"PEFT adapter layer ({adapter})"
+def _unsafe_reason(module: nn.Module, paths: list[str], by_name: dict[str, nn.Module], allow_subclasses: bool) -> str:
+    """Why swapping ``module`` (found at every name in ``paths``) could change what the model
+    computes; "" if it cannot."""
+    for path in paths:
+        if path and isinstance(by_name.get(path.rpartition(".")[0]), nn.MultiheadAttention):
+            return "used by nn.MultiheadAttention without its forward"
+    for path in paths:
+        adapter = _peft_adapter_of(path, by_name)
+        if adapter:
+            return f"PEFT adapter layer ({adapter})"
     if isinstance(module, nn.modules.lazy.LazyModuleMixin):
         return "lazy layer (parameters not initialized)"
     hooks = [h.strip("_") for h in _HOOK_DICTS if getattr(module, h, None)]
-    if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+    if "forward" in vars(module):
         hooks.append("forward replaced on the instance")
+    if hasattr(module, "_hf_hook"):
+        hooks.append("Accelerate _hf_hook")
     if hooks:
-        return f"has hooks ({', '.join(hooks)}) the FP8 layer would not carry"
-    if type(module) not in _exact_types():
-        own_forward = type(module).forward is not _base_of(module).forward
-        extra = {n for n, _ in module.named_parameters(recurse=False)} | {n for n, _ in module.named_buffers(recurse=False)}
-        extra -= {"weight", "bias"}
-        if own_forward or extra or list(module.children()):
-            what = "its own forward" if own_forward else "state of its own"
-            return f"subclass {type(module).__name__} of {_base_of(module).__name__} with {what}"
-        if not allow_subclasses:
-            return f"subclass {type(module).__name__} of {_base_of(module).__name__} (allow_subclasses=True converts it)"
+        return f"has forward/backward hooks ({', '.join(hooks)})"
+    return _subclass_reason(module, allow_subclasses)
+
+
+def _subclass_reason(module: nn.Module, allow_subclasses: bool) -> str:
+    cls = type(module)
+    if isinstance(module, nn.Linear):
+        base, base_name = nn.Linear, "nn.Linear"
+    else:
+        base, base_name = _transformers_conv1d(), "Conv1D"
+        if base is None or not isinstance(module, base):
+            return f"{cls.__module__}.{cls.__qualname__} is not transformers' Conv1D"
+    if cls is base:
+        return ""
+    if any(getattr(cls, m) is not getattr(base, m) for m in _CALL_METHODS):
+        return f"subclass {cls.__name__} of {base_name} with its own forward"
+    if base is not nn.Linear:
+        return f"subclass {cls.__name__} of {base_name} (only the exact Conv1D is swapped)"
+    own = {n for n, _ in module.named_parameters(recurse=False)} | {n for n, _ in module.named_buffers(recurse=False)}
+    own = (own - {"weight", "bias"}) | {n for n, _ in module.named_children()}
+    if own:
+        return f"subclass {cls.__name__} of {base_name} with state of its own ({', '.join(sorted(own))})"
+    if not allow_subclasses:
+        return f"subclass {cls.__name__} of {base_name} (allow_subclasses=True swaps it)"
     return ""
 
 
-def _base_of(module: nn.Module) -> type:
-    return nn.Linear if isinstance(module, nn.Linear) else next(t for t in _exact_types() if isinstance(module, t))
+# PEFT classes that wrap a whole model (the user's model sits below them, no adapter).
+_PEFT_MODEL_CLASSES = frozenset({"PeftModel", "PeftMixedModel", "BaseTuner"})
 
 
-def _peft_adapter_of(name: str, parents: dict[str, nn.Module]) -> str:
+def _from_peft(cls: type) -> bool:
+    return cls.__module__.startswith("peft.")
+
+
+def _peft_adapter_of(path: str, by_name: dict[str, nn.Module]) -> str:
     # PEFT's tuner layers (LoRA and others) wrap the original layer as ``base_layer`` and keep
-    # their adapters (lora_A, lora_B, ...) beside it: those must stay high precision and out of
-    # the FP8 state. Detected by the class's module, so that peft need not be imported.
-    parts = name.split(".")
-    for depth in range(len(parts) - 1, 0, -1):
-        ancestor = parents.get(".".join(parts[:depth]))
-        if ancestor is not None and type(ancestor).__module__.startswith("peft.") and hasattr(ancestor, "base_layer"):
-            return "" if parts[depth] == "base_layer" else parts[depth]
+    # their adapters beside it (lora_A / lora_B ModuleDicts, modules_to_save copies): those must
+    # stay high precision and out of the FP8 state, which the adapter file would carry. The
+    # nearest PEFT ancestor decides; detected by the classes' modules, so peft is not imported.
+    parts = path.split(".") if path else []
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestor = by_name.get(".".join(parts[:depth]))
+        if ancestor is None or not _from_peft(type(ancestor)):
+            continue
+        if any(c.__name__ in _PEFT_MODEL_CLASSES and _from_peft(c) for c in type(ancestor).__mro__):
+            return ""
+        return "" if parts[depth] == "base_layer" else parts[depth]
     return ""
 
 
@@ -220,10 +269,12 @@ def convert_model(
             given, only matching layers are candidates, and a match overrides the head rule.
         exclude: glob patterns; matching layers always stay high precision.
         backend: name of the layer backend (``"native"``).
-        allow_subclasses: also swap subclasses of ``nn.Linear`` / ``Conv1D`` that cannot compute
-            otherwise: no ``forward`` of their own, no parameters, buffers or children beyond
-            weight and bias, not lazy. Off by default: only exact ``nn.Linear`` and
-            transformers' ``Conv1D`` are swapped.
+        allow_subclasses: also swap the subclasses of ``nn.Linear`` that provably compute as
+            ``nn.Linear``: ``forward`` (and ``__call__``) not overridden, not lazy, no
+            parameters, buffers or submodules beyond ``weight`` and ``bias``. Off by default:
+            only exact ``nn.Linear`` and transformers' ``Conv1D`` are swapped. Subclasses of
+            ``Conv1D``, layers with hooks, MultiheadAttention's ``out_proj`` and PEFT adapters
+            are never swapped.
         device: the device training will run on, for which "auto" is resolved and the GEMM
             path chosen (once, here: a GEMM probe on GPUs); None means the model's device if it
             is not the CPU, else the current CUDA device if CUDA is available, else the CPU
@@ -233,8 +284,8 @@ def convert_model(
         A :class:`ConversionReport`; ``print()`` it for a table.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe, bad pattern types, or a non-bool
-            ``allow_subclasses``.
+        TypeError: ``recipe`` is not a Recipe, bad pattern types, or ``allow_subclasses`` is
+            not a bool.
         ValueError: unknown backend.
         RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
             ``fully_shard``).
@@ -242,6 +293,8 @@ def convert_model(
     Warns:
         UserWarning: nothing was swapped.
     """
+    if not isinstance(allow_subclasses, bool):
+        raise TypeError(f"convert_model: allow_subclasses={allow_subclasses!r} is not valid; valid: True, False")
     check_recipe(recipe, "convert_model")
     chosen = get_backend(backend)
     target = _target_device(model, device)
@@ -250,23 +303,26 @@ def convert_model(
     heads = _output_embedding_ids(model)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
-    if not isinstance(allow_subclasses, bool):
-        raise TypeError(f"convert_model(allow_subclasses={allow_subclasses!r}) must be True or False")
     report = ConversionReport()
     replacements: dict[int, nn.Module] = {}
-    parents = dict(model.named_modules())
+    # Every name of every module: a layer shared by two parents is judged under both.
+    by_name: dict[str, nn.Module] = {}
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        by_name[path] = module
+        paths.setdefault(id(module), []).append(path)
     for name, module in list(model.named_modules()):
         if isinstance(module, chosen.fp8_types):
             report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
             continue
-        if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+        if not _is_candidate(module):
             continue
         _refuse_sharded(name, module)
         conv = not isinstance(module, nn.Linear)
         in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
-        kind = "Conv1D" if conv else type(module).__name__
+        kind = type(module).__name__
         explicit = include_p is not None and _matches(name, include_p)
-        unsafe = _unsafe_reason(name, module, parents, allow_subclasses)
+        unsafe = _unsafe_reason(module, paths[id(module)], by_name, allow_subclasses)
         if unsafe:  # not even an explicit include swaps these: the model would compute otherwise
             reason = unsafe
         elif include_p is not None and not explicit:

@@ -15,17 +15,25 @@ Whether a kind is native on a device is decided once per device and cached: from
 the installed torch, and for the block kinds a one-off probe GEMM on that device whose result
 must match the emulation (a kernel that is missing, refuses the layout, or disagrees is not
 used). On CPU, where no FP8 hardware exists, ``torch._scaled_mm`` is also timed against the
-emulation once per operand pairing (:func:`tensorwise_choice`), and the faster is used: its
-speed depends on the oneDNN kernel the CPU gets, and some CPUs get a reference kernel hundreds
-of times slower. The emulation dequantizes both operands to float32 and multiplies: products of
-FP8 values and float32 scales are exact in float32 for power-of-two scales, so only the
-summation order differs. Native kernels run outside torch autocast (under it, CPU
-``_scaled_mm`` takes a path about 40x slower).
+emulation once per operand pairing (:func:`tensorwise_choice`), and the native kernel is used
+only where it is clearly faster: torch hands CPU FP8 GEMMs to oneDNN on CPUs with AMX, where
+some pairings get a reference kernel hundreds of times slower, and elsewhere computes them
+itself exactly as the emulation does.
+
+The emulation dequantizes both operands to float32 (``data * scale_inv``, one rounding per
+element, none for power-of-two scales) and runs one float32 GEMM, with the second operand laid
+out as torch's CPU ``_scaled_mm`` lays it out: where torch computes ``_scaled_mm`` itself (no
+AMX), the two paths agree bit for bit for any scales, biases and shapes. oneDNN applies the
+scales to the accumulator and sums in its own order: there the paths agree bit for bit where
+float32 accumulation is exact with power-of-two scales, and otherwise within the float32
+accumulation error bound. Native kernels run outside torch autocast (under it, CPU
+``_scaled_mm`` takes a path about 40x slower). :func:`force_path` pins one path, for tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -196,8 +204,6 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
         return kind, None, f"no native GEMM for {a.block} x {b.block} blocks"
     if _forced == "emulated":
         return kind, None, ""
-    if out_dtype not in _KERNEL_OUT_DTYPES:
-        return kind, None, f"the kernels do not write {out_dtype}"
     support = _native_gemm(kind, a.data.device)  # a tensor's device already carries its index
     if not support.native:
         return kind, None, support.reason
@@ -280,17 +286,26 @@ class TensorwiseChoice:
                 f"emulation {self.emulated_s * 1e3:.2f} ms)")
 
 
-# Probe sizes: a first tiny product bounds the cost of a reference kernel (about 200 ns per
-# multiply-accumulate has been seen) before a larger one, nearer real layers, decides.
+# Probe sizes (M, K, N). A tiny product first, as warm-up and scout: 131k multiply-accumulates,
+# 0.03 s per call at the ~200 ns per multiply-accumulate of a reference kernel, and a kernel
+# that slow against the emulation is not timed further. Only a kernel within _ABORT_RATIO of the
+# emulation there is timed on the 1M multiply-accumulates that decide.
 _SCOUT_SHAPE = (32, 64, 64)
-_PROBE_SHAPE = (128, 256, 256)
+_PROBE_SHAPE = (64, 128, 128)
+_PROBE_REPEATS = 5
+# Native calls this many times slower than the emulation stop the timing (after two of them).
+_ABORT_RATIO = 8.0
 # The native kernel is used only when clearly faster: both paths are exact, so a tie goes to
 # the emulation, whose speed follows the float32 GEMM of the machine.
 NATIVE_SPEEDUP_REQUIRED = 1.25
 
 
 def choose_native(native_s: float, emulated_s: float) -> bool:
-    """Whether measured times favour the native kernel (at least ``NATIVE_SPEEDUP_REQUIRED``x)."""
+    """Whether measured times (seconds per GEMM) favour the native kernel.
+
+    True only if ``torch._scaled_mm`` is at least ``NATIVE_SPEEDUP_REQUIRED`` times faster than
+    the emulation: a tie, or a kernel of unknown speed (``inf``), goes to the emulation.
+    """
     return native_s * NATIVE_SPEEDUP_REQUIRED <= emulated_s
 
 
@@ -298,15 +313,21 @@ def choose_native(native_s: float, emulated_s: float) -> bool:
 def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch.dtype, out_dtype: torch.dtype) -> TensorwiseChoice:
     """Time ``torch._scaled_mm`` against the emulation for one operand pairing, once per process.
 
-    On CPU, which oneDNN kernel ``_scaled_mm`` gets depends on the CPU and the operand formats: on
-    some, E4M3 x E4M3 falls to a reference kernel hundreds of times slower than the float32 GEMM
-    of the dequantised operands, which gives the same result. So the path is measured, never
-    assumed. Cost: a few milliseconds, about 0.1 s where the kernel is a reference one.
+    On CPU, which kernel ``_scaled_mm`` gets depends on the CPU and the operand formats: torch
+    hands it to oneDNN where the CPU has AMX (AMX-INT8 for equal formats, AMX-FP16 for mixed
+    ones), and there E4M3 x E4M3 has been seen to fall to a reference kernel about 600 times
+    slower than the float32 GEMM of the dequantised operands (7.7 s against 12 ms for
+    256x384x384); elsewhere torch itself dequantises and multiplies in float32, as the emulation
+    does. So the path is measured, never assumed. Cost: a few milliseconds per pairing, under
+    0.1 s where the kernel is a reference one (three calls on the scout shape).
 
     Args:
         device: the device (CPU; CUDA GPUs use their tensor cores without a probe).
         dtype_a, dtype_b: FP8 dtypes of the operands.
         out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        The choice, with the seconds per probe GEMM of each path.
     """
     gen = torch.Generator().manual_seed(0)
 
@@ -316,29 +337,53 @@ def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch
         b = (torch.randn(n, k, generator=gen) * 8).to(dtype_b).to(device)
         return QuantizedTensor(a, one), QuantizedTensor(b, one)
 
-    def seconds(fn, *args) -> float:
+    def native(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+        return _scaled_mm_tensorwise(a, b, out_dtype, None)
+
+    def emulated(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+        return _emulated(a, b, out_dtype)
+
+    def seconds(fn, a: QuantizedTensor, b: QuantizedTensor) -> float:
         start = time.perf_counter()
-        fn(*args)
+        fn(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
+    def native_seconds(a: QuantizedTensor, b: QuantizedTensor, emulated_s: float, calls: int) -> float:
+        # Best of ``calls``, stopping after the second call far slower than the emulation (one
+        # such call may be noise): a reference kernel runs at most twice per timed shape.
+        best, slow = math.inf, 0
+        for _ in range(calls):
+            s = seconds(native, a, b)
+            best, slow = min(best, s), slow + (s > _ABORT_RATIO * emulated_s)
+            if slow == 2:
+                break
+        return best
+
     with torch.autocast(device.type, enabled=False):
         a, b = operands(*_SCOUT_SHAPE)
-        _emulated(a, b, out_dtype), _scaled_mm_tensorwise(a, b, out_dtype, None)  # warm-up
-        native_s, emulated_s = seconds(_scaled_mm_tensorwise, a, b, out_dtype, None), seconds(_emulated, a, b, out_dtype)
-        if native_s > 8 * emulated_s:
+        emulated(a, b), native(a, b)  # warm-up: first calls pay one-off set-up (oneDNN primitives)
+        emulated_s = min(seconds(emulated, a, b) for _ in range(_PROBE_REPEATS))
+        native_s = native_seconds(a, b, emulated_s, 2)
+        if native_s > _ABORT_RATIO * emulated_s:
             return TensorwiseChoice(False, native_s, emulated_s, _SCOUT_SHAPE)
         a, b = operands(*_PROBE_SHAPE)
-        native_s = min(seconds(_scaled_mm_tensorwise, a, b, out_dtype, None) for _ in range(3))
-        emulated_s = min(seconds(_emulated, a, b, out_dtype) for _ in range(3))
+        emulated(a, b), native(a, b)  # warm-up at this shape; the scout bounds its cost
+        emulated_s = min(seconds(emulated, a, b) for _ in range(_PROBE_REPEATS))
+        native_s = native_seconds(a, b, emulated_s, _PROBE_REPEATS)
     return TensorwiseChoice(choose_native(native_s, emulated_s), native_s, emulated_s, _PROBE_SHAPE)
 
 
 def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # Both operands dequantised to float32, the second one as a row-major [K, N] matrix, then one
+    # float32 GEMM: the computation of torch's CPU _scaled_mm where oneDNN does not take it
+    # (aten/src/ATen/native/Blas.cpp, _scaled_mm_out_cpu_emulated), so the two agree bit for bit
+    # there; the float32 GEMM's summation order follows the layout (the [K, N] view of a row-major
+    # [N, K] tensor sums otherwise on narrow outputs, N < ~16).
     # Outside torch autocast, which would round the dequantized operands to bf16.
     with torch.autocast(a.data.device.type, enabled=False):
-        out = a.dequantize() @ b.dequantize().t()
+        out = a.dequantize() @ b.dequantize().t().contiguous()
     if bias is not None:
         out = out + _kernel_bias(bias, out_dtype).to(torch.float32)
     return out.to(out_dtype)
@@ -369,24 +414,38 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """``(a.data * a.scale_inv) @ (b.data * b.scale_inv).T + bias`` with FP32 accumulation.
 
+    The path (native kernel or float32 emulation) is chosen per call from the device, the
+    shapes and, for tensorwise operands on CPU, the timed choice of :func:`tensorwise_choice`;
+    see the module docstring for what each path guarantees.
+
     Args:
         a: ``[M, K]`` FP8 data, row-major; per-tensor (0-dim) or block ``scale_inv`` with blocks
             along K.
         b: ``[N, K]`` FP8 data, row-major (the "NT" layout: ``b.data.t()`` is column-major, as
             the kernels want their second operand); per-tensor or block ``scale_inv``.
-        out_dtype: dtype of the result (float32, bfloat16, float16; float64 and others are
-            computed in float32 and cast, as no kernel writes them).
-        bias: optional ``[N]`` tensor. One rule on every path: the bias is rounded to
-            ``out_dtype`` when that is bfloat16 / float16 (float32 otherwise), added to the FP32
-            accumulator, and the sum rounded to ``out_dtype`` (the GEMM epilogue of cuBLASLt and
-            oneDNN for low-precision outputs).
+        out_dtype: dtype of the result. float32, bfloat16 and float16 are written by the kernels;
+            any other (float64 for a float64 model) is computed as a float32 GEMM, bias
+            included, and cast.
+        bias: optional ``[N]`` tensor of any floating dtype. One rule on every path, bit for bit:
+            the bias is rounded to ``out_dtype`` when that is bfloat16 / float16 (to float32
+            otherwise), added in float32 to the FP32 accumulator, and the sum rounded once to
+            ``out_dtype``. This is the bias epilogue of cuBLASLt for low-precision outputs, what
+            oneDNN does with a bias of the output dtype, and what torch's CPU ``_scaled_mm``
+            does (it adds the bias it is given to its float32 result before the cast).
 
     Returns:
-        ``[M, N]`` tensor in ``out_dtype``.
+        ``[M, N]`` tensor in ``out_dtype``, a new tensor (never a view).
+
+    Raises:
+        RuntimeError: from the kernel, for operands it refuses (shapes that do not multiply).
 
     Warns:
-        UserWarning: once per reason, when a GEMM is emulated.
+        UserWarning: once per reason, when a GEMM is emulated because no native kernel can run it
+            (not when the timed choice prefers the emulation).
     """
+    if out_dtype not in _KERNEL_OUT_DTYPES:
+        # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
+        return fp8_gemm(a, b, torch.float32, bias).to(out_dtype)
     kind, support, reason = _plan(a, b, out_dtype)
     if support is None:
         if reason:

@@ -40,6 +40,54 @@ def gemm_error_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = 
     return gamma * magnitude + (u_out + u32) * exact.abs()
 
 
+def scaled_gemm_error_bound(data_a: torch.Tensor, scale_a: float, data_b: torch.Tensor, scale_b: float,
+                            out_dtype: torch.dtype = torch.float32, bias: torch.Tensor = None) -> torch.Tensor:
+    """Per-element bound on |got - exact| for an FP8 GEMM with any float32 scales, on either path.
+
+    ``data_a`` ``[M, K]`` and ``data_b`` ``[N, K]`` are the FP8 data, ``scale_a`` / ``scale_b``
+    the float32 ``scale_inv`` values, ``bias`` ``[N]`` the bias as the epilogue adds it (already
+    rounded to the output dtype); exact = (data_a scale_a) (data_b scale_b)^T + bias, in float64.
+
+    Either path rounds each product at most three times beyond a float32 dot product of K + 1
+    terms: the emulation rounds both dequantized operands (2u) and their product; oneDNN rounds
+    scale_a * scale_b and the scaled accumulator. So the float32 result s before the output
+    rounding satisfies |s - exact| <= E = (gamma_{K+1} + 3u + u^2) * m, with
+    m = sum_k |a_ik b_jk| + |bias_j| and u = 2^-24 (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 3.1 and lemma 3.3). The cast to ``out_dtype`` adds u_out * |s| <=
+    u_out * (|exact| + E), and half the smallest subnormal of float16. The float64 reference
+    itself errs by at most gamma64_{K+1} * m, added too.
+    """
+    a = data_a.double() * scale_a
+    b = data_b.double() * scale_b
+    k = a.shape[1] + 1
+    u32, u64 = 2.0**-24, 2.0**-53
+    magnitude = a.abs() @ b.abs().t() + (bias.double().abs() if bias is not None else 0)
+    exact = a @ b.t() + (bias.double() if bias is not None else 0)
+    before_cast = (k * u32 / (1 - k * u32) + 3 * u32 + u32**2) * magnitude
+    u_out = {torch.float32: u32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 0.0}[out_dtype]
+    tiny = 2.0**-25 if out_dtype == torch.float16 else 0.0
+    reference = 2 * k * u64 * magnitude
+    return before_cast * (1 + u_out) + u_out * exact.abs() + tiny + reference
+
+
+def cpu_scaled_mm_uses_onednn(dtype_a: torch.dtype, dtype_b: torch.dtype) -> bool:
+    """Whether torch's CPU ``_scaled_mm`` hands this operand pairing to oneDNN on this machine.
+
+    torch (aten/src/ATen/native/Blas.cpp, ``_scaled_mm_out_cpu``) calls oneDNN when mkldnn is
+    enabled and the CPU has AMX-INT8 (equal formats) or AMX-FP16 (mixed formats); otherwise it
+    dequantizes to float32 and runs one float32 GEMM, the computation of the emulation. Read
+    from /proc/cpuinfo; where that cannot be read, True (assume oneDNN).
+    """
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return True
+    return ("amx_int8" if dtype_a == dtype_b else "amx_fp16") in flags
+
+
 def assert_within_bound(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
     """|got - expected| <= bound elementwise, with the worst offender in the message."""
     error = (got.double() - expected).abs()

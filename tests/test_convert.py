@@ -165,87 +165,235 @@ class _ScaledLinear(nn.Linear):
 
 
 class _PlainSubclass(nn.Linear):
-    """A subclass that adds nothing: proven equivalent, converted only on request."""
+    """A subclass that adds nothing: it computes as nn.Linear, and is swapped only on request."""
 
 
-def test_only_layers_whose_swap_cannot_change_the_model_are_swapped():
-    model = nn.ModuleDict({
-        "plain": nn.Linear(16, 16),
-        "own_forward": _ScaledLinear(16, 16),
-        "subclass": _PlainSubclass(16, 16),
-        "lazy": nn.LazyLinear(16),
-        "attn": nn.MultiheadAttention(16, 2),
-        "hooked": nn.Linear(16, 16),
-        "accelerate_style": nn.Linear(16, 16),
-    })
-    calls = []
-    model["hooked"].register_forward_hook(lambda *args: calls.append("hook"))
-    model["accelerate_style"].forward = model["accelerate_style"].forward  # as add_hook_to_module does
+class _StatefulSubclass(nn.Linear):
+    """nn.Linear's forward, but a buffer of its own that an FP8Linear would drop."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("mask", torch.ones(16))
+
+
+def _reasons(report):
+    return {d.name: d.reason for d in report.layers}
+
+
+def test_subclasses_with_their_own_forward_stay_and_compute_as_before():
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    model = nn.ModuleDict({"plain": nn.Linear(16, 16), "scaled": _ScaledLinear(16, 16), "falcon": FalconLinear(16, 16)})
     x = torch.randn(4, 16)
-    before = {k: model[k](x) for k in ("own_forward", "hooked")}
+    before = {k: model[k](x) for k in ("scaled", "falcon")}
     report = fp.convert_model(model)
-    reasons = {d.name: d.reason for d in report.layers}
-    assert reasons["plain"] == "" and isinstance(model["plain"], FP8Linear)
-    assert reasons["own_forward"] == "subclass _ScaledLinear of Linear with its own forward"
-    assert reasons["subclass"] == "subclass _PlainSubclass of Linear (allow_subclasses=True converts it)"
-    assert reasons["lazy"] == "lazy layer (parameters not initialized)"
-    assert reasons["attn.out_proj"] == "used by nn.MultiheadAttention without its forward"
-    assert reasons["hooked"] == "has hooks (forward_hooks) the FP8 layer would not carry"
-    assert reasons["accelerate_style"] == "has hooks (forward replaced on the instance) the FP8 layer would not carry"
-    assert [d.name for d in report.swapped] == ["plain"]
-    # The skipped layers compute as before, and the hook still fires.
-    calls.clear()
-    for k, y in before.items():
-        assert torch.equal(model[k](x), y), k
-    assert calls == ["hook"]
-    # The opt-in converts the equivalent subclass only.
+    assert _reasons(report) == {
+        "plain": "",
+        "scaled": "subclass _ScaledLinear of nn.Linear with its own forward",
+        "falcon": "subclass FalconLinear of nn.Linear with its own forward",
+    }
+    assert type(model["scaled"]) is _ScaledLinear and type(model["falcon"]) is FalconLinear
+    assert isinstance(model["plain"], FP8Linear)
+    with fp.autocast():
+        for k, y in before.items():
+            assert torch.equal(model[k](x), y), k
+    # The opt-in never covers a forward of their own.
     again = fp.convert_model(model, allow_subclasses=True)
-    assert {d.name for d in again.swapped} == {"plain", "subclass"}
-    with pytest.raises(TypeError, match="allow_subclasses='yes'"):
-        fp.convert_model(model, allow_subclasses="yes")
+    assert {d.name for d in again.skipped} == {"scaled", "falcon"}
+
+
+def test_equivalent_subclass_is_swapped_only_with_allow_subclasses():
+    model = nn.ModuleDict({"plain_subclass": _PlainSubclass(16, 16), "stateful": _StatefulSubclass(16, 16)})
+    x = torch.randn(4, 16)
+    expected = torch.nn.functional.linear(x, model["plain_subclass"].weight, model["plain_subclass"].bias)
+    with pytest.warns(UserWarning, match="no layer to run in FP8"):
+        report = fp.convert_model(model)
+    assert _reasons(report) == {
+        "plain_subclass": "subclass _PlainSubclass of nn.Linear (allow_subclasses=True swaps it)",
+        "stateful": "subclass _StatefulSubclass of nn.Linear with state of its own (mask)",
+    }
+    report = fp.convert_model(model, allow_subclasses=True)
+    assert [d.name for d in report.swapped] == ["plain_subclass"]
+    assert isinstance(model["plain_subclass"], FP8Linear) and type(model["stateful"]) is _StatefulSubclass
+    assert torch.equal(model["plain_subclass"](x), expected)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_allow_subclasses_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=rf"allow_subclasses={value!r} is not valid; valid: True, False"):
+        fp.convert_model(nn.Linear(16, 16), allow_subclasses=value)
+
+
+def _forward_hook(layer, calls):
+    layer.register_forward_hook(lambda *args: calls.append("hook"))
+
+
+def _forward_pre_hook(layer, calls):
+    layer.register_forward_pre_hook(lambda *args: calls.append("hook"))
+
+
+def _full_backward_hook(layer, calls):
+    layer.register_full_backward_hook(lambda *args: calls.append("hook"))
+
+
+def _instance_forward(layer, calls):
+    original = layer.forward
+
+    def forward(x):
+        calls.append("hook")
+        return original(x)
+
+    layer.forward = forward
+
+
+def _accelerate_hook(layer, calls):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append("hook")
+            return args, kwargs
+
+    add_hook_to_module(layer, Counting())  # sets _hf_hook, _old_forward and an instance forward
+
+
+@pytest.mark.parametrize("install, what", [
+    (_forward_hook, "forward_hooks"),
+    (_forward_pre_hook, "forward_pre_hooks"),
+    (_full_backward_hook, "backward_hooks"),
+    (_instance_forward, "forward replaced on the instance"),
+    (_accelerate_hook, "forward replaced on the instance, Accelerate _hf_hook"),
+])
+def test_layers_with_hooks_stay_and_their_hooks_keep_firing(install, what):
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    calls = []
+    install(model[0], calls)
+    report = fp.convert_model(model)
+    assert _reasons(report) == {"0": f"has forward/backward hooks ({what})", "1": ""}
+    assert type(model[0]) is nn.Linear and isinstance(model[1], FP8Linear)
+    with fp.autocast():
+        model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert calls == ["hook"]
+
+
+def test_multihead_attention_out_proj_stays_and_is_not_reported_as_fp8():
+    attn = nn.MultiheadAttention(16, 2)
+    shared = nn.Linear(16, 16)
+    attn2 = nn.MultiheadAttention(16, 2)
+    attn2.out_proj = shared  # a plain nn.Linear, reached first under another name
+    model = nn.ModuleDict({"plain": nn.Linear(16, 16), "shared": shared, "attn": attn, "attn2": attn2})
+    reason = "used by nn.MultiheadAttention without its forward"
+    report = fp.convert_model(model)
+    assert _reasons(report) == {"plain": "", "shared": reason, "attn.out_proj": reason}
+    # out_proj is a NonDynamicallyQuantizableLinear, which the opt-in would otherwise swap.
+    again = fp.convert_model(model, allow_subclasses=True)
+    assert _reasons(again) == {"plain": "already FP8", "shared": reason, "attn.out_proj": reason}
+    assert not isinstance(attn.out_proj, FP8Linear) and type(model["shared"]) is nn.Linear
+    assert attn2.out_proj is model["shared"]
+    x = torch.randn(5, 2, 16)
+    with count_fp8_gemms() as gemms, fp.autocast():
+        attn(x, x, x)[0].sum().backward()
+    assert gemms.count == 0
 
 
 def test_a_lazy_layer_is_left_to_materialize_and_train():
     model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 16))
-    fp.convert_model(model)
+    report = fp.convert_model(model)
+    assert _reasons(report) == {"0": "lazy layer (parameters not initialized)", "2": ""}
     with fp.autocast():
         model(torch.randn(4, 8)).sum().backward()
     assert type(model[0]) is nn.Linear and isinstance(model[2], FP8Linear)
 
 
-def test_falcon_keeps_its_falcon_linear_layers_and_computes_as_before():
-    # FalconLinear computes x @ W.T (+ b) in its own forward: swapping it changed the model and
-    # failed in training. It stays, with the reason in the report.
+def test_only_the_exact_transformers_conv1d_is_swapped():
+    class WideConv1D(Conv1D):
+        pass
+
+    foreign = type("Conv1D", (nn.Module,), {"forward": lambda self, x: x @ self.weight})()
+    foreign.nf, foreign.weight = 16, nn.Parameter(torch.randn(16, 16))
+    model = nn.ModuleDict({"exact": Conv1D(16, 16), "subclass": WideConv1D(16, 16), "foreign": foreign})
+    report = fp.convert_model(model, allow_subclasses=True)
+    reasons = _reasons(report)
+    assert reasons["exact"] == "" and isinstance(model["exact"], FP8Linear)
+    assert reasons["subclass"] == "subclass WideConv1D of Conv1D (only the exact Conv1D is swapped)"
+    assert reasons["foreign"] == f"{__name__}.Conv1D is not transformers' Conv1D"
+    assert type(model["subclass"]) is WideConv1D and model["foreign"] is foreign
+
+
+def test_report_names_the_layer_types_it_skipped():
+    model = nn.ModuleDict({
+        "a": _ScaledLinear(16, 16), "b": _ScaledLinear(16, 16), "lazy": nn.LazyLinear(16),
+        "odd": nn.Linear(16, 10), "plain": nn.Linear(16, 16),
+    })
+    report = fp.convert_model(model)
+    assert report.skipped_types == {"_ScaledLinear": 2, "LazyLinear": 1}
+    assert "skipped layer types: LazyLinear (1), _ScaledLinear (2)" in str(report)
+
+
+def falcon(**config):
     from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          vocab_size=VOCAB, bias=True, **config))
+
+
+FALCON_ARCHITECTURES = {
+    "falcon-7b": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True),
+    "falcon-40b": dict(new_decoder_architecture=True, num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("architecture", FALCON_ARCHITECTURES)
+def test_falcon_keeps_its_falcon_linear_layers_and_trains_as_before(architecture):
+    # FalconLinear computes x @ W.T (+ b) in its own forward; it stays, with the reason in the
+    # report, and training under the FP8 autocast is the unconverted model's, bit for bit.
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
-    torch.manual_seed(0)
-    model = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-                                           new_decoder_architecture=False, bias=True))
+    model = falcon(**FALCON_ARCHITECTURES[architecture])
     ref = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="no layer to run in FP8"):
         report = fp.convert_model(model)
-    falcon = [d for d in report.layers if d.kind == "FalconLinear"]
-    assert len(falcon) == 8 and all(d.reason == "subclass FalconLinear of Linear with its own forward" for d in falcon)
+    falcon_rows = [d for d in report.layers if d.kind == "FalconLinear"]
+    assert len(falcon_rows) == 8
+    assert all(d.reason == "subclass FalconLinear of nn.Linear with its own forward" for d in falcon_rows)
+    assert report.skipped_types == {"FalconLinear": 8}
     assert sum(type(m) is FalconLinear for m in model.modules()) == 8
     ids = torch.randint(1, VOCAB, (2, 16))
-    assert train_losses(model, True, steps=2, input_ids=ids, labels=ids) == train_losses(
-        ref, False, steps=2, input_ids=ids, labels=ids)
+    fp8 = train_losses(model, True, steps=2, input_ids=ids, labels=ids)
+    assert fp8 == train_losses(ref, False, steps=2, input_ids=ids, labels=ids)
 
 
-def test_peft_adapters_stay_high_precision_and_out_of_the_adapter_file(tmp_path):
+@pytest.mark.parametrize("architecture", FALCON_ARCHITECTURES)
+def test_tiny_falcon_trains_two_steps_with_its_head_in_fp8(architecture):
+    model = falcon(tie_word_embeddings=False, **FALCON_ARCHITECTURES[architecture])
+    ref = copy.deepcopy(model)
+    report = fp.convert_model(model, include=["*"])  # every layer that may be swapped: here the head
+    assert [d.name for d in report.swapped] == ["lm_head"]
+    ids = torch.randint(1, VOCAB, (2, 16))
+    fp8 = train_losses(model, True, steps=2, input_ids=ids, labels=ids)  # 3 FP8 GEMMs per step
+    base = train_losses(ref, False, steps=2, input_ids=ids, labels=ids)
+    for a, b in zip(base, fp8):
+        assert abs(a - b) / a < 0.05, (base, fp8)
+
+
+def test_peft_lora_adapters_stay_high_precision_and_out_of_the_adapter_file(tmp_path):
+    import warnings
+
     from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
 
-    torch.manual_seed(0)
     model = get_peft_model(llama(), LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
     report = fp.convert_model(model)
-    reasons = {d.name: d.reason for d in report.layers}
+    reasons = _reasons(report)
     q = "base_model.model.model.layers.0.self_attn.q_proj"
     assert reasons[f"{q}.lora_A.default"] == "PEFT adapter layer (lora_A)"
     assert reasons[f"{q}.lora_B.default"] == "PEFT adapter layer (lora_B)"
     assert reasons[f"{q}.base_layer"] == ""
-    layer = model.get_submodule(q)
-    assert isinstance(layer.base_layer, FP8Linear) and type(layer.lora_A["default"]) is nn.Linear
+    assert reasons["base_model.model.model.layers.0.self_attn.k_proj"] == ""
+    adapters = {n: m for n, m in model.named_modules() if ".lora_A.default" in n or ".lora_B.default" in n}
+    assert len(adapters) == 8 and all(type(m) is nn.Linear for m in adapters.values())
+    assert all(not d.swapped for d in report.layers if d.name in adapters)
+    assert isinstance(model.get_submodule(q).base_layer, FP8Linear)
     ids = torch.randint(1, VOCAB, (2, 16))
     with count_fp8_gemms() as gemms:
         with fp.autocast():
@@ -254,11 +402,27 @@ def test_peft_adapters_stay_high_precision_and_out_of_the_adapter_file(tmp_path)
     # (from the frozen embeddings) needs no gradient; no wgrad for frozen base weights.
     assert gemms.count == 14 + 11
     model.save_pretrained(tmp_path)
-    from safetensors.torch import load_file
-
     saved = load_file(tmp_path / "adapter_model.safetensors")
-    assert saved and not any("fp8_state" in k for k in saved)
-    fresh = PeftModel.from_pretrained(llama(), tmp_path)
+    assert len(saved) == 8 and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    assert not any("fp8" in k or "extra_state" in k for k in saved)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh = PeftModel.from_pretrained(llama(), tmp_path)
+    assert not [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     for name, p in model.named_parameters():
         if "lora_" in name:
             assert torch.equal(p, fresh.get_parameter(name)), name
+
+
+def test_peft_modules_to_save_copies_stay_high_precision():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(bert(), LoraConfig(r=16, target_modules=["query"], modules_to_save=["intermediate.dense"]))
+    report = fp.convert_model(model, include=["*"])
+    dense = "base_model.model.bert.encoder.layer.0.intermediate.dense"
+    reasons = _reasons(report)
+    assert reasons[f"{dense}.modules_to_save.default"] == "PEFT adapter layer (modules_to_save)"
+    assert reasons[f"{dense}.original_module"] == "PEFT adapter layer (original_module)"
+    assert type(model.get_submodule(f"{dense}.modules_to_save.default")) is nn.Linear
+    assert not any(isinstance(m, FP8Linear) for n, m in model.named_modules() if "lora_" in n)
+    assert isinstance(model.get_submodule("base_model.model.bert.encoder.layer.0.output.dense"), FP8Linear)

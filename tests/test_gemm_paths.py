@@ -1,14 +1,26 @@
 """GEMM paths per device: scale layouts of the native block GEMMs, describe_device, recipe "auto"."""
 
 import math
+import time
+import warnings
 
 import pytest
 import torch
 
 import fp8_plugin as fp
 from fp8_plugin.autocast import get_fp8_recipe
-from fp8_plugin.device import recipe_gemm_kind, resolve_recipe
-from fp8_plugin.gemm import choose_native, force_path, fp8_gemm, gemm_kind, native_gemm, scaled_mm_supported
+from fp8_plugin import gemm
+from fp8_plugin.device import _CPU_PAIRINGS, recipe_gemm_kind, resolve_recipe
+from fp8_plugin.gemm import (
+    NATIVE_SPEEDUP_REQUIRED,
+    choose_native,
+    force_path,
+    fp8_gemm,
+    gemm_kind,
+    native_gemm,
+    scaled_mm_supported,
+    tensorwise_choice,
+)
 from fp8_plugin.quantizers import INPUT, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from fp8_plugin.scale_layouts import (
     blockwise_1x128_gemm_scale,
@@ -121,6 +133,12 @@ def test_describe_device_on_cpu_reports_the_timed_gemm_paths():
         assert "_scaled_mm" in line and "emulation" in line and " ms" in line, line
     native = any(r.native for r in report.recipes[:2])
     assert native == any(line.split(": ", 1)[1].startswith("torch._scaled_mm") for line in report.gemm_paths)
+    # The figures are the cached measurements, and the path chosen is never the clearly slower.
+    for (dtype_a, dtype_b, out_dtype, _), line in zip(_CPU_PAIRINGS, report.gemm_paths):
+        choice = tensorwise_choice(torch.device("cpu"), dtype_a, dtype_b, out_dtype)
+        assert line.endswith(choice.describe())
+        chosen, other = (choice.native_s, choice.emulated_s) if choice.native else (choice.emulated_s, choice.native_s)
+        assert chosen <= NATIVE_SPEEDUP_REQUIRED * other
 
 
 def test_the_native_kernel_is_chosen_only_when_clearly_faster():
@@ -128,7 +146,53 @@ def test_the_native_kernel_is_chosen_only_when_clearly_faster():
     # 12 ms), on one where both are equal, and on one where the kernel is twice as fast.
     assert choose_native(7.7, 0.012) is False
     assert choose_native(0.012, 0.012) is False  # both exact: a tie goes to the emulation
+    assert choose_native(0.0105, 0.012) is False  # within NATIVE_SPEEDUP_REQUIRED: a tie too
     assert choose_native(0.006, 0.012) is True
+    assert choose_native(math.inf, 0.012) is False
+
+
+@pytest.fixture
+def fresh_probe():
+    # The timed choice is cached per process: measure afresh here, and again after.
+    tensorwise_choice.cache_clear()
+    yield
+    tensorwise_choice.cache_clear()
+
+
+def test_probe_stops_timing_a_reference_kernel_on_the_scout_shape(monkeypatch, fresh_probe):
+    # A kernel ~5 ms per call, hundreds of times the emulation, as a reference kernel is: the
+    # probe must give up on the tiny scout product after the warm-up and two timed calls.
+    calls = []
+    real = gemm._scaled_mm_tensorwise
+
+    def reference_kernel(*args):
+        calls.append(args[0].data.shape)
+        time.sleep(0.005)
+        return real(*args)
+
+    monkeypatch.setattr(gemm, "_scaled_mm_tensorwise", reference_kernel)
+    choice = tensorwise_choice(torch.device("cpu"), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
+    assert not choice.native and choice.shape == gemm._SCOUT_SHAPE
+    assert choice.native_s >= 0.005 > choice.emulated_s
+    assert len(calls) == 3 and set(calls) == {gemm._SCOUT_SHAPE[:2]}
+    assert choice.describe().startswith("float32 emulation (32x64x64: _scaled_mm ")
+    assert f"_scaled_mm {choice.native_s * 1e3:.2f} ms, emulation {choice.emulated_s * 1e3:.2f} ms" in choice.describe()
+
+
+def test_probe_picks_the_native_kernel_where_it_is_clearly_faster(monkeypatch, fresh_probe):
+    # An emulation slowed by 2 ms per call: the kernel (well under 1 ms here) must be chosen,
+    # on the full probe shape.
+    real = gemm._emulated
+
+    def slow_emulation(*args):
+        time.sleep(0.002)
+        return real(*args)
+
+    monkeypatch.setattr(gemm, "_emulated", slow_emulation)
+    choice = tensorwise_choice(torch.device("cpu"), torch.float8_e5m2, torch.float8_e4m3fn, torch.float32)
+    assert choice.native and choice.shape == gemm._PROBE_SHAPE
+    assert choice.native_s * NATIVE_SPEEDUP_REQUIRED <= choice.emulated_s
+    assert choice.describe().startswith("torch._scaled_mm (64x128x128: _scaled_mm ")
 
 
 def test_forced_paths_and_bad_path_names():
@@ -145,13 +209,16 @@ def test_forced_paths_and_bad_path_names():
 
 @pytest.mark.parametrize("path", ["native", "emulated"])
 def test_float64_output_is_computed_in_float32_and_cast(path):
-    a = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.5))
-    b = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.25))
-    bias = torch.randn(16, dtype=torch.float64)
-    with force_path(path):
+    # A float64 model: no kernel writes float64, so a float32 GEMM (bias rounded to float32),
+    # then the cast; on the native path too, and without an "emulated" warning.
+    a = QuantizedTensor((torch.randn(16, 32) * 8).to(torch.float8_e4m3fn), torch.tensor(0.37))
+    b = QuantizedTensor((torch.randn(24, 32) * 8).to(torch.float8_e4m3fn), torch.tensor(0.25))
+    bias = torch.randn(24, dtype=torch.float64)
+    with force_path(path), warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = fp8_gemm(a, b, torch.float64, bias)
     assert out.dtype == torch.float64
-    expected = (a.dequantize() @ b.dequantize().t() + bias.float()).double()
+    expected = (a.dequantize() @ b.dequantize().t().contiguous() + bias.float()).double()
     assert torch.equal(out, expected)
 
 
@@ -186,16 +253,19 @@ def test_native_gemm_on_gpu_matches_the_emulation(recipe):
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-def test_bias_is_rounded_to_the_output_dtype_on_both_paths():
-    # One rule on every path: bias rounded to the (low-precision) output dtype, added to the
-    # float32 accumulator, the sum rounded. Operands on a coarse grid keep the accumulation exact,
-    # so only the bias rule can make the paths differ.
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_bias_is_rounded_to_the_output_dtype_on_both_paths(out_dtype, bias_dtype):
+    # One rule on every path: bias rounded to the (low-precision) output dtype, float32 for a
+    # float32 output, added to the float32 accumulator, the sum rounded. Operands on a coarse
+    # grid keep the accumulation exact, so only the bias rule can make the paths differ.
     gen = torch.Generator().manual_seed(0)
     a = QuantizedTensor(((torch.randn(32, 64, generator=gen) * 8).round() / 4).to(torch.float8_e4m3fn), torch.tensor(1.0))
     b = QuantizedTensor(((torch.randn(48, 64, generator=gen) * 8).round() / 4).to(torch.float8_e4m3fn), torch.tensor(1.0))
-    bias = torch.randn(48, generator=gen) * 3  # not representable in bfloat16
+    bias = (torch.randn(48, generator=gen, dtype=torch.float64) * 3).to(bias_dtype)  # off the output grid
     acc = a.dequantize().double() @ b.dequantize().double().t()  # exact
-    expected = (acc.float() + bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    kernel_bias = bias.to(out_dtype if out_dtype != torch.float32 else torch.float32)
+    expected = (acc.float() + kernel_bias.float()).to(out_dtype)
     for path in ("emulated", "native"):
         with force_path(path):
-            assert torch.equal(fp8_gemm(a, b, torch.bfloat16, bias), expected), path
+            assert torch.equal(fp8_gemm(a, b, out_dtype, bias), expected), path
