@@ -23,7 +23,7 @@ from .device import resolve_recipe
 from .recipes import Recipe, check_recipe
 from .scaling_group import AmaxReducer, update_pending_scales
 
-__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "current_step", "update_pending_scales", "AmaxReducer"]
+__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "update_pending_scales", "AmaxReducer"]
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,6 @@ def get_fp8_recipe() -> Optional[Recipe]:
 def current_context() -> _FP8Context:
     """The innermost context on this thread (enabled, recipe, reducer, training step id)."""
     return _local.context
-
-
-def current_step() -> Optional[int]:
-    """Id of the training step this thread is in (see the module docstring), or None."""
-    return _local.context.step
 
 
 @contextlib.contextmanager

@@ -402,7 +402,8 @@ def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def fp8_state_keys(model: nn.Module) -> list[str]:
     """``state_dict`` keys of ``model`` that hold FP8 scaling state (and nothing else)."""
-    return list(fp8_state_dict(model))
+    return [f"{name}._extra_state" if name else "_extra_state" for name, module in model.named_modules()
+            if isinstance(module, ScalingState)]
 
 
 def _join_one_scaling_group(model: nn.Module, fp8_types: tuple[type, ...]) -> None:

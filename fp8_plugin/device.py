@@ -154,8 +154,7 @@ def describe_device(device: Device = None) -> DeviceReport:
             native = any(chosen_native)
             reason = (f"torch._scaled_mm measured less than {NATIVE_SPEEDUP_REQUIRED}x faster than the exact "
                       "float32 emulation here (timings below)")
-        report.recipes.append(RecipeSupport(cls.__name__, granularity, kind, native,
-                                            reason if not native or kind != "tensorwise" else ""))
+        report.recipes.append(RecipeSupport(cls.__name__, granularity, kind, native, "" if native else reason))
     report.auto = auto_recipe(Format.HYBRID, target)
     return report
 

@@ -403,7 +403,7 @@ def _scaled_mm_tensorwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: tor
         a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
         bias=_kernel_bias(bias, out_dtype) if fused else None, out_dtype=out_dtype,
     )  # fmt: skip
-    return out + bias.to(torch.float32) if bias is not None and not fused else out
+    return out + _kernel_bias(bias, out_dtype) if bias is not None and not fused else out
 
 
 def fp8_gemm(
