@@ -23,7 +23,7 @@ from .device import resolve_recipe
 from .recipes import Recipe, check_recipe
 from .scaling_group import AmaxReducer, update_pending_scales
 
-__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "update_pending_scales", "AmaxReducer"]
+__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "new_step_id", "update_pending_scales", "AmaxReducer"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ class _Local(threading.local):
 
 _local = _Local()
 _step_ids = itertools.count()  # unique across threads: a model moved between threads still updates
+
+
+def new_step_id() -> int:
+    """A fresh training-step id for :func:`autocast`'s ``step`` (unique in the process)."""
+    return next(_step_ids)
 
 
 def is_fp8_enabled() -> bool:
@@ -65,6 +70,7 @@ def autocast(
     recipe: Optional[Recipe] = None,
     *,
     reduce_amax: Optional[AmaxReducer] = None,
+    step: Optional[int] = None,
 ) -> Iterator[None]:
     """Run FP8 layers in FP8 inside this context (like ``transformer_engine.pytorch.autocast``).
 
@@ -75,6 +81,10 @@ def autocast(
             resolved for the current CUDA device, or the CPU.
         reduce_amax: in-place reduction over a flat float32 amax tensor, applied once per step
             before delayed-scaling updates (the distributed integration passes an all-reduce).
+        step: id of the training step (from :func:`new_step_id`) when several outermost
+            contexts belong to one optimizer step, as the micro-batches of gradient
+            accumulation do: they then share one scale update and one amax reduction, and
+            their amaxes combine (max). None: each outermost entry with grad is a step of its own.
 
     Raises:
         TypeError: ``recipe`` is not a :class:`~fp8_plugin.recipes.Recipe`.
@@ -89,7 +99,7 @@ def autocast(
     recipe = resolve_recipe(recipe)
     outer = _local.context
     if enabled and not outer.enabled:
-        step = next(_step_ids) if torch.is_grad_enabled() else None
+        step = (step if step is not None else next(_step_ids)) if torch.is_grad_enabled() else None
     else:
         step = outer.step
     _local.context = _FP8Context(

@@ -93,6 +93,7 @@ class FP8Precision(MixedPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self.fp8.before_optimizer_step()
         output = super().optimizer_step(optimizer, **kwargs)
         self.fp8.after_optimizer_step()
         return output

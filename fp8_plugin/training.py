@@ -10,16 +10,17 @@ Loss scaling stays with each loop's own mixed-precision machinery (torch's ``Gra
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .autocast import AmaxReducer, autocast
+from .autocast import AmaxReducer, autocast, new_step_id
 from .convert import ConversionReport, convert_model, fp8_state_dict
 from .distributed import amax_reducer
 from .linear import FP8Linear
+from .quantizers import is_scaling_state_key
 from .recipes import AutoRecipe, Recipe, check_recipe
 from .scaling_group import update_pending_scales
 
@@ -71,6 +72,10 @@ class FP8Training:
         self.report: Optional[ConversionReport] = None
         self._reducer: Optional[AmaxReducer] = None
         self._reducer_ready = False
+        # The training step the next forwards belong to: every micro-batch until the optimizer
+        # step shares it, so gradient accumulation makes one scale update per optimizer step.
+        self._step: Optional[int] = None
+        self.before_step_hooks: list[Callable[["FP8Training"], None]] = []
 
     def convert(self, module: nn.Module) -> bool:
         """Swap ``module``'s linear layers for FP8 ones, once. Returns False if already done."""
@@ -79,6 +84,16 @@ class FP8Training:
         self.report = convert_model(module, self.recipe, include=self.include, exclude=self.exclude)
         self.module = module
         return True
+
+    def exclude_state_from_state_dict(self) -> None:
+        """Keep the FP8 state out of the converted module's own ``state_dict()`` from now on.
+
+        For loops whose checkpoints take the model from ``state_dict()`` and must stay vanilla
+        (loadable into the unconverted model, writable as safetensors): they carry the FP8 state
+        separately, from :meth:`state_dict`, which reads it directly.
+        """
+        if self.module is not None:
+            self.module.register_state_dict_post_hook(_drop_fp8_state)
 
     def amax_reducer(self) -> Optional[AmaxReducer]:
         """The MAX all-reduce of each step's amaxes (None on one rank); built once, when first
@@ -97,17 +112,29 @@ class FP8Training:
         stack = contextlib.ExitStack()
         if self.compute_dtype != torch.float32:
             stack.enter_context(torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype))
-        stack.enter_context(autocast(enabled=True, reduce_amax=self.amax_reducer()))
+        if torch.is_grad_enabled() and self._step is None:
+            self._step = new_step_id()
+        stack.enter_context(autocast(enabled=True, reduce_amax=self.amax_reducer(), step=self._step))
         return stack
 
     def _device_type(self) -> str:
         param = next(self.module.parameters(), None) if self.module is not None else None
         return param.device.type if param is not None else "cpu"
 
+    def before_optimizer_step(self) -> None:
+        """Run ``before_step_hooks`` (each called with this object): the point where a step's
+        gradients are complete and the weights are still the ones its forwards used (the BF16
+        reference checks hook in here). Loops call it right before the optimizer step."""
+        for hook in self.before_step_hooks:
+            hook(self)
+
     def after_optimizer_step(self) -> None:
         """Apply the step's amaxes now, with the reduction: between steps (checkpoints,
         validation, the end of training) the FP8 state is settled and the same on every rank.
-        The next forward then finds nothing pending: still one amax reduction per step."""
+        The next forward starts a new training step and finds nothing pending: one amax
+        reduction per optimizer step, however many micro-batches it accumulated. Call it for
+        every optimizer step the loop attempts, including one a loss scaler skips."""
+        self._step = None
         if self.module is not None:
             update_pending_scales(self.module, self.amax_reducer())
 
@@ -149,3 +176,8 @@ class FP8Training:
             "fp8/scale_max": values[1],
             "fp8/nonfinite_amax": values[2],
         }
+
+
+def _drop_fp8_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and is_scaling_state_key(k)]:
+        del state_dict[key]

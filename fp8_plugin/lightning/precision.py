@@ -26,7 +26,6 @@ from typing_extensions import override
 
 from ..autocast import AmaxReducer
 from ..convert import ConversionReport
-from ..quantizers import is_scaling_state_key
 from ..recipes import Recipe
 from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
 
@@ -75,7 +74,7 @@ class _FP8Behaviour:
             # weights-only ones too (which skip on_save_checkpoint): keep it vanilla, so that
             # load_from_checkpoint into a plain module works; FP8 state travels under this plugin's
             # key (state_dict below), settled and identical on every rank.
-            module.register_state_dict_post_hook(_drop_fp8_state)
+            self.fp8.exclude_state_from_state_dict()
         return module
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
@@ -97,6 +96,7 @@ class _FP8Behaviour:
         # step was skipped for inf/NaN gradients (GradScaler only backs off then). No sync.
         scale = getattr(self.scaler, "_scale", None)
         self._scale_before_step = scale.clone() if scale is not None else None
+        self.fp8.before_optimizer_step()
         super()._after_closure(model, optimizer)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -148,11 +148,6 @@ class _FP8Behaviour:
         if self.scaler is not None and _SCALER_KEY in state_dict:
             self.scaler.load_state_dict(state_dict[_SCALER_KEY])
         self.fp8.load_state_dict(state_dict.get(_STATE_KEY), type(self).__name__)
-
-
-def _drop_fp8_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and is_scaling_state_key(k)]:
-        del state_dict[key]
 
 
 class FP8Precision(_FP8Behaviour, MixedPrecision):

@@ -1,0 +1,11 @@
+"""Hugging Face Accelerate: ``from fp8_plugin.accelerate import Accelerator``.
+
+``Accelerator(mixed_precision="fp8")``, or ``accelerate launch`` with a config file whose
+``mixed_precision`` is ``fp8``, trains with fp8-plugin's FP8 on any machine; see
+:class:`~fp8_plugin.accelerate.accelerator.Accelerator` and docs/accelerate.md.
+"""
+
+from .accelerator import Accelerator
+from .settings import FP8Kwargs, FP8Settings, resolve_settings
+
+__all__ = ["Accelerator", "FP8Kwargs", "FP8Settings", "resolve_settings"]

@@ -1,0 +1,279 @@
+"""``fp8_plugin.accelerate.Accelerator``: Accelerate's ``Accelerator`` with this project's FP8.
+
+A thin adapter of :class:`~fp8_plugin.training.FP8Training` onto Accelerate. With
+``mixed_precision="fp8"`` (an argument, or ``accelerate launch`` with a config file that says
+so) it starts Accelerate with the base precision of the non-FP8 ops instead (``"bf16"``,
+``"fp16"`` or ``"no"``), so none of Accelerate's own FP8 backends (Transformer Engine, MS-AMP,
+torchao) is asked for or run, and then:
+
+- ``prepare()`` converts every model it is given before Accelerate wraps or shards it (DDP,
+  FSDP2), keeping the Parameter objects (optimizers made before stay valid; FP32 master
+  weights), and makes each forward run inside the FP8 context (torch autocast for the non-FP8
+  ops and :func:`fp8_plugin.autocast` with the amax all-reduce across processes);
+- every prepared optimizer tells the FP8 state of its models about each optimizer step, a step
+  the loss scaler skips included: the micro-batches of ``accelerator.accumulate()`` share one
+  scale update and one amax reduction;
+- ``save_state`` / ``load_state`` carry the FP8 state (a registered checkpoint object) next to
+  the model, optimizer, scaler and RNG states; the model's ``state_dict()`` itself stays vanilla,
+  so ``unwrap_model(model).save_pretrained()`` and safetensors checkpoints work unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import MethodType
+from typing import Any, Optional, Union
+
+import torch
+from accelerate import Accelerator as _AccelerateAccelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import (
+    AORecipeKwargs,
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    FP8RecipeKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    MSAMPRecipeKwargs,
+    ProfileKwargs,
+    TERecipeKwargs,
+)
+from accelerate.utils.dataclasses import FP8BackendType
+from torch import nn
+
+from ..convert import ConversionReport
+from ..recipes import Recipe
+from ..training import FP8Training
+from .settings import FP8Kwargs, FP8Settings, Patterns, resolve_settings
+
+__all__ = ["Accelerator"]
+
+log = logging.getLogger(__name__)
+
+# The kwargs handlers Accelerate 1.x maps by exact class (anything else is a bare KeyError there).
+_ACCELERATE_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs,
+                        ProfileKwargs)
+_FP8_HANDLERS = (FP8Kwargs, TERecipeKwargs, FP8RecipeKwargs)
+_BASE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "no"}
+
+
+class Accelerator(_AccelerateAccelerator):
+    """``accelerate.Accelerator`` whose ``mixed_precision="fp8"`` is fp8-plugin's FP8, on any machine.
+
+    Changing ``from accelerate import Accelerator`` to ``from fp8_plugin.accelerate import
+    Accelerator`` is the whole migration. Every argument of Accelerate's ``Accelerator`` is
+    accepted (by keyword), plus:
+
+    Args:
+        mixed_precision: as in Accelerate; ``"fp8"`` turns FP8 on. None reads
+            ``ACCELERATE_MIXED_PRECISION`` (set by ``accelerate launch``), as Accelerate does.
+        fp8_recipe: a :class:`~fp8_plugin.recipes.Recipe` or an ``"fp8-*"`` precision string
+            (``"fp8-hybrid"``, ``"fp8-current"``, ``"fp8-mxfp8"``, ...). Default: from the kwargs
+            handler or the config file, else ``AutoRecipe()`` (HYBRID).
+        fp8_include, fp8_exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
+        fp8_compute_dtype: dtype of the non-FP8 ops: ``torch.bfloat16`` (default),
+            ``torch.float16`` (dynamic loss scaling through Accelerate's own ``GradScaler``) or
+            ``torch.float32`` (no autocast). It sets Accelerate's base mixed precision.
+        kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
+            Accelerate's ``TERecipeKwargs`` or ``FP8RecipeKwargs`` (mapped field by field).
+
+    Attributes:
+        fp8_settings: the resolved :class:`~fp8_plugin.accelerate.settings.FP8Settings`
+            (None without FP8), with ``sources`` saying where each setting came from.
+        fp8_runs: one :class:`~fp8_plugin.training.FP8Training` per prepared model.
+
+    Raises:
+        ValueError: contradictory FP8 settings (the message names both sources), an unsupported
+            option or value (named, with the valid ones), FP8 arguments without
+            ``mixed_precision="fp8"``, a DeepSpeed set-up, or ``AORecipeKwargs`` /
+            ``MSAMPRecipeKwargs`` (other FP8 backends).
+        TypeError: an unknown kwargs handler class (the valid ones are listed), or
+            ``mixed_precision`` passed by position.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        mixed_precision: Optional[str] = None,
+        fp8_recipe: Union[Recipe, str, None] = None,
+        fp8_include: Patterns = None,
+        fp8_exclude: Patterns = None,
+        fp8_compute_dtype: Union[torch.dtype, str, None] = None,
+        kwargs_handlers: Optional[list] = None,
+        **kwargs: Any,
+    ) -> None:
+        if len(args) > 2:
+            raise TypeError("fp8_plugin.accelerate.Accelerator: pass mixed_precision and later arguments by keyword")
+        handlers = list(kwargs_handlers or [])
+        _check_handlers(handlers)
+        fp8_handlers = [h for h in handlers if isinstance(h, _FP8_HANDLERS)]
+        requested = mixed_precision if mixed_precision is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
+        fp8_arguments = {name: value for name, value in (
+            ("fp8_recipe", fp8_recipe), ("fp8_include", fp8_include), ("fp8_exclude", fp8_exclude),
+            ("fp8_compute_dtype", fp8_compute_dtype)) if value is not None}
+        self.fp8_settings: Optional[FP8Settings] = None
+        if str(requested).lower() == "fp8":
+            self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
+                                                 fp8_handlers, os.environ)
+            mixed_precision = _BASE_PRECISION[self.fp8_settings.compute_dtype]
+        elif fp8_arguments or fp8_handlers:
+            given = ", ".join([*fp8_arguments, *(type(h).__name__ for h in fp8_handlers)])
+            where = "argument" if mixed_precision is not None else "ACCELERATE_MIXED_PRECISION"
+            raise ValueError(
+                f"{given} given, but mixed_precision={requested!r} (from the {where}); "
+                "set mixed_precision='fp8' to train in FP8"
+            )
+        self.fp8_runs: list[FP8Training] = []
+        super().__init__(*args, mixed_precision=mixed_precision,
+                         kwargs_handlers=[h for h in handlers if not isinstance(h, _FP8_HANDLERS)] or None, **kwargs)
+        if self.fp8_settings is not None and self.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "mixed_precision='fp8' with DeepSpeed is not supported: DeepSpeed runs its own mixed precision, "
+                "loss scaling and optimizer step. Valid set-ups: one process, DDP (multi-CPU / multi-GPU), FSDP"
+            )
+        if self.fp8_settings is not None and self.fp8_settings.compute_dtype == torch.float16 and self.scaler is None:
+            raise ValueError(
+                f"fp8_compute_dtype=torch.float16 (from {self.fp8_settings.sources.get('compute_dtype')}) needs "
+                f"a loss scaler, which Accelerate makes only on GPUs (device here: {self.device.type!r}); "
+                "valid here: torch.bfloat16, torch.float32"
+            )
+        if self.fp8_settings is not None:
+            self.register_for_checkpointing(_FP8Checkpoint(self.fp8_runs))
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        """``NO`` under fp8-plugin's FP8: none of Accelerate's FP8 backends runs, whatever the
+        config file's ``fp8_config.backend`` (``ACCELERATE_FP8_BACKEND``) says."""
+        if getattr(self, "fp8_settings", None) is not None:
+            return FP8BackendType.NO
+        return super().fp8_backend
+
+    @property
+    def fp8_reports(self) -> list[ConversionReport]:
+        """What the conversion of each prepared model swapped, and why not the rest."""
+        return [run.report for run in self.fp8_runs if run.report is not None]
+
+    def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
+        """Accelerate's ``prepare``, after converting every model given (any number, any order).
+
+        Conversion happens before Accelerate wraps the model in DDP or shards it with FSDP2.
+        """
+        for obj in args:
+            self._convert(obj)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Accelerate's ``prepare_model``, after converting ``model``."""
+        self._convert(model)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        """Accelerate's ``prepare_optimizer``; the optimizer also ends each FP8 training step."""
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if self.fp8_settings is not None and type(prepared) is AcceleratedOptimizer:
+            # A subclass that adds only the FP8 step notification; state and pickling unchanged.
+            prepared.__class__ = _FP8StepOptimizer
+            prepared.fp8_runs = self.fp8_runs
+        return prepared
+
+    def fp8_metrics(self) -> dict[str, float]:
+        """FP8 figures of every prepared model (``FP8Training.metrics``), one host sync each."""
+        metrics: dict[str, float] = {}
+        for index, run in enumerate(self.fp8_runs):
+            prefix = "" if len(self.fp8_runs) == 1 else f"model{index}/"
+            metrics.update({key.replace("fp8/", f"fp8/{prefix}", 1): value for key, value in run.metrics().items()})
+        return metrics
+
+    def _convert(self, obj: Any) -> None:
+        settings = self.fp8_settings
+        if settings is None or not isinstance(obj, nn.Module) or getattr(obj, "_is_accelerate_prepared", False):
+            return
+        if any(run.module is obj for run in self.fp8_runs):
+            return
+        run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype)
+        run.convert(obj)
+        run.exclude_state_from_state_dict()
+        self.fp8_runs.append(run)
+        if self.is_main_process:
+            log.info("FP8 layers:\n%s", run.report)
+        _wrap_forward(obj, run, self.device.type, settings.use_autocast_during_eval)
+
+
+def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval: bool) -> None:
+    """Run ``module``'s forward in the FP8 context (in training; in evaluation too if ``in_eval``).
+
+    The wrapper is a method with ``__wrapped__``, as Accelerate's own autocast wrapper is, so
+    ``unwrap_model(model, keep_fp32_wrapper=False)`` removes it with Accelerate's.
+    """
+    original = module.forward
+    function = original.__func__ if isinstance(original, MethodType) else None
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = (lambda: function(self, *args, **kwargs)) if function is not None else (lambda: original(*args, **kwargs))
+        if not (self.training or in_eval):
+            return call()
+        with run.forward_context(device_type):
+            return call()
+
+    forward.__wrapped__ = function if function is not None else original  # type: ignore[attr-defined]
+    module.forward = MethodType(forward, module)
+
+
+class _FP8StepOptimizer(AcceleratedOptimizer):
+    """An ``AcceleratedOptimizer`` that ends the FP8 training step of its models at each
+    optimizer step (``sync_gradients``), one the loss scaler skips included."""
+
+    fp8_runs: list[FP8Training]
+
+    def step(self, closure: Any = None) -> Any:
+        runs = self._runs() if self.gradient_state.sync_gradients else []
+        for run in runs:
+            run.before_optimizer_step()
+        output = super().step(closure)
+        for run in runs:
+            run.after_optimizer_step()
+        return output
+
+    def _runs(self) -> list[FP8Training]:
+        # The FP8 models whose parameters this optimizer updates (looked up per step: models
+        # and optimizers may be prepared in any order, and FSDP2 swaps in new parameters).
+        params = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        return [run for run in self.fp8_runs
+                if run.module is not None and any(id(p) in params for p in run.module.parameters())]
+
+
+class _FP8Checkpoint:
+    """The FP8 state of every prepared model, as one object for ``register_for_checkpointing``
+    (``save_state`` calls ``state_dict`` on every process: it may reduce pending amaxes)."""
+
+    def __init__(self, runs: list[FP8Training]) -> None:
+        self.runs = runs
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fp8_state": [run.state_dict() for run in self.runs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("fp8_state", [])
+        if len(saved) != len(self.runs):
+            raise RuntimeError(
+                f"The checkpoint holds FP8 state for {len(saved)} model(s), this Accelerator prepared "
+                f"{len(self.runs)}: prepare the same models before load_state"
+            )
+        for run, model_state in zip(self.runs, saved):
+            run.load_state_dict(model_state, "Accelerator.load_state")
+
+
+def _check_handlers(handlers: list) -> None:
+    valid = (*_ACCELERATE_HANDLERS, *_FP8_HANDLERS)
+    names = ", ".join(cls.__name__ for cls in valid)
+    for handler in handlers:
+        if isinstance(handler, (AORecipeKwargs, MSAMPRecipeKwargs)):
+            raise ValueError(
+                f"kwargs_handlers: {type(handler).__name__} configures another FP8 backend (torchao / MS-AMP); "
+                f"fp8_plugin.accelerate.Accelerator runs its own FP8. Valid handlers: {names}"
+            )
+        if type(handler) not in valid:
+            raise TypeError(f"kwargs_handlers: {type(handler).__name__} is not a known kwargs handler; valid: {names}")
