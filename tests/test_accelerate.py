@@ -360,3 +360,25 @@ def test_two_processes_end_with_identical_weights_and_scales_one_reduction_per_s
     assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
     # 4 optimizer steps of 2 micro-batches: one MAX all-reduce each, of 3 layers x 3 roles.
     assert r0["max_all_reduces"] == [[9]] * 4 == r1["max_all_reduces"]
+
+
+def test_before_step_hooks_run_once_per_optimizer_step_with_its_gradients_and_weights():
+    # The hook point of the BF16 reference checks: complete gradients, weights not yet stepped.
+    accelerator = Accelerator(mixed_precision="fp8", fp8_compute_dtype=torch.float32, gradient_accumulation_steps=2)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen = []
+    accelerator.fp8_runs[0].before_step_hooks.append(
+        lambda run: seen.append([(p.detach().clone(), p.grad.clone()) for p in run.module.parameters()]))
+    expected = []
+    for x, y in batches(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            if accelerator.sync_gradients:
+                expected.append([(p.detach().clone(), p.grad.clone()) for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+    assert len(seen) == len(expected) == 2
+    for got, want in zip(seen, expected):
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, want))

@@ -269,3 +269,27 @@ def test_fsdp_strategy_gets_the_fp8_fsdp_plugin():
         assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (torch.float16, torch.float32, None)
     assert precision_plugin_from_string("fp8-hybrid", strategy="fsdp").scaler is None
     assert type(precision_plugin_from_string("fp8-hybrid", strategy="ddp")) is FP8Precision
+
+
+class ScaleDuringBackward(TinyClassifier):
+    """Records the first layer's input scale as each micro-batch's forward used it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = []
+
+    def on_before_backward(self, loss):
+        self.scales.append(self.net[0].fp8_state.scale[0].item())
+
+
+def test_accumulated_micro_batches_share_one_scale_update_per_optimizer_step():
+    model = ScaleDuringBackward()
+    plugin = FP8Precision(fp.DelayedScaling(), compute_dtype=torch.float32)
+    trainer = L.Trainer(plugins=[plugin], max_steps=2, accumulate_grad_batches=2, **TRAINER_DEFAULTS)
+    trainer.fit(model, loader(n=64, batch_size=16))
+    xs = [b[0] for b in loader(n=64, batch_size=16)]
+    # Micro-batches 1 and 2 form optimizer step 1: both cast with the initial scale; step 2's use
+    # the first update, from the largest input amax of step 1's two micro-batches (TE: 448 / amax).
+    assert model.scales[0] == model.scales[1]
+    amax = max(xs[0].abs().max().item(), xs[1].abs().max().item())
+    assert model.scales[2] == model.scales[3] == torch.tensor(448.0 / amax, dtype=torch.float32).item()
