@@ -15,3 +15,19 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    """No ACCELERATE_* variables and fresh Accelerate singletons (Accelerate keeps its state
+    process-wide; its own tests reset it the same way)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    for key in list(os.environ):
+        if key.startswith("ACCELERATE_"):
+            monkeypatch.delenv(key)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -23,17 +23,7 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 TIMEOUT_S = 240
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    # Accelerate keeps its state in process-wide singletons; its own tests reset them the same way.
-    for key in list(os.environ):
-        if key.startswith("ACCELERATE_"):
-            monkeypatch.delenv(key)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def make_model() -> nn.Module:
@@ -238,7 +228,8 @@ def test_bad_settings_fail_at_construction_naming_them(monkeypatch):
         Accelerator(mixed_precision="fp8", fp8_compute_dtype=torch.float16)
     monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LENGTH", "16")
     monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LEN", "32")
-    with pytest.raises(ValueError, match="ACCELERATE_FP8_AMAX_HISTORY_LENGTH='16'.*ACCELERATE_FP8_AMAX_HISTORY_LEN='32'"):
+    both = "ACCELERATE_FP8_AMAX_HISTORY_LENGTH='16'.*ACCELERATE_FP8_AMAX_HISTORY_LEN='32'"
+    with pytest.raises(ValueError, match=both):
         Accelerator(mixed_precision="fp8")
 
 
@@ -324,7 +315,8 @@ def test_accelerate_launch_mxfp8_key_and_own_recipe_key(tmp_path):
 
 
 @pytest.mark.parametrize("fp8_config, names", [
-    ("  recipe: fp8-current\n  amax_history_length: 16", ("ACCELERATE_FP8_RECIPE", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH")),
+    ("  recipe: fp8-current\n  amax_history_length: 16",
+     ("ACCELERATE_FP8_RECIPE", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH")),
     ("  optimization_level: O1", ("ACCELERATE_FP8_OPTIMIZATION_LEVEL",)),
     ("  interval: 4", ("interval=",)),
 ])

@@ -1,10 +1,8 @@
 """FP8Trainer: a real transformers Trainer fine-tunes a tiny GPT-2 (Conv1D layers) in FP8."""
 
-import os
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 
 import fp8_plugin as fp
 from fp8_plugin.hf_trainer import FP8Trainer
@@ -12,16 +10,7 @@ from fp8_plugin.linear import FP8Linear
 from reference import count_fp8_gemms
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("ACCELERATE_"):
-            monkeypatch.delenv(key)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -211,12 +211,14 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
     original = module.forward
     function = original.__func__ if isinstance(original, MethodType) else None
 
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs) if function is not None else original(*args, **kwargs)
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = (lambda: function(self, *args, **kwargs)) if function is not None else (lambda: original(*args, **kwargs))
         if not (self.training or in_eval):
-            return call()
+            return call(self, *args, **kwargs)
         with run.forward_context(device_type):
-            return call()
+            return call(self, *args, **kwargs)
 
     forward.__wrapped__ = function if function is not None else original  # type: ignore[attr-defined]
     module.forward = MethodType(forward, module)

@@ -181,9 +181,9 @@ def _te_fields(level: _Level, values: Mapping[str, Any], owner: str,
     override = values.get("override_linear_precision")
     if override is not None and any(bool(x) for x in override):
         raise ValueError(
-            f"{label('override_linear_precision')}: override_linear_precision={tuple(override)!r} is not supported: fp8-plugin runs all "
-            "three GEMMs of an FP8 layer in FP8; keep whole layers in high precision with fp8_exclude. "
-            "valid: (False, False, False)"
+            f"{label('override_linear_precision')}: override_linear_precision={tuple(override)!r} is not "
+            "supported: fp8-plugin runs all three GEMMs of an FP8 layer in FP8; keep whole layers in high "
+            "precision with fp8_exclude. valid: (False, False, False)"
         )
     if values.get("fp8_format") is not None:
         level.set("fp8_format", parse_format(str(values["fp8_format"]).upper()), label("fp8_format"))
