@@ -35,6 +35,7 @@ from transformers import (  # noqa: E402
 
 import fp8_plugin  # noqa: E402,F401  (registers precision="fp8-*")
 from fp8_plugin.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
+from fp8_plugin.device import bf16_matmul_is_fast  # noqa: E402
 
 
 class Classifier(L.LightningModule):
@@ -139,20 +140,9 @@ def run(precision: str, args, tokenizer) -> dict:
 def reference_precision(accelerator: str) -> tuple[str, str]:
     """``("bf16-mixed", why)`` where BF16 matmuls are at most 2x slower than float32 on this
     machine's training device, else ``("32-true", why)``: measured on a MiniLM-sized matmul."""
-    if accelerator != "cpu" and torch.cuda.is_available():
-        return "bf16-mixed", "CUDA GPU"
-    a, b = torch.randn(256, 384), torch.randn(384, 1536)
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = a.to(dtype), b.to(dtype)
-        x @ y  # warm-up
-        start = time.perf_counter()
-        for _ in range(3):
-            x @ y
-        timings[dtype] = (time.perf_counter() - start) / 3
-    ratio = timings[torch.bfloat16] / timings[torch.float32]
-    why = f"BF16 matmul {timings[torch.bfloat16] * 1e3:.1f} ms vs float32 {timings[torch.float32] * 1e3:.1f} ms on this CPU"
-    return ("bf16-mixed" if ratio <= 2.0 else "32-true"), why
+    device = "cuda" if accelerator != "cpu" and torch.cuda.is_available() else "cpu"
+    fast, why = bf16_matmul_is_fast(device, k=384)
+    return ("bf16-mixed" if fast else "32-true"), why
 
 
 def main(argv=None) -> list[dict]:

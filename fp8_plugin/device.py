@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -14,7 +15,8 @@ from .formats import Format
 from .gemm import NATIVE_SPEEDUP_REQUIRED, native_gemm, normalize_device, tensorwise_choice
 from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["describe_device", "DeviceReport", "RecipeSupport", "auto_recipe", "resolve_recipe", "recipe_gemm_kind", "default_device"]
+__all__ = ["describe_device", "DeviceReport", "RecipeSupport", "auto_recipe", "resolve_recipe", "recipe_gemm_kind",
+           "default_device", "bf16_matmul_is_fast"]
 
 Device = Union[str, torch.device, None]
 
@@ -173,3 +175,30 @@ _CPU_PAIRINGS = (
 def _short(dtype: torch.dtype) -> str:
     return "E4M3" if dtype == _E4M3 else "E5M2"
 
+
+
+def bf16_matmul_is_fast(device_type: str = "cpu", k: int = 384) -> tuple[bool, str]:
+    """Whether BF16 matmuls on ``device_type`` are at most 2x slower than float32, and why.
+
+    CPUs without AVX512-BF16 or AMX run BF16 matmuls through kernels tens of times slower than
+    float32, so a BF16 reference run (or BF16 for the non-FP8 ops) is only sensible where this is
+    True. CUDA: True without timing. Elsewhere one ``[256, k] x [k, 1536]`` matmul per dtype is
+    timed (mean of 3, after a warm-up): about 1.2 GFLOP, a fraction of a second on any CPU.
+
+    Returns:
+        ``(fast, why)``, ``why`` a sentence with the timings.
+    """
+    if device_type == "cuda" and torch.cuda.is_available():
+        return True, "CUDA GPU"
+    a, b = torch.randn(256, k), torch.randn(k, 1536)
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # warm-up
+        start = time.perf_counter()
+        for _ in range(3):
+            x @ y
+        timings[dtype] = (time.perf_counter() - start) / 3
+    bf16_ms, fp32_ms = timings[torch.bfloat16] * 1e3, timings[torch.float32] * 1e3
+    why = f"BF16 matmul {bf16_ms:.1f} ms vs float32 {fp32_ms:.1f} ms on this CPU"
+    return timings[torch.bfloat16] <= 2.0 * timings[torch.float32], why
