@@ -179,6 +179,9 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
                         generator=torch.Generator().manual_seed(args.seed))
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     layers = fp8_layers(accelerator) if precision == "fp8" else "-"
+    if precision == "fp8":
+        settings = accelerator.fp8_settings
+        print(f"FP8 recipe: {settings.recipe!r} (settings from: {settings.sources or 'defaults'})")
     label = f"{precision} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
     print(f"[{label}] training {args.max_steps} steps of {args.batch_size * args.grad_accum} x {args.seq_len} tokens")
 

@@ -1,0 +1,28 @@
+"""The causal-LM example under `accelerate launch` with its config file: the real SmolLM2
+checkpoint (converted from the packaged GGUF file), real text, one step of each run."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_accelerate_launch_runs_the_causal_lm_example_with_its_config_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update({"OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"})
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+           str(ROOT / "examples" / "accelerate_fp8.yaml"), str(ROOT / "examples" / "finetune_causal_lm.py"),
+           "--model-path", str(tmp_path / "smollm2"), "--max-steps", "2", "--seq-len", "32", "--batch-size", "2",
+           "--val-blocks", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    # The config file's fp8_config reached the FP8 run: amax history 16, "max".
+    assert "210 of 211 linear layers in FP8" in out
+    assert "amax_history_len=16, amax_compute_algo='max'" in out
+    rows = re.findall(r"^(fp8|reference) \S+\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert [r[0] for r in rows] == ["fp8", "reference"], out[-2000:]
+    assert all(float(before) > 1 and float(after) > 1 for _, before, after in rows)
