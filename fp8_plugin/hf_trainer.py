@@ -15,17 +15,17 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Union
 
-import torch
 from transformers import Trainer
 
 from ._transformers_private import trainer_accelerator_class
 from .accelerate import Accelerator
-from .accelerate.settings import Patterns
+from .accelerate.settings import BASE_PRECISION
 from .recipes import Recipe
+from .training import Patterns
 
 __all__ = ["FP8Trainer"]
 
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
+_COMPUTE_DTYPES = {precision: dtype for dtype, precision in BASE_PRECISION.items()}
 
 
 class FP8Trainer(Trainer):

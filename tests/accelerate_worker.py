@@ -10,24 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fp8_plugin.linear
+from amax_reductions import MAX_ALL_REDUCES  # counts every amax all-reduce
 from fp8_plugin.accelerate import Accelerator
 from fp8_plugin.linear import FP8Linear
-
-MAX_ALL_REDUCES: list[int] = []
-_all_reduce = dist.all_reduce
-
-
-def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    if op == dist.ReduceOp.MAX:
-        MAX_ALL_REDUCES.append(tensor.numel())
-    return _all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-dist.all_reduce = _counting_all_reduce
 
 FP8_GEMMS = [0]
 _fp8_gemm = fp8_plugin.linear.fp8_gemm

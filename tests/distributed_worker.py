@@ -22,23 +22,12 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import fp8_plugin  # noqa: E402,F401  (registers the precision strings)
+from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
 from fp8_plugin import FP8Linear  # noqa: E402
 
 STEPS = 6  # two epochs of three steps: checkpoints at an epoch end resume exactly
 GLOBAL_BATCH = 16
 
-# Every all-reduce with MAX is an amax reduction (Lightning's and the scaler's use SUM).
-MAX_ALL_REDUCES = []
-_all_reduce = dist.all_reduce
-
-
-def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    if op == dist.ReduceOp.MAX:
-        MAX_ALL_REDUCES.append(tensor.numel())
-    return _all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-dist.all_reduce = _counting_all_reduce
 
 
 class MLP(L.LightningModule):

@@ -62,6 +62,7 @@ def test_accelerator_trains_every_linear_layer_in_fp8_one_process():
     # Forward + wgrad for the first layer (its input needs no grad), + dgrad for the two others.
     assert gemms.count == 30 * (2 + 3 + 3)
     assert set(gemms.dtypes) == {torch.float8_e4m3fn, torch.float8_e5m2}
+    assert accelerator.fp8_metrics()["fp8/layers"] == 3.0
     # Same steps in float32 with plain Accelerate: FP8 is within a few E4M3 steps of it.
     AcceleratorState._reset_state(True)
     from accelerate import Accelerator as PlainAccelerator

@@ -45,8 +45,8 @@ from torch import nn
 
 from ..convert import ConversionReport
 from ..recipes import Recipe
-from ..training import FP8Training
-from .settings import FP8Kwargs, FP8Settings, Patterns, resolve_settings
+from ..training import FP8Training, Patterns
+from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
 
 __all__ = ["Accelerator"]
 
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 _ACCELERATE_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs,
                         ProfileKwargs)
 _FP8_HANDLERS = (FP8Kwargs, TERecipeKwargs, FP8RecipeKwargs)
-_BASE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "no"}
 
 
 class Accelerator(_AccelerateAccelerator):
@@ -117,7 +116,7 @@ class Accelerator(_AccelerateAccelerator):
         if str(requested).lower() == "fp8":
             self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
                                                  fp8_handlers, os.environ)
-            mixed_precision = _BASE_PRECISION[self.fp8_settings.compute_dtype]
+            mixed_precision = BASE_PRECISION[self.fp8_settings.compute_dtype]
         elif fp8_arguments or fp8_handlers:
             given = ", ".join([*fp8_arguments, *(type(h).__name__ for h in fp8_handlers)])
             where = "argument" if mixed_precision is not None else "ACCELERATE_MIXED_PRECISION"

@@ -28,14 +28,15 @@ import torch
 from ..formats import Format, parse_format
 from ..precision_strings import PRECISION_STRINGS, parse_precision_string
 from ..recipes import AutoRecipe, DelayedScaling, MXFP8BlockScaling, Recipe
-from ..training import COMPUTE_DTYPES
+from ..training import COMPUTE_DTYPES, Patterns
 
-__all__ = ["FP8Kwargs", "FP8Settings", "resolve_settings", "ENV_PREFIX"]
+__all__ = ["FP8Kwargs", "FP8Settings", "resolve_settings", "ENV_PREFIX", "BASE_PRECISION"]
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "ACCELERATE_FP8_"
-Patterns = Union[str, Sequence[str], None]
+# Accelerate's mixed_precision for each compute dtype of the non-FP8 ops.
+BASE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "no"}
 RecipeSetting = Union[Recipe, str, None]
 
 # Defaults of `accelerate launch`'s --fp8_* options: a variable holding one of these may be the
@@ -102,8 +103,7 @@ class FP8Settings:
 class _Level:
     """The settings one source gives: key -> (value, where it was written)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.values: dict[str, tuple[Any, str]] = {}
 
     def set(self, key: str, value: Any, where: str) -> None:
@@ -134,7 +134,7 @@ def _flag(text: str) -> bool:
 
 def _code_level(recipe: RecipeSetting, include: Patterns, exclude: Patterns,
                 compute_dtype: Union[torch.dtype, str, None]) -> _Level:
-    level = _Level("arguments")
+    level = _Level()
     level.set("recipe", recipe, "Accelerator(fp8_recipe)")
     level.set("include", include, "Accelerator(fp8_include)")
     level.set("exclude", exclude, "Accelerator(fp8_exclude)")
@@ -143,7 +143,7 @@ def _code_level(recipe: RecipeSetting, include: Patterns, exclude: Patterns,
 
 
 def _handler_level(handlers: Sequence[Any]) -> _Level:
-    level = _Level("kwargs handlers")
+    level = _Level()
     for handler in handlers:
         name = type(handler).__name__
         if isinstance(handler, FP8Kwargs):
@@ -201,7 +201,7 @@ def _te_fields(level: _Level, values: Mapping[str, Any], owner: str,
 
 
 def _env_level(env: Mapping[str, str]) -> _Level:
-    level = _Level("accelerate config")
+    level = _Level()
 
     def get(name: str) -> Optional[str]:
         value = env.get(ENV_PREFIX + name)
