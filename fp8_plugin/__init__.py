@@ -16,6 +16,7 @@ from .formats import Format
 from .distributed import amax_reducer
 from .lightning_hook import install as _install_lightning_hook
 from .linear import FP8Linear
+from .reference_check import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
 from .recipes import (
     AutoRecipe,
     DelayedScaling,
@@ -46,6 +47,10 @@ __all__ = [
     "convert_model",
     "ConversionReport",
     "is_fp8_enabled",
+    "ReferenceCheck",
+    "ReferenceResult",
+    "FP8ReferenceCheckError",
+    "reference_check",
     "update_pending_scales",
     "register_precision_strings",
 ]

@@ -23,7 +23,8 @@ from .device import resolve_recipe
 from .recipes import Recipe, check_recipe
 from .scaling_group import AmaxReducer, update_pending_scales
 
-__all__ = ["autocast", "is_fp8_enabled", "get_fp8_recipe", "new_step_id", "update_pending_scales", "AmaxReducer"]
+__all__ = ["autocast", "replay", "is_fp8_enabled", "get_fp8_recipe", "new_step_id", "update_pending_scales",
+           "AmaxReducer"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,25 @@ def autocast(
         reduce_amax=reduce_amax if reduce_amax is not None else outer.reduce_amax,
         step=step,
     )
+    try:
+        yield
+    finally:
+        _local.context = outer
+
+
+@contextlib.contextmanager
+def replay(fp8: bool, recipe: Optional[Recipe] = None) -> Iterator[None]:
+    """Rerun a training forward and backward without changing any FP8 state (reference checks).
+
+    Inside, FP8 layers run in FP8 (``fp8=True``, with each layer's recipe or ``recipe``) or in
+    high precision (``fp8=False``), with grad enabled or not, but as evaluation forwards do:
+    with the current scales, recording no amax and updating no scale, whatever the grad mode.
+    Replaying a micro-batch before the optimizer step therefore repeats its FP8 numerics exactly
+    and leaves the step's pending amaxes alone.
+    """
+    check_recipe(recipe, "replay")
+    outer = _local.context
+    _local.context = _FP8Context(enabled=fp8, recipe=resolve_recipe(recipe) if fp8 else None)
     try:
         yield
     finally:

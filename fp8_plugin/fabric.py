@@ -24,6 +24,7 @@ from typing_extensions import override
 from .convert import ConversionReport
 from .precision_strings import settings_for_loop
 from .recipes import Recipe
+from .reference_check import ReferenceCheck, output_loss, resolve_reference_check
 from .training import FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "precision_plugin_from_string"]
@@ -46,11 +47,18 @@ class FP8Precision(MixedPrecision):
         amax_reduction_group: process group whose ranks share amaxes; None means the world.
         device: device type of autocast and the scaler; None means "cuda" when CUDA is
             available, else "cpu".
+        reference_every: run a BF16 reference check every this many optimizer steps (0 or
+            None: off): the last forward of the set-up model before ``optimizer.step()`` is
+            replayed, its loss read by ``ReferenceCheck.output_loss``. Single device or DDP.
+        reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
+            thresholds, policy, report files). Figures: :meth:`reference_metrics` after each
+            step (for ``fabric.log_dict``), :meth:`reference_summary` at the end.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe.
-        ValueError: ``compute_dtype`` is not bfloat16, float16 or float32, or a ``scaler`` with
-            another compute dtype than float16.
+        TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
+        ValueError: ``compute_dtype`` is not bfloat16, float16 or float32, a ``scaler`` with
+            another compute dtype than float16, or ``reference_every`` negative or
+            contradicting ``reference_check``.
     """
 
     def __init__(
@@ -64,13 +72,16 @@ class FP8Precision(MixedPrecision):
         scaler: Optional["torch.amp.GradScaler"] = None,
         amax_reduction_group: Optional["dist.ProcessGroup"] = None,
         device: Optional[str] = None,
+        reference_every: Optional[int] = None,
+        reference_check: Optional[ReferenceCheck] = None,
     ) -> None:
         recipe = check_arguments("fabric.FP8Precision", recipe, compute_dtype)
+        reference = resolve_reference_check(reference_every, reference_check, "fabric.FP8Precision")
         if scaler is not None and compute_dtype != torch.float16:
             raise ValueError(f"fabric.FP8Precision(scaler=...) needs compute_dtype=torch.float16, got {compute_dtype}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__("16-mixed" if compute_dtype == torch.float16 else "bf16-mixed", device=device, scaler=scaler)
-        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group)
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference)
         self.precision = precision  # type: ignore[assignment]
 
     @property
@@ -89,7 +100,16 @@ class FP8Precision(MixedPrecision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return data if self.fp8.compute_dtype == torch.float32 else super().convert_input(data)
+        data = data if self.fp8.compute_dtype == torch.float32 else super().convert_input(data)
+        module = self.fp8.module
+        # Fabric converts the set-up module's forward inputs right before the forward: the
+        # moment (and the RNG state) a reference check replays from.
+        if (self.fp8.reference is not None and module is not None and module.training
+                and isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], dict)):
+            args, kwargs = data
+            loss_of = self.fp8.reference.config.output_loss or output_loss
+            self.fp8.capture_replay(lambda: loss_of(module(*args, **kwargs)))
+        return data
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -101,6 +121,18 @@ class FP8Precision(MixedPrecision):
     def fp8_metrics(self) -> dict[str, float]:
         """FP8 figures of the set-up model (one host sync): see ``FP8Training.metrics``."""
         return self.fp8.metrics()
+
+    def reference_metrics(self) -> dict[str, float]:
+        """The figures (``fp8_ref/...``) of the reference check the last optimizer step ran,
+        once; empty when none ran. For ``fabric.log_dict``."""
+        return self.fp8.reference.pop_metrics() if self.fp8.reference is not None else {}
+
+    def reference_summary(self) -> str:
+        """The reference checks' text summary, after writing the report files they ask for."""
+        if self.fp8.reference is None:
+            return "FP8 reference checks: off"
+        written = self.fp8.reference.write_reports()
+        return self.fp8.reference.summary() + "".join(f"\n  written: {path}" for path in written)
 
 
 def precision_plugin_from_string(precision: str, strategy: object = None, accelerator: object = None) -> FP8Precision:

@@ -107,7 +107,7 @@ class FP8Linear(nn.Linear):
             ``weight_transposed`` (a converted ``transformers.pytorch_utils.Conv1D`` keeps its
             Parameter and layout, so checkpoints keep theirs).
         use_fp8: per-layer switch; False runs this layer in high precision even inside the
-            autocast (used for reference replays and per-layer fallback).
+            autocast (the BF16 reference checks' fallback sets it); saved in checkpoints.
         fp8_state: :class:`~fp8_plugin.quantizers.ScalingState` with amax history and scales.
         scaling_group: the :class:`~fp8_plugin.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
@@ -134,11 +134,20 @@ class FP8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self.weight_transposed = False
-        self.use_fp8 = True
         self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
         self._forward_context: Optional[_ForwardContext] = None
         # A layer of its own; convert_model puts all the layers of a model in one group.
         ScalingGroup().add(self)
+
+    @property
+    def use_fp8(self) -> bool:
+        """Per-layer switch: False runs this layer in high precision even inside the autocast.
+        Saved with the FP8 scaling state (``fp8_state``), so it survives checkpoint resume."""
+        return self.fp8_state.use_fp8
+
+    @use_fp8.setter
+    def use_fp8(self, value: bool) -> None:
+        self.fp8_state.use_fp8 = bool(value)
 
     @staticmethod
     def _history_len(recipe: Recipe) -> int:

@@ -104,7 +104,11 @@ class ScalingState(nn.Module):
     wrappers broadcast buffers from rank 0 (DDP's ``broadcast_buffers``), which would overwrite
     each rank's scales; what makes ranks agree is the amax reduction alone. They travel in
     ``state_dict()`` as this module's extra state (one ``"_extra_state"`` entry: a dict of the
-    tensors above plus ``"pending"``, bool ``[3]``).
+    tensors above plus ``"pending"``, bool ``[3]``, and ``"use_fp8"``, bool 0-dim).
+
+    ``use_fp8`` (host-side bool) is the layer's FP8 switch (``FP8Linear.use_fp8``): kept here so
+    that a layer moved to high precision (by hand, or by a BF16 reference check's fallback)
+    stays there after a checkpoint resume. A state saved without it loads as True.
 
     ``pending`` (host-side) maps each role whose current-step amax has not yet become a scale to
     the recipe that recorded it (None after loading: the recipe in force at the update applies),
@@ -120,6 +124,7 @@ class ScalingState(nn.Module):
         self.initialized = torch.zeros(3, dtype=torch.bool, device=device)
         self.nonfinite_amax_count = torch.zeros(3, dtype=torch.int64, device=device)
         self.pending: dict[int, Optional[Recipe]] = {}
+        self.use_fp8 = True
         # A vanilla checkpoint (no FP8 state) loads into a converted model: scaling starts fresh.
         self.register_load_state_dict_post_hook(_allow_missing_scaling_state)
 
@@ -163,14 +168,17 @@ class ScalingState(nn.Module):
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         state = {name: t.detach().clone() for name, t in self.tensors().items()}
         state["pending"] = torch.tensor([role in self.pending for role in range(len(ROLES))])
+        state["use_fp8"] = torch.tensor(self.use_fp8)
         return state
 
     def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
-        if not isinstance(state, dict) or set(state) != {*_STATE_TENSORS, "pending"}:
+        if not isinstance(state, dict) or not {*_STATE_TENSORS, "pending"} <= set(state) <= {
+                *_STATE_TENSORS, "pending", "use_fp8"}:
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise RuntimeError(
                 f"FP8 scaling state in the checkpoint has entries {found}; expected "
-                f"{sorted({*_STATE_TENSORS, 'pending'})} (a checkpoint written by another fp8_plugin version?)"
+                f"{sorted({*_STATE_TENSORS, 'pending'})} and optionally 'use_fp8' "
+                "(a checkpoint written by another fp8_plugin version?)"
             )
         device = self.device
         for name in _STATE_TENSORS:
@@ -178,6 +186,7 @@ class ScalingState(nn.Module):
             setattr(self, name, state[name].detach().to(device=device, dtype=getattr(self, name).dtype).clone())
         # Which recipe recorded them is not saved: the one in force at the next update applies.
         self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
+        self.use_fp8 = bool(state["use_fp8"]) if "use_fp8" in state else True
 
     def follow(self, device: torch.device) -> None:
         """Move the state to ``device`` (a layer whose weights moved without ``Module.to``)."""

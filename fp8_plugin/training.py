@@ -22,6 +22,7 @@ from .distributed import amax_reducer
 from .linear import FP8Linear
 from .quantizers import is_scaling_state_key
 from .recipes import AutoRecipe, Recipe, check_recipe
+from .reference_check import ReferenceCheck, ReferenceChecker
 from .scaling_group import update_pending_scales
 
 __all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
@@ -53,16 +54,20 @@ class FP8Training:
         recipe: scaling recipe of the FP8 layers (an ``AutoRecipe`` is resolved at conversion).
         include, exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
         compute_dtype: dtype of the non-FP8 ops under torch autocast; float32 means no autocast.
-        amax_reduction_group: process group whose ranks share amaxes; None means the world.
+        amax_reduction_group: process group whose ranks share amaxes (and sum the reference
+            checks' figures); None means the world.
+        reference_check: the periodic BF16 reference checks (None: off).
 
     Attributes:
         module: the converted model (None before :meth:`convert`).
         report: its :class:`~fp8_plugin.convert.ConversionReport`.
+        reference: the :class:`~fp8_plugin.reference_check.ReferenceChecker` (None when off).
     """
 
     def __init__(self, recipe: Recipe, include: Patterns = None, exclude: Patterns = None,
                  compute_dtype: torch.dtype = torch.bfloat16,
-                 amax_reduction_group: Optional["dist.ProcessGroup"] = None) -> None:
+                 amax_reduction_group: Optional["dist.ProcessGroup"] = None,
+                 reference_check: Optional[ReferenceCheck] = None) -> None:
         self.recipe = recipe
         self.include = include
         self.exclude = exclude
@@ -76,6 +81,7 @@ class FP8Training:
         # step shares it, so gradient accumulation makes one scale update per optimizer step.
         self._step: Optional[int] = None
         self.before_step_hooks: list[Callable[["FP8Training"], None]] = []
+        self.reference = ReferenceChecker(reference_check) if reference_check is not None else None
 
     def convert(self, module: nn.Module) -> bool:
         """Swap ``module``'s linear layers for FP8 ones, once. Returns False if already done."""
@@ -117,14 +123,34 @@ class FP8Training:
         stack.enter_context(autocast(enabled=True, reduce_amax=self.amax_reducer(), step=self._step))
         return stack
 
-    def _device_type(self) -> str:
+    def _device(self) -> torch.device:
         param = next(self.module.parameters(), None) if self.module is not None else None
-        return param.device.type if param is not None else "cpu"
+        return param.device if param is not None else torch.device("cpu")
+
+    def _device_type(self) -> str:
+        return self._device().type
+
+    def capture_replay(self, run_replay: Callable[[], torch.Tensor]) -> None:
+        """Offer a training forward to the reference checks, right before it runs.
+
+        Args:
+            run_replay: runs the same forward again (same inputs, the unwrapped module) and
+                returns its scalar loss; kept, with the RNG state of this moment, only when a
+                check is due on this step. Nothing happens when checks are off or grad is off.
+        """
+        if self.reference is not None and torch.is_grad_enabled():
+            self.reference.capture(run_replay, self._device())
 
     def before_optimizer_step(self) -> None:
-        """Run ``before_step_hooks`` (each called with this object): the point where a step's
-        gradients are complete and the weights are still the ones its forwards used (the BF16
-        reference checks hook in here). Loops call it right before the optimizer step."""
+        """Run the reference check due on this step, then ``before_step_hooks`` (each called
+        with this object): the point where a step's gradients are complete and the weights are
+        still the ones its forwards used. Loops call it right before the optimizer step.
+
+        Raises:
+            FP8ReferenceCheckError: a failed check under ``policy="raise"``.
+        """
+        if self.reference is not None and self.module is not None:
+            self.reference.run(self.module, self.compute_dtype, self.amax_reduction_group)
         for hook in self.before_step_hooks:
             hook(self)
 
@@ -137,6 +163,8 @@ class FP8Training:
         self._step = None
         if self.module is not None:
             update_pending_scales(self.module, self.amax_reducer())
+        if self.reference is not None:
+            self.reference.end_step()
 
     def state_dict(self) -> dict[str, Any]:
         """The settled FP8 state of the module (every rank must call it: it may reduce)."""

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -27,12 +28,14 @@ from typing_extensions import override
 from ..autocast import AmaxReducer
 from ..convert import ConversionReport
 from ..recipes import Recipe
+from ..reference_check import ReferenceCheck, output_loss, resolve_reference_check
 from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 
 _STATE_KEY = "fp8_state"
 _SCALER_KEY = "loss_scaler"
+_REFERENCE_KEY = "reference_checks"
 Patterns = Union[str, Sequence[str], None]
 
 
@@ -44,8 +47,10 @@ class _FP8Behaviour:
     scaler: Optional["torch.amp.GradScaler"]
 
     def _init_fp8(self, recipe: Recipe, include: Patterns, exclude: Patterns, compute_dtype: torch.dtype,
-                  amax_reduction_group: Optional["dist.ProcessGroup"], precision: str) -> None:
-        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group)
+                  amax_reduction_group: Optional["dist.ProcessGroup"], precision: str,
+                  reference_check: Optional[ReferenceCheck] = None) -> None:
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference_check)
+        self._summarised_steps = 0
         self.precision = precision  # type: ignore[assignment]
         self._device_type = "cpu"
         self._scale_before_step: Optional[torch.Tensor] = None
@@ -75,6 +80,8 @@ class _FP8Behaviour:
             # load_from_checkpoint into a plain module works; FP8 state travels under this plugin's
             # key (state_dict below), settled and identical on every rank.
             self.fp8.exclude_state_from_state_dict()
+            if self.fp8.reference is not None:
+                _attach_reference_capture(module, self.fp8)
         return module
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
@@ -108,12 +115,24 @@ class _FP8Behaviour:
             self._skipped_steps = skipped if self._skipped_steps is None else self._skipped_steps + skipped
             self._scale_before_step = None
         trainer = getattr(model, "_trainer", None)
-        if trainer is not None and trainer.loggers and trainer.global_step % trainer.log_every_n_steps == 0:
-            metrics = self.fp8_metrics()
+        if trainer is not None and trainer.loggers:
+            metrics = self.fp8_metrics() if trainer.global_step % trainer.log_every_n_steps == 0 else {}
+            if self.fp8.reference is not None:
+                metrics.update(self.fp8.reference.pop_metrics())  # every check, whatever the interval
             if metrics and trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
         return output
+
+    def teardown(self) -> None:
+        """End of fit (or validate / test): the reference checks' summary and report files."""
+        checker = self.fp8.reference
+        if checker is not None and checker.steps > self._summarised_steps:
+            self._summarised_steps = checker.steps
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                written = checker.write_reports()
+                rank_zero_info(checker.summary() + "".join(f"\n  written: {path}" for path in written))
+        super().teardown()  # type: ignore[misc]
 
     @property
     def skipped_steps(self) -> int:
@@ -142,12 +161,54 @@ class _FP8Behaviour:
             # Lightning builds checkpoints on every rank: anything still pending (a save outside
             # the optimizer step) is applied with the same reduction the next forward would use.
             state[_STATE_KEY] = self.fp8.state_dict()
+        if self.fp8.reference is not None:
+            state[_REFERENCE_KEY] = self.fp8.reference.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and _SCALER_KEY in state_dict:
             self.scaler.load_state_dict(state_dict[_SCALER_KEY])
         self.fp8.load_state_dict(state_dict.get(_STATE_KEY), type(self).__name__)
+        if self.fp8.reference is not None and _REFERENCE_KEY in state_dict:
+            self.fp8.reference.load_state_dict(state_dict[_REFERENCE_KEY])
+            self._summarised_steps = self.fp8.reference.steps
+
+
+class _ReferenceCapture(Callback):
+    """Offers each training batch to the reference checks at ``on_train_batch_start`` (the
+    batch is on its device, the RNG state is the training step's): the replay reruns
+    ``training_step`` on it with logging silenced and reads its loss as Lightning does."""
+
+    def __init__(self, fp8: FP8Training) -> None:
+        self.fp8 = fp8
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.fp8.capture_replay(lambda: _replay_training_step(pl_module, batch, batch_idx))
+
+
+def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return
+    if not getattr(module, "automatic_optimization", True):
+        raise ValueError(
+            "FP8Precision(reference_every / reference_check) needs automatic optimization; this LightningModule "
+            "sets automatic_optimization=False: call fp8_plugin.reference_check(...) in its training_step instead"
+        )
+    trainer.callbacks.append(_ReferenceCapture(fp8))
+
+
+def _replay_training_step(module: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+    import inspect
+
+    takes_index = len(inspect.signature(module.training_step).parameters) >= 2
+    # The replay's self.log calls would log reference figures under the user's keys: silence them.
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    try:
+        output = module.training_step(batch, batch_idx) if takes_index else module.training_step(batch)
+    finally:
+        del module.log, module.log_dict
+    return output_loss(output)
 
 
 class FP8Precision(_FP8Behaviour, MixedPrecision):
@@ -176,11 +237,16 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
             all-reduce per step); None means the world group.
         device: device type of the loss scaler; None means "cuda" when CUDA is available, else
             "cpu".
+        reference_every: run a BF16 reference check every this many optimizer steps (0 or
+            None: off); see :mod:`fp8_plugin.reference_check`. Needs automatic optimization;
+            single device or DDP.
+        reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` with the
+            interval, thresholds, policy and report files.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe.
-        ValueError: ``compute_dtype`` is not one of the valid ones, or ``loss_scaling=False``
-            with ``scaler``.
+        TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
+        ValueError: ``compute_dtype`` is not one of the valid ones, ``loss_scaling=False``
+            with ``scaler``, or ``reference_every`` negative or contradicting ``reference_check``.
 
     .. note::
         FP8 scaling state travels in Lightning checkpoints under this plugin's key, not in
@@ -201,8 +267,11 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         scaler: Optional["torch.amp.GradScaler"] = None,
         amax_reduction_group: Optional["dist.ProcessGroup"] = None,
         device: Optional[str] = None,
+        reference_every: Optional[int] = None,
+        reference_check: Optional[ReferenceCheck] = None,
     ) -> None:
         recipe = check_arguments("FP8Precision", recipe, compute_dtype)
+        reference = resolve_reference_check(reference_every, reference_check, "FP8Precision")
         if loss_scaling is False and scaler is not None:
             raise ValueError("FP8Precision(loss_scaling=False, scaler=...) contradict each other; pass one")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -210,7 +279,7 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
             scaler = torch.amp.GradScaler(device=device)
         # Lightning's MixedPrecision runs the scaler ("16-mixed") or nothing ("bf16-mixed").
         super().__init__("16-mixed" if scaler is not None else "bf16-mixed", device=device, scaler=scaler)
-        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision)
+        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference)
 
     @override
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:

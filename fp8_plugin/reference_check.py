@@ -1,0 +1,627 @@
+"""BF16 reference checks: replay a training micro-batch with FP8 off, compare, and act.
+
+On the step a check fires, before the optimizer step (the weights are the ones the step's FP8
+forwards used), the last micro-batch of the step runs twice more from the RNG state of its
+training forward (same dropout masks): once in FP8 and once with every FP8 layer in high
+precision (the loop's non-FP8 dtype, BF16 by default), each into its own gradient buffers
+(``torch.autograd.grad``). Both replays run as evaluation forwards do for FP8 state (no amax
+recorded, no scale updated), the model's buffers are restored afterwards, the RNG stream is
+restored, and ``.grad`` and the optimizer are never touched: a run with checks trains exactly as
+one without. Replaying the FP8 side too, rather than reading ``.grad``, makes the comparison
+independent of how the loop scales, normalises and accumulates gradients (loss scaling,
+gradient accumulation, the transformers Trainer's token-count normalisation).
+
+The figures (:class:`ReferenceResult`), FP8 against the reference:
+
+- ``loss_rel_diff``: ``|L_fp8 - L_ref| / |L_ref|``;
+- ``grad_cosine`` and ``grad_rel_error``: cosine similarity and ``||g_fp8 - g_ref|| / ||g_ref||``
+  over all trainable parameters together, and per parameter (``param_figures``);
+- ``layer_sqnr_db``: for every FP8 layer, ``10 log10(sum y_ref^2 / sum (y_fp8 - y_ref)^2)`` where
+  ``y_ref`` is the layer's high-precision output in the reference replay and ``y_fp8`` its FP8
+  output on the same input, so that each layer's figure is its own quantisation error, not the
+  error it inherits from the layers before it.
+
+Under several processes every sum above is all-reduced (SUM) before the figures are formed:
+they describe the replayed micro-batches of all ranks together and are identical on every rank,
+so every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._torch_private import in_backward_pass
+from .autocast import replay
+from .linear import FP8Linear
+from .recipes import Recipe
+
+__all__ = [
+    "ReferenceCheck",
+    "ReferenceResult",
+    "ReferenceChecker",
+    "FP8ReferenceCheckError",
+    "POLICIES",
+    "reference_check",
+    "resolve_reference_check",
+    "output_loss",
+    "capture_rng_state",
+]
+
+POLICIES = ("log", "warn", "fallback", "raise")
+METRIC_PREFIX = "fp8_ref/"
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    """Settings of the periodic BF16 reference checks.
+
+    Args:
+        every: optimizer steps between checks (the check runs on steps ``every``, ``2 * every``,
+            ...); 0 turns checks off. The default, 200, keeps their cost near 1% of training
+            time (a check costs about one FP8 and one BF16 forward and backward of a micro-batch).
+        policy: what a failed check does: ``"log"`` (record it), ``"warn"`` (also a warning),
+            ``"fallback"`` (also move the offending layers to high precision from the next step
+            on, on every rank; saved in checkpoints), ``"raise"`` (stop with
+            :class:`FP8ReferenceCheckError` before the optimizer step, so the weights are still
+            the ones the check judged and a checkpoint can be written).
+        min_sqnr_db: a layer whose output SQNR is below this fails the check. A healthy E4M3
+            GEMM gives about 29 dB (both operands rounded to 3 mantissa bits: about 32 dB each,
+            whose noises add); 20 dB (10% RMS error, 8x the healthy noise power) is reached
+            only when values underflow or saturate (a wrong scale, an outlier channel).
+        max_loss_rel_diff: the check fails when the FP8 loss differs from the reference by more
+            than this fraction. Healthy FP8 stays far below 1%; 5% is a difference that shows.
+        min_grad_cosine, max_grad_rel_error: the check fails when the global gradient's cosine
+            similarity falls below, or its relative error rises above, these. Both defaults
+            correspond to a gradient signal-to-noise ratio of about 10 dB (an error a third of
+            the gradient's norm: cosine 1 / sqrt(1 + 1/9) = 0.95).
+        fallback_worst_k: under ``"fallback"``, when a check fails on the loss or the gradients
+            while no layer is under ``min_sqnr_db``, this many layers with the lowest SQNR move
+            to high precision.
+        output_loss: how the replay reads the loss from the model's output (Fabric and
+            Accelerate replay the model's forward); default :func:`output_loss` (the output's
+            ``loss``, its ``"loss"`` entry, or the output itself when it is a 0-dim tensor).
+        log_layers: also log each layer's SQNR (``fp8_ref/sqnr_db/<layer>``), not only the worst.
+        json_path: where to write every check's figures as JSON at the end of training.
+        plot_path: where to write a PNG of FP8 against reference loss and per-layer SQNR over
+            training at the end of training (needs matplotlib: ``pip install fp8-plugin[plot]``).
+
+    Raises:
+        ValueError: a setting out of its range or ``policy`` not one of :data:`POLICIES`.
+        TypeError: a setting of the wrong type.
+    """
+
+    every: int = 200
+    policy: str = "warn"
+    min_sqnr_db: float = 20.0
+    max_loss_rel_diff: float = 0.05
+    min_grad_cosine: float = 0.95
+    max_grad_rel_error: float = 0.35
+    fallback_worst_k: int = 1
+    output_loss: Optional[Callable[[Any], torch.Tensor]] = None
+    log_layers: bool = True
+    json_path: Optional[str] = None
+    plot_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_int("every", self.every, 0)
+        _check_int("fallback_worst_k", self.fallback_worst_k, 1)
+        if self.policy not in POLICIES:
+            raise ValueError(f"ReferenceCheck(policy={self.policy!r}) is not valid; valid: {', '.join(POLICIES)}")
+        for name, low, high in (("min_sqnr_db", -math.inf, math.inf), ("max_loss_rel_diff", 0.0, math.inf),
+                                ("min_grad_cosine", -1.0, 1.0), ("max_grad_rel_error", 0.0, math.inf)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise TypeError(f"ReferenceCheck({name}={value!r}) must be a number")
+            if not low <= value <= high:
+                raise ValueError(f"ReferenceCheck({name}={value!r}) is out of range; valid: [{low}, {high}]")
+        if self.output_loss is not None and not callable(self.output_loss):
+            raise TypeError(f"ReferenceCheck(output_loss={self.output_loss!r}) must be callable")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ReferenceCheck({name}={value!r}) must be an int >= {low}")
+    if value < low:
+        raise ValueError(f"ReferenceCheck({name}={value!r}) is out of range; valid: an int >= {low}")
+
+
+def resolve_reference_check(reference_every: Optional[int], reference_check: Optional[ReferenceCheck],
+                            owner: str) -> Optional[ReferenceCheck]:
+    """The checks an integration runs, from its ``reference_every`` and ``reference_check``
+    arguments (None when off).
+
+    Raises:
+        TypeError: ``reference_check`` is not a :class:`ReferenceCheck`, or ``reference_every``
+            not an int.
+        ValueError: ``reference_every`` negative, or both given with different intervals.
+    """
+    if reference_check is not None and not isinstance(reference_check, ReferenceCheck):
+        raise TypeError(f"{owner}(reference_check={reference_check!r}) must be a fp8_plugin.ReferenceCheck")
+    if reference_every is not None:
+        if isinstance(reference_every, bool) or not isinstance(reference_every, int) or reference_every < 0:
+            raise ValueError(f"{owner}(reference_every={reference_every!r}) must be an int >= 0 (0: off)")
+        if reference_check is None:
+            reference_check = ReferenceCheck(every=reference_every)
+        elif reference_every != reference_check.every:
+            raise ValueError(
+                f"{owner}(reference_every={reference_every}, reference_check=ReferenceCheck(every="
+                f"{reference_check.every})) contradict each other; pass one"
+            )
+    return reference_check if reference_check is not None and reference_check.every > 0 else None
+
+
+class FP8ReferenceCheckError(RuntimeError):
+    """A reference check failed under ``policy="raise"``; ``result`` holds its figures."""
+
+    def __init__(self, result: "ReferenceResult") -> None:
+        self.result = result
+        super().__init__(f"FP8 reference check failed at step {result.step}: {result.describe()}")
+
+
+@dataclass
+class ReferenceResult:
+    """The figures of one reference check (see the module docstring for their definitions).
+
+    Attributes:
+        step: optimizer steps completed before the checked one (the checked step is ``step + 1``).
+        loss_fp8, loss_reference: the replayed micro-batch's loss, FP8 and reference (mean over ranks).
+        loss_rel_diff: ``|loss_fp8 - loss_reference| / |loss_reference|``.
+        grad_cosine, grad_rel_error: over all trainable parameters.
+        param_figures: ``{parameter name: (cosine, relative error)}``.
+        layer_sqnr_db: ``{FP8 layer name: SQNR in dB}`` (``inf`` for an exact output).
+        failures: why the check failed (empty when it passed).
+        fallback_layers: the layers this check moved to high precision.
+        seconds: wall time the check took.
+    """
+
+    step: int
+    loss_fp8: float
+    loss_reference: float
+    loss_rel_diff: float
+    grad_cosine: float
+    grad_rel_error: float
+    param_figures: dict[str, tuple[float, float]] = field(default_factory=dict)
+    layer_sqnr_db: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    fallback_layers: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def worst_layers(self, k: int = 3) -> list[tuple[str, float]]:
+        """The ``k`` layers with the lowest SQNR, lowest first."""
+        return sorted(self.layer_sqnr_db.items(), key=lambda item: item[1])[:k]
+
+    def describe(self) -> str:
+        """One line: the figures, the failures and the worst layers."""
+        worst = ", ".join(f"{name} {db:.1f} dB" for name, db in self.worst_layers())
+        text = (f"loss FP8 {self.loss_fp8:.5g} vs reference {self.loss_reference:.5g} "
+                f"(rel diff {self.loss_rel_diff:.2%}), grad cosine {self.grad_cosine:.4f}, "
+                f"grad rel error {self.grad_rel_error:.3f}; lowest SQNR: {worst or 'no FP8 layer'}")
+        if self.failures:
+            text += "; failed: " + "; ".join(self.failures)
+        if self.fallback_layers:
+            text += "; moved to high precision: " + ", ".join(self.fallback_layers)
+        return text
+
+    def metrics(self, layers: bool = True) -> dict[str, float]:
+        """Scalar figures for a logger, under the ``fp8_ref/`` prefix."""
+        sqnr = [db for db in self.layer_sqnr_db.values()]
+        out = {
+            "loss_fp8": self.loss_fp8,
+            "loss_reference": self.loss_reference,
+            "loss_rel_diff": self.loss_rel_diff,
+            "grad_cosine": self.grad_cosine,
+            "grad_rel_error": self.grad_rel_error,
+            "sqnr_min_db": min(sqnr) if sqnr else math.inf,
+            "failed": float(not self.passed),
+            "fallback_layers": float(len(self.fallback_layers)),
+            "seconds": self.seconds,
+        }
+        if layers:
+            out.update({f"sqnr_db/{name}": db for name, db in self.layer_sqnr_db.items()})
+        return {METRIC_PREFIX + key: float(value) for key, value in out.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (infinities as None)."""
+        return _finite_or_none(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ReferenceResult":
+        data = dict(data)
+        data["param_figures"] = {k: tuple(_none_to_inf(x) for x in v) for k, v in data["param_figures"].items()}
+        data["layer_sqnr_db"] = {k: _none_to_inf(v) for k, v in data["layer_sqnr_db"].items()}
+        return cls(**{k: _none_to_inf(v) if k in _FLOAT_FIELDS else v for k, v in data.items()})
+
+
+_FLOAT_FIELDS = ("loss_fp8", "loss_reference", "loss_rel_diff", "grad_cosine", "grad_rel_error", "seconds")
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def _none_to_inf(value: Any) -> Any:
+    return math.inf if value is None else value
+
+
+def output_loss(output: Any) -> torch.Tensor:
+    """The loss in a model's output: ``output.loss`` (transformers), ``output["loss"]``, or the
+    output itself when it is a 0-dim tensor.
+
+    Raises:
+        ValueError: none of these; pass ``ReferenceCheck(output_loss=...)``.
+    """
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            f"The reference check found no scalar loss in the model's output ({type(output).__name__}); valid: an "
+            "output with .loss or ['loss'], or a 0-dim tensor. Pass ReferenceCheck(output_loss=fn) to read it"
+        )
+    return loss.reshape(())
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+
+
+@dataclass(frozen=True)
+class _RNGState:
+    cpu: torch.Tensor
+    device: Optional[torch.device]
+    device_state: Optional[torch.Tensor]
+
+
+def capture_rng_state(device: torch.device) -> _RNGState:
+    """The CPU RNG state and, on CUDA, the device's: what a training forward draws dropout from."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _RNGState(torch.get_rng_state(), device, torch.cuda.get_rng_state(device))
+    return _RNGState(torch.get_rng_state(), None, None)
+
+
+def _restore_rng_state(state: _RNGState) -> None:
+    torch.set_rng_state(state.cpu)
+    if state.device is not None:
+        torch.cuda.set_rng_state(state.device_state, state.device)
+
+
+def _fp8_layers(model: nn.Module) -> list[tuple[str, FP8Linear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear)]
+
+
+def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
+            compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
+            recipe: Optional[Recipe] = None, group: Optional["dist.ProcessGroup"] = None) -> ReferenceResult:
+    """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
+
+    Args:
+        model: the converted model whose parameters and FP8 layers are compared.
+        run_replay: runs the micro-batch's forward through ``model`` and returns its scalar loss.
+        rng_state: the RNG state at the start of the training forward being replayed.
+        compute_dtype: dtype of the non-FP8 ops (torch autocast; float32: none); the reference
+            runs the FP8 layers in it too.
+        device_type: the autocast device type.
+        step: recorded in the result.
+        recipe: the recipe the FP8 replay runs (None: each layer's own, as in training).
+        group: process group whose ranks' figures are summed; None means the world when
+            torch.distributed is initialised (every rank of it must call this together).
+
+    Raises:
+        ValueError: the replay's loss is not a scalar tensor with grad.
+    """
+    start = time.perf_counter()
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad]) or ((), ())
+    layers = [(name, layer) for name, layer in _fp8_layers(model) if layer.use_fp8]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [rng_state.device] if rng_state.device is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+        loss_fp8, grads_fp8 = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe)
+        recipes = {name: layer._forward_context.recipe if layer._forward_context else None for name, layer in layers}
+        energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=loss_fp8.device)
+        handles = [layer.register_forward_hook(_sqnr_hook(energies[i], recipes[name]))
+                   for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
+        try:
+            loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None)
+        finally:
+            for handle in handles:
+                handle.remove()
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    # One flat float64 tensor: the losses, the layers' signal and noise energies, and per
+    # parameter <g8, gr>, |g8|^2, |gr|^2, |g8 - gr|^2; summed over ranks in one all-reduce.
+    stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten()]
+    for g8, gr in zip(grads_fp8, grads_ref):
+        stats.append(_grad_stats(g8, gr, loss_fp8.device))
+    flat = torch.cat([s.to(loss_fp8.device) for s in stats])
+    world = 1
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        world = dist.get_world_size(group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    values = flat.tolist()
+    loss8, lossr = values[0] / world, values[1] / world
+    layer_values = values[2:2 + 2 * len(layers)]
+    grad_values = values[2 + 2 * len(layers):]
+    sqnr = {}
+    for i, (name, _) in enumerate(layers):
+        if recipes[name] is not None:
+            sqnr[name] = _sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
+    totals = [0.0, 0.0, 0.0, 0.0]
+    param_figures = {}
+    for i, name in enumerate(names):
+        four = grad_values[4 * i:4 * i + 4]
+        param_figures[name] = (_cosine(*four[:3]), _rel_error(four[2], four[3]))
+        totals = [t + v for t, v in zip(totals, four)]
+    return ReferenceResult(
+        step=step,
+        loss_fp8=loss8,
+        loss_reference=lossr,
+        loss_rel_diff=abs(loss8 - lossr) / abs(lossr) if lossr != 0 else (0.0 if loss8 == 0 else math.inf),
+        grad_cosine=_cosine(*totals[:3]),
+        grad_rel_error=_rel_error(totals[2], totals[3]),
+        param_figures=param_figures,
+        layer_sqnr_db=sqnr,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], rng_state: _RNGState, fp8: bool,
+            compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe]):
+    _restore_rng_state(rng_state)
+    with torch.enable_grad(), replay(fp8, recipe if fp8 else None), torch.autocast(
+            device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        loss = run_replay()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"The reference replay must return a scalar loss tensor, got {type(loss).__name__}")
+    loss = loss.reshape(())
+    if not params or not loss.requires_grad:
+        return loss.detach().float(), [None] * len(params)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss.detach().float(), grads
+
+
+def _sqnr_hook(energy: torch.Tensor, recipe: Recipe) -> Callable:
+    def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and in_backward_pass():
+            return  # an activation-checkpoint recomputation: this forward was counted already
+        with torch.no_grad():
+            fp8_out = layer._fp8_forward(args[0].detach(), recipe, record_forward=False, record_backward=False)
+            reference = output.detach().to(torch.float64)
+            energy[0] += reference.square().sum()
+            energy[1] += (fp8_out.to(torch.float64) - reference).square().sum()
+    return hook
+
+
+def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if g8 is None and gr is None:
+        return torch.zeros(4, dtype=torch.float64, device=device)
+    a = g8.detach().to(torch.float64) if g8 is not None else torch.zeros_like(gr, dtype=torch.float64)
+    b = gr.detach().to(torch.float64) if gr is not None else torch.zeros_like(a)
+    return torch.stack([(a * b).sum(), a.square().sum(), b.square().sum(), (a - b).square().sum()])
+
+
+def _cosine(dot: float, a2: float, b2: float) -> float:
+    if a2 == 0 or b2 == 0:
+        return 1.0 if a2 == b2 else 0.0
+    return dot / math.sqrt(a2 * b2)
+
+
+def _rel_error(ref2: float, diff2: float) -> float:
+    if ref2 == 0:
+        return 0.0 if diff2 == 0 else math.inf
+    return math.sqrt(diff2 / ref2)
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+# ---------------------------------------------------------------------------------------------
+# Thresholds and policies
+
+
+def judge(result: ReferenceResult, config: ReferenceCheck) -> list[str]:
+    """The layers to move to high precision under ``"fallback"``; fills ``result.failures``."""
+    failures = []
+    if result.loss_rel_diff > config.max_loss_rel_diff:
+        failures.append(f"loss rel diff {result.loss_rel_diff:.2%} > max_loss_rel_diff {config.max_loss_rel_diff:.2%}")
+    if result.grad_cosine < config.min_grad_cosine:
+        failures.append(f"grad cosine {result.grad_cosine:.4f} < min_grad_cosine {config.min_grad_cosine}")
+    if result.grad_rel_error > config.max_grad_rel_error:
+        failures.append(f"grad rel error {result.grad_rel_error:.3f} > max_grad_rel_error {config.max_grad_rel_error}")
+    low = [name for name, db in result.worst_layers(len(result.layer_sqnr_db)) if db < config.min_sqnr_db]
+    if low:
+        failures.append(f"{len(low)} layer(s) under min_sqnr_db {config.min_sqnr_db} dB: "
+                        + ", ".join(f"{n} {result.layer_sqnr_db[n]:.1f} dB" for n in low[:5])
+                        + (" ..." if len(low) > 5 else ""))
+    result.failures = failures
+    if not failures:
+        return []
+    return low or [name for name, _ in result.worst_layers(config.fallback_worst_k)]
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceCheck) -> None:
+    """Judge ``result`` against ``config``'s thresholds and act on a failure as its policy says.
+
+    Raises:
+        FP8ReferenceCheckError: a failed check under ``policy="raise"``.
+    """
+    offending = judge(result, config)
+    if not result.failures or config.policy == "log":
+        return
+    if config.policy == "raise":
+        raise FP8ReferenceCheckError(result)
+    if config.policy == "fallback":
+        layers = dict(_fp8_layers(model))
+        for name in offending:
+            layers[name].use_fp8 = False
+        result.fallback_layers = list(offending)
+    if _is_rank_zero():
+        warnings.warn(f"FP8 reference check at step {result.step + 1}: {result.describe()}", stacklevel=2)
+
+
+def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
+                    compute_dtype: torch.dtype = torch.bfloat16, config: Optional[ReferenceCheck] = None,
+                    recipe: Optional[Recipe] = None, group: Optional["dist.ProcessGroup"] = None,
+                    step: int = 0, rng_state: Optional[_RNGState] = None) -> ReferenceResult:
+    """Run one BF16 reference check by hand (plain PyTorch): call it before ``optimizer.step()``.
+
+    ``loss_fn(model, batch)`` runs the forward and returns the scalar loss; it runs twice, in
+    FP8 and with FP8 off, from the current RNG state (restored afterwards: the training run's
+    random stream is unchanged), with gradients into separate buffers: ``.grad``, the optimizer
+    and the FP8 scaling state are left as they were.
+
+    Args:
+        model: a converted model (:func:`fp8_plugin.convert_model`).
+        batch: passed to ``loss_fn``.
+        loss_fn: ``(model, batch) -> 0-dim tensor``.
+        compute_dtype: dtype of the non-FP8 ops and of the reference (torch autocast); float32: none.
+        config: thresholds and policy (default ``ReferenceCheck(policy="log")``: judge, do nothing).
+        recipe: the recipe of the FP8 replay (None: each layer's own).
+        group: process group whose ranks' figures are summed (None: the world, when initialised).
+        step: recorded in the result.
+        rng_state: replay from this RNG state (:func:`capture_rng_state` taken right before the
+            training forward: the same dropout masks); None: the current one.
+
+    Returns:
+        :class:`ReferenceResult` (``failures`` filled in against the thresholds).
+
+    Raises:
+        FP8ReferenceCheckError: a failed check under ``policy="raise"``.
+    """
+    config = config if config is not None else ReferenceCheck(policy="log")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    rng_state = rng_state if rng_state is not None else capture_rng_state(device)
+    result = compare(model, lambda: loss_fn(model, batch), rng_state=rng_state,
+                     compute_dtype=compute_dtype, device_type=device.type, step=step, recipe=recipe, group=group)
+    apply_policy(model, result, config)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling, across the steps of a training run
+
+
+class ReferenceChecker:
+    """Runs the checks of one training run: when, on which micro-batch, and what they found.
+
+    Loops feed it through :class:`~fp8_plugin.training.FP8Training`: ``capture`` at each
+    training forward (kept only on a step that is due), ``run`` before the optimizer step,
+    ``end_step`` after it.
+
+    Attributes:
+        config: the :class:`ReferenceCheck`.
+        steps: optimizer steps ended so far (restored on resume).
+        results: every check's :class:`ReferenceResult`, in order.
+        check_seconds, train_seconds: time spent in checks, and in training between the first
+            and the last optimizer step seen (checks included).
+    """
+
+    def __init__(self, config: ReferenceCheck) -> None:
+        self.config = config
+        self.steps = 0
+        self.results: list[ReferenceResult] = []
+        self.check_seconds = 0.0
+        self.train_seconds = 0.0
+        self._capture: Optional[tuple[Callable[[], torch.Tensor], _RNGState]] = None
+        self._new_result: Optional[ReferenceResult] = None
+        self._last_step_end: Optional[float] = None
+
+    def due(self) -> bool:
+        """Whether the step in progress is one a check runs on."""
+        return (self.steps + 1) % self.config.every == 0
+
+    def capture(self, run_replay: Callable[[], torch.Tensor], device: torch.device) -> None:
+        """Keep ``run_replay`` (the micro-batch's forward returning its loss) and the RNG state
+        now, at the start of its training forward, if this step is due: the last micro-batch
+        of the step is the one replayed."""
+        if self.due():
+            self._capture = (run_replay, capture_rng_state(device))
+
+    def run(self, model: nn.Module, compute_dtype: torch.dtype, group: Optional["dist.ProcessGroup"]) -> None:
+        """Check the captured micro-batch, if any, and apply the policy.
+
+        Raises:
+            FP8ReferenceCheckError: a failed check under ``policy="raise"``.
+        """
+        if self._capture is None:
+            return
+        run_replay, rng_state = self._capture
+        self._capture = None
+        device_type = rng_state.device.type if rng_state.device is not None else "cpu"
+        result = compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
+                         device_type=device_type, step=self.steps, group=group)
+        self.results.append(result)
+        self._new_result = result
+        self.check_seconds += result.seconds
+        apply_policy(model, result, self.config)
+
+    def end_step(self) -> None:
+        """The optimizer step ended (or was skipped by the loss scaler)."""
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.train_seconds += now - self._last_step_end
+        self._last_step_end = now
+        self.steps += 1
+        self._capture = None
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The figures of the check the last step ran, once (empty when none ran)."""
+        result, self._new_result = self._new_result, None
+        return result.metrics(self.config.log_layers) if result is not None else {}
+
+    def fallback_layers(self) -> list[tuple[int, str]]:
+        """``(step, layer)`` of every layer the checks moved to high precision."""
+        return [(r.step + 1, name) for r in self.results for name in r.fallback_layers]
+
+    def summary(self) -> str:
+        """A short text: checks run and failed, worst layers, fallbacks, overhead."""
+        from .reference_report import summary_text
+
+        return summary_text(self)
+
+    def write_reports(self) -> list[str]:
+        """Write the JSON and PNG files the config asks for; returns their paths."""
+        from .reference_report import write_reports
+
+        return write_reports(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "results": [r.to_dict() for r in self.results],
+                "check_seconds": self.check_seconds, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.results = [ReferenceResult.from_dict(r) for r in state["results"]]
+        self.check_seconds = float(state["check_seconds"])
+        self.train_seconds = float(state["train_seconds"])

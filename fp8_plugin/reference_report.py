@@ -1,0 +1,159 @@
+"""What the BF16 reference checks of a run found: a text summary, a JSON file, a PNG plot.
+
+The plot (matplotlib, ``pip install fp8-plugin[plot]``) has two panels sharing the step axis:
+the replayed micro-batch's loss in FP8 and in the reference, and a heat map of every FP8
+layer's output SQNR in dB at each check (rows: layers in model order; darker is worse; layers
+moved to high precision are marked).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .reference_check import ReferenceChecker
+
+__all__ = ["summary_text", "report_data", "write_json", "write_plot", "write_reports"]
+
+
+def summary_text(checker: "ReferenceChecker") -> str:
+    """A few lines: checks run and failed, the layers with the lowest SQNR, fallbacks, overhead."""
+    results = checker.results
+    config = checker.config
+    if not results:
+        return f"FP8 reference checks: none ran (every {config.every} steps, {checker.steps} steps trained)"
+    failed = [r for r in results if not r.passed]
+    lines = [
+        f"FP8 reference checks: {len(results)} run (every {config.every} steps, policy {config.policy!r}), "
+        f"{len(failed)} failed",
+        "  loss rel diff: max {:.3%}, last {:.3%}; grad cosine: min {:.4f}, last {:.4f}".format(
+            max(r.loss_rel_diff for r in results), results[-1].loss_rel_diff,
+            min(r.grad_cosine for r in results), results[-1].grad_cosine),
+    ]
+    lowest: dict[str, float] = {}
+    for r in results:
+        for name, db in r.layer_sqnr_db.items():
+            lowest[name] = min(lowest.get(name, math.inf), db)
+    worst = sorted(lowest.items(), key=lambda item: item[1])[:3]
+    if worst:
+        lines.append("  lowest layer SQNR: " + ", ".join(f"{name} {db:.1f} dB" for name, db in worst))
+    fallbacks = checker.fallback_layers()
+    if fallbacks:
+        lines.append("  moved to high precision: " + ", ".join(f"{name} (step {step})" for step, name in fallbacks))
+    else:
+        lines.append("  moved to high precision: none")
+    if failed:
+        reasons = Counter(reason.split(" ")[0] + " " + reason.split(" ")[1] for r in failed for reason in r.failures)
+        lines.append("  failures: " + ", ".join(f"{what} x{n}" for what, n in reasons.items()))
+    if checker.train_seconds > 0:
+        lines.append(f"  overhead: {checker.check_seconds:.3g} s of {checker.train_seconds:.3g} s training "
+                     f"({checker.check_seconds / checker.train_seconds:.2%})")
+    else:
+        lines.append(f"  overhead: {checker.check_seconds:.3g} s")
+    return "\n".join(lines)
+
+
+def report_data(checker: "ReferenceChecker") -> dict[str, Any]:
+    """Everything the JSON file holds: settings, timing and every check's figures."""
+    config = checker.config
+    return {
+        "config": {k: getattr(config, k) for k in ("every", "policy", "min_sqnr_db", "max_loss_rel_diff",
+                                                    "min_grad_cosine", "max_grad_rel_error", "fallback_worst_k")},
+        "steps": checker.steps,
+        "check_seconds": checker.check_seconds,
+        "train_seconds": checker.train_seconds,
+        "fallbacks": [{"step": step, "layer": name} for step, name in checker.fallback_layers()],
+        "checks": [r.to_dict() for r in checker.results],
+    }
+
+
+def _atomic_write(path: str, write: Any, mode: str = "w") -> None:
+    # Write next to the target and rename: a crash never leaves a truncated report.
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(checker: "ReferenceChecker", path: str) -> None:
+    """Write :func:`report_data` to ``path`` (infinite SQNR as null)."""
+    data = report_data(checker)
+    _atomic_write(path, lambda f: json.dump(data, f, indent=1, allow_nan=False))
+
+
+def write_plot(checker: "ReferenceChecker", path: str) -> None:
+    """Write the PNG described in the module docstring to ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install fp8-plugin[plot]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("ReferenceCheck(plot_path=...) needs matplotlib: pip install 'fp8-plugin[plot]'") from error
+    import numpy as np
+
+    results = checker.results
+    steps = [r.step + 1 for r in results]
+    layers: list[str] = []
+    for r in results:
+        layers.extend(name for name in r.layer_sqnr_db if name not in layers)
+    sqnr = np.full((max(len(layers), 1), max(len(results), 1)), np.nan)
+    for j, r in enumerate(results):
+        for i, name in enumerate(layers):
+            value = r.layer_sqnr_db.get(name)
+            if value is not None:
+                sqnr[i, j] = min(value, 60.0)  # exact outputs (inf dB) drawn at the scale's top
+    fig, (ax_loss, ax_sqnr) = plt.subplots(2, 1, figsize=(9, 4 + 0.12 * len(layers)), sharex=False,
+                                           gridspec_kw={"height_ratios": [1, max(1.0, 0.04 * len(layers))]})
+    ax_loss.plot(steps, [r.loss_reference for r in results], "o-", label="reference (FP8 off)")
+    ax_loss.plot(steps, [r.loss_fp8 for r in results], "s--", label="FP8")
+    for r in results:
+        if not r.passed:
+            ax_loss.axvline(r.step + 1, color="tab:red", alpha=0.3)
+    ax_loss.set_xlabel("optimizer step")
+    ax_loss.set_ylabel("replayed loss")
+    ax_loss.legend()
+    ax_loss.set_title("FP8 against reference (red lines: failed checks)")
+    image = ax_sqnr.imshow(sqnr, aspect="auto", interpolation="nearest", cmap="viridis",
+                           vmin=0.0, vmax=max(40.0, checker.config.min_sqnr_db + 10.0))
+    ax_sqnr.set_yticks(range(len(layers)))
+    ax_sqnr.set_yticklabels(layers, fontsize=6)
+    ax_sqnr.set_xticks(range(len(steps)))
+    ax_sqnr.set_xticklabels([str(s) for s in steps], fontsize=6, rotation=90)
+    ax_sqnr.set_xlabel("check at optimizer step")
+    fallen = {name for _, name in checker.fallback_layers()}
+    for i, name in enumerate(layers):
+        if name in fallen:
+            ax_sqnr.get_yticklabels()[i].set_color("tab:red")
+    fig.colorbar(image, ax=ax_sqnr, label=f"SQNR dB (min {checker.config.min_sqnr_db:g})")
+    fig.tight_layout()
+    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
+    plt.close(fig)
+
+
+def write_reports(checker: "ReferenceChecker") -> list[str]:
+    """Write the files ``checker.config`` names (``json_path``, ``plot_path``); their paths."""
+    written = []
+    if checker.config.json_path:
+        write_json(checker, checker.config.json_path)
+        written.append(checker.config.json_path)
+    if checker.config.plot_path:
+        write_plot(checker, checker.config.plot_path)
+        written.append(checker.config.plot_path)
+    return written
