@@ -171,9 +171,45 @@ def fit_fabric(out: Path) -> None:
     torch.save(result, out / f"fabric-rank{fabric.global_rank}.pt")
 
 
+def fit_reference(out: Path, run: str, checks: bool) -> None:
+    """DDP with a fault on rank 1 only: its inputs carry an outlier channel whose weight column
+    is zero (and kept zero), and amaxes are not reduced, so only rank 1's first layer flushes
+    its inputs to zero. The checks' sums are all-reduced: both ranks must see the same figures
+    and move the same layer to high precision."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    recipe = fp8_plugin.Float8CurrentScaling()
+    reference = fp8_plugin.ReferenceCheck(every=2, policy="fallback") if checks else None
+    plugin = fp8_plugin.FP8Precision(recipe, reference_check=reference)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", plugins=[plugin], max_steps=STEPS,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, use_distributed_sampler=False)
+    model = MLP()
+    with torch.no_grad():
+        model.net[0].weight[:, 0] = 0
+    model.net[0].weight.register_hook(lambda grad: grad.index_fill(1, torch.tensor([0]), 0.0))
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(STEPS * GLOBAL_BATCH // world, 32, generator=gen)
+    if rank == 1:
+        x[:, 0] = 1e6
+    y = torch.randint(0, 4, (len(x),), generator=gen)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // world))
+    checker = plugin.fp8.reference
+    result = {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if ".fp8_state." not in k},
+        "use_fp8": {n: m.use_fp8 for n, m in model.named_modules() if isinstance(m, FP8Linear)},
+        "results": [{k: v for k, v in r.to_dict().items() if k != "seconds"} for r in checker.results]
+        if checker else [],
+    }
+    torch.save(result, out / f"{run}-rank{rank}.pt")
+
+
 def run(scenario: str, out: Path) -> None:
     fsdp2 = scenario == "fsdp2"
-    if scenario == "fabric-ddp":
+    if scenario == "reference":
+        fit_reference(out, "checked", True)
+        fit_reference(out, "plain", False)
+    elif scenario == "fabric-ddp":
         fit_fabric(out)
     elif scenario == "fp16":
         fit(out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
@@ -192,7 +228,7 @@ def run(scenario: str, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp"])
+    parser.add_argument("scenario", choices=["ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference"])
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     run(args.scenario, args.out)

@@ -167,3 +167,17 @@ def test_fabric_ddp_ranks_end_identical_with_one_amax_all_reduce_per_step(tmp_pa
     assert r0["losses"] != r1["losses"]  # different samples: the reduction made the scales agree
     # Step 1 reduces at its optimizer step (2 layers x 3 roles), and so does every later one.
     assert r0["max_all_reduces"] == r1["max_all_reduces"] == [[6]] * 6
+
+
+def test_ddp_reference_checks_agree_across_ranks_and_fall_back_the_same_layer(tmp_path):
+    runs = run_worker("reference", tmp_path)
+    r0, r1 = runs["checked-rank0"], runs["checked-rank1"]
+    assert [r["step"] + 1 for r in r0["results"]] == [2, 4, 6]
+    # Identical figures on both ranks, though only rank 1's first layer is faulty.
+    assert r0["results"] == r1["results"]
+    first = r0["results"][0]
+    assert first["fallback_layers"] == ["net.0"] and first["layer_sqnr_db"]["net.0"] < 20.0
+    assert r0["use_fp8"] == r1["use_fp8"] == {"net.0": False, "net.2": True}
+    assert_identical(r0["weights"], r1["weights"], "weights")
+    # Without checks, no fallback: the ranks' weights are those of a run that kept FP8 in net.0.
+    assert runs["plain-rank0"]["use_fp8"]["net.0"] is True
