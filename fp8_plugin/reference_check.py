@@ -328,10 +328,18 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             torch.distributed is initialised (every rank of it must call this together).
 
     Raises:
-        ValueError: the replay's loss is not a scalar tensor with grad.
+        ValueError: the replay's loss is not a scalar tensor, or ``model`` has sharded (DTensor)
+            parameters (FSDP2).
     """
     start = time.perf_counter()
-    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad]) or ((), ())
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in trainable], [p for _, p in trainable]
+    sharded = [n for n, p in zip(names, params) if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"]
+    if sharded:
+        raise ValueError(
+            f"Reference checks do not support sharded parameters (FSDP / DTensor), found {sharded[0]!r}; "
+            "valid set-ups: one process, DDP"
+        )
     layers = [(name, layer) for name, layer in _fp8_layers(model) if layer.use_fp8]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = [rng_state.device] if rng_state.device is not None else []

@@ -381,3 +381,14 @@ def test_fabric_checks_replay_the_last_forward_and_report():
     # The replay reran the training forward: same dropout, same scales, same loss.
     assert logged[1]["fp8_ref/loss_fp8"] == losses[1] and logged[3]["fp8_ref/loss_fp8"] == losses[3]
     assert "2 run" in plugin.reference_summary()
+
+
+def test_frozen_model_reports_loss_and_layers_only():
+    # A model with no trainable parameter (all frozen, e.g. a feature extractor): no gradient
+    # figures, but loss and per-layer SQNR are still compared.
+    model = _converted()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    result = fp.reference_check(model, _batch(), _loss)
+    assert result.param_figures == {} and set(result.layer_sqnr_db) == {"up", "down"}
+    assert result.grad_cosine == 1.0 and result.grad_rel_error == 0.0

@@ -195,6 +195,14 @@ def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
             "FP8Precision(reference_every / reference_check) needs automatic optimization; this LightningModule "
             "sets automatic_optimization=False: call fp8_plugin.reference_check(...) in its training_step instead"
         )
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+        raise ValueError(
+            f"FP8Precision(reference_every / reference_check) with strategy {type(trainer.strategy).__name__} is not "
+            "supported: the replay's gradients would pass through sharded parameters' hooks. Valid strategies: "
+            "a single device, DDP"
+        )
     trainer.callbacks.append(_ReferenceCapture(fp8))
 
 
