@@ -312,8 +312,12 @@ def _fp8_layers(model: nn.Module) -> list[tuple[str, FP8Linear]]:
 
 def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
             compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
-            recipe: Optional[Recipe] = None, group: Optional["dist.ProcessGroup"] = None) -> ReferenceResult:
+            recipe: Optional[Recipe] = None,
+            group: Optional["dist.ProcessGroup"] = None) -> Optional[ReferenceResult]:
     """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
+
+    Returns None, comparing nothing, when ``run_replay`` returns None (a loop that skips the
+    micro-batch, as Lightning does when ``training_step`` returns None).
 
     Args:
         model: the converted model whose parameters and FP8 layers are compared.
@@ -343,20 +347,26 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     layers = [(name, layer) for name, layer in _fp8_layers(model) if layer.use_fp8]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = [rng_state.device] if rng_state.device is not None else []
-    with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
-        loss_fp8, grads_fp8 = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe)
-        recipes = {name: layer._forward_context.recipe if layer._forward_context else None for name, layer in layers}
-        energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=loss_fp8.device)
-        handles = [layer.register_forward_hook(_sqnr_hook(energies[i], recipes[name]))
-                   for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
-        try:
-            loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None)
-        finally:
-            for handle in handles:
-                handle.remove()
-    with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+            replayed = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe)
+            if replayed is None:
+                return None
+            loss_fp8, grads_fp8 = replayed
+            recipes = {name: layer._forward_context.recipe if layer._forward_context else None
+                       for name, layer in layers}
+            energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=loss_fp8.device)
+            handles = [layer.register_forward_hook(_sqnr_hook(energies[i], recipes[name]))
+                       for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
+            try:
+                loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    finally:
+        with torch.no_grad():  # running statistics and the like: as the training forward left them
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     # One flat float64 tensor: the losses, the layers' signal and noise energies, and per
     # parameter <g8, gr>, |g8|^2, |gr|^2, |g8 - gr|^2; summed over ranks in one all-reduce.
     stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten()]
@@ -400,6 +410,8 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     with torch.enable_grad(), replay(fp8, recipe if fp8 else None), torch.autocast(
             device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         loss = run_replay()
+    if loss is None:
+        return None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"The reference replay must return a scalar loss tensor, got {type(loss).__name__}")
     loss = loss.reshape(())
@@ -532,6 +544,8 @@ def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, 
     rng_state = rng_state if rng_state is not None else capture_rng_state(device)
     result = compare(model, lambda: loss_fn(model, batch), rng_state=rng_state,
                      compute_dtype=compute_dtype, device_type=device.type, step=step, recipe=recipe, group=group)
+    if result is None:
+        raise ValueError("reference_check: loss_fn returned None; it must return the 0-dim loss tensor")
     apply_policy(model, result, config)
     return result
 
@@ -589,6 +603,8 @@ class ReferenceChecker:
         device_type = rng_state.device.type if rng_state.device is not None else "cpu"
         result = compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
                          device_type=device_type, step=self.steps, group=group)
+        if result is None:
+            return
         self.results.append(result)
         self._new_result = result
         self.check_seconds += result.seconds

@@ -392,3 +392,16 @@ def test_frozen_model_reports_loss_and_layers_only():
     result = fp.reference_check(model, _batch(), _loss)
     assert result.param_figures == {} and set(result.layer_sqnr_db) == {"up", "down"}
     assert result.grad_cosine == 1.0 and result.grad_rel_error == 0.0
+
+
+def test_replay_leaves_buffers_such_as_running_statistics_alone():
+    model = _converted()
+    model.norm = nn.BatchNorm1d(64)
+    forward = model.forward
+    model.forward = lambda x, y: forward(model.norm(x), y)
+    batch = _batch()
+    _train_step(model, batch)
+    running = model.norm.running_mean.clone(), model.norm.running_var.clone(), model.norm.num_batches_tracked.clone()
+    fp.reference_check(model, batch, _loss)
+    assert all(torch.equal(a, b) for a, b in zip(running, (model.norm.running_mean, model.norm.running_var,
+                                                            model.norm.num_batches_tracked)))

@@ -206,7 +206,7 @@ def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
     trainer.callbacks.append(_ReferenceCapture(fp8))
 
 
-def _replay_training_step(module: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+def _replay_training_step(module: Any, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
     import inspect
 
     takes_index = len(inspect.signature(module.training_step).parameters) >= 2
@@ -216,7 +216,7 @@ def _replay_training_step(module: Any, batch: Any, batch_idx: int) -> torch.Tens
         output = module.training_step(batch, batch_idx) if takes_index else module.training_step(batch)
     finally:
         del module.log, module.log_dict
-    return output_loss(output)
+    return None if output is None else output_loss(output)  # None: Lightning skips this batch
 
 
 class FP8Precision(_FP8Behaviour, MixedPrecision):
