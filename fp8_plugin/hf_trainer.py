@@ -8,6 +8,13 @@ training step (one amax reduction per step across processes, however many accumu
 micro-batches), evaluation runs in high precision, ``save_model`` writes a vanilla checkpoint.
 ``accelerate launch`` with a config file saying ``mixed_precision: fp8`` works too: the
 ``fp8_config`` keys apply as in :mod:`fp8_plugin.accelerate.settings`.
+
+With ``fp8_reference_every`` (or ``fp8_reference_check``, or the config file's
+``reference_every``) the BF16 reference checks of :mod:`fp8_plugin.reference_check` run on the
+Trainer's micro-batches: each optimizer step that ran a check is logged (``control.should_log``)
+with its ``fp8_ref/...`` figures merged into the Trainer's log, so they reach
+``trainer.state.log_history`` and the ``report_to`` integrations; ``train()`` ends by printing
+the checks' summary on the main process and writing the report files.
 """
 
 from __future__ import annotations
@@ -15,12 +22,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Union
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import IntervalStrategy
 
 from ._transformers_private import trainer_accelerator_class
 from .accelerate import Accelerator
 from .accelerate.settings import BASE_PRECISION
 from .recipes import Recipe
+from .reference_check import ReferenceCheck
 from .training import Patterns
 
 __all__ = ["FP8Trainer"]
@@ -36,6 +45,12 @@ class FP8Trainer(Trainer):
         fp8_recipe: a :class:`~fp8_plugin.recipes.Recipe` or an ``"fp8-*"`` precision string;
             default: the config file's, else ``AutoRecipe()`` (HYBRID).
         fp8_include, fp8_exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
+        fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
+            off); the model's output must hold the loss (the Trainer's default ``compute_loss``
+            with labels in the batch), else pass ``ReferenceCheck(output_loss=...)``. One
+            process or DDP.
+        fp8_reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
+            policy, thresholds, report files).
 
     Attributes:
         accelerator: a :class:`fp8_plugin.accelerate.Accelerator`; ``accelerator.fp8_reports``
@@ -43,19 +58,53 @@ class FP8Trainer(Trainer):
 
     Raises:
         ValueError: as :class:`fp8_plugin.accelerate.Accelerator` (bad or contradictory FP8
-            settings, DeepSpeed), when the Trainer is built.
+            settings, DeepSpeed, reference checks under FSDP), when the Trainer is built.
+        TypeError: ``fp8_reference_check`` not a ReferenceCheck.
         RuntimeError: a transformers version that builds its Accelerator differently.
     """
 
     def __init__(self, *args: Any, fp8_recipe: Union[Recipe, str, None] = None, fp8_include: Patterns = None,
-                 fp8_exclude: Patterns = None, **kwargs: Any) -> None:
-        self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude}
+                 fp8_exclude: Patterns = None, fp8_reference_every: Optional[int] = None,
+                 fp8_reference_check: Optional[ReferenceCheck] = None, **kwargs: Any) -> None:
+        self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude,
+                               "fp8_reference_every": fp8_reference_every,
+                               "fp8_reference_check": fp8_reference_check}
         super().__init__(*args, **kwargs)
+        settings = self.accelerator.fp8_settings
+        if settings is not None and settings.reference_check is not None:
+            self.add_callback(_LogReferenceChecks(self.accelerator))
 
     def create_accelerator_and_postprocess(self) -> None:
         factory = functools.partial(_fp8_accelerator, **self._fp8_arguments)
         with trainer_accelerator_class(factory):
             super().create_accelerator_and_postprocess()
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``, with the figures of the reference checks run since the last
+        log (``fp8_ref/...``) merged in."""
+        accelerator = getattr(self, "accelerator", None)
+        metrics = accelerator.fp8_reference_metrics() if isinstance(accelerator, Accelerator) else {}
+        super().log({**logs, **metrics} if metrics else logs, *args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; then, with reference checks on, their summary printed on the
+        main process and their report files written (``ReferenceCheck.json_path``, ``plot_path``)."""
+        output = super().train(*args, **kwargs)
+        self.accelerator.print_fp8_reference_summary()
+        return output
+
+
+class _LogReferenceChecks(TrainerCallback):
+    """Log the step of each reference check: its figures then reach the Trainer's log at their
+    own step, whatever ``logging_steps`` (not under ``logging_strategy="no"``)."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.accelerator._fp8_reference_pending and args.logging_strategy != IntervalStrategy.NO:
+            control.should_log = True
+        return control
 
 
 def _fp8_accelerator(mixed_precision: Optional[str] = None, **kwargs: Any) -> Accelerator:

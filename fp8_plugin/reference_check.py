@@ -80,8 +80,11 @@ class ReferenceCheck:
             than this fraction. Healthy FP8 stays far below 1%; 5% is a difference that shows.
         min_grad_cosine, max_grad_rel_error: the check fails when the global gradient's cosine
             similarity falls below, or its relative error rises above, these. Both defaults
-            correspond to a gradient signal-to-noise ratio of about 10 dB (an error a third of
-            the gradient's norm: cosine 1 / sqrt(1 + 1/9) = 0.95).
+            mark an FP8 gradient error as large as the gradient itself (signal-to-noise 0 dB:
+            relative error 1, cosine 1 / sqrt(2) = 0.71 for an error orthogonal to the
+            gradient). Healthy runs stay far from it, yet not near 1: E5M2 gradients (2
+            mantissa bits) compound over depth, and a 30-layer language model in healthy FP8
+            training (same final perplexity as BF16) shows cosines of 0.92 to 0.99 per micro-batch.
         fallback_worst_k: under ``"fallback"``, when a check fails on the loss or the gradients
             while no layer is under ``min_sqnr_db``, this many layers with the lowest SQNR move
             to high precision.
@@ -102,8 +105,8 @@ class ReferenceCheck:
     policy: str = "warn"
     min_sqnr_db: float = 20.0
     max_loss_rel_diff: float = 0.05
-    min_grad_cosine: float = 0.95
-    max_grad_rel_error: float = 0.35
+    min_grad_cosine: float = 0.7
+    max_grad_rel_error: float = 1.0
     fallback_worst_k: int = 1
     output_loss: Optional[Callable[[Any], torch.Tensor]] = None
     log_layers: bool = True

@@ -1,6 +1,8 @@
 """A real Accelerate loop with fp8_plugin.accelerate.Accelerator, started by the tests under
 ``accelerate launch`` (one process, config file) or torchrun (two processes, the environment
-``accelerate launch`` would set). Writes what it saw to ``<out>/rank<R>.pt``.
+``accelerate launch`` would set). Writes what it saw to ``<out>/rank<R>.pt``. The model returns
+its loss (``{"loss": ...}``) when given targets, so that the BF16 reference checks (config keys
+``reference_every`` / ``reference_policy``) can replay it; the run ends with ``end_training()``.
 
     python accelerate_worker.py <out> [--steps N] [--grad-accum K]
 """
@@ -29,9 +31,17 @@ def _counting_gemm(*args, **kwargs):
 fp8_plugin.linear.fp8_gemm = _counting_gemm
 
 
+class Net(nn.Sequential):
+    """The layers of the tests' Sequential (names 0, 2, 4); with targets, ``{"loss", "output"}``."""
+
+    def forward(self, x, y=None):
+        out = super().forward(x)
+        return out if y is None else {"loss": nn.functional.mse_loss(out.float(), y), "output": out}
+
+
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+    return Net(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
 
 
 def main() -> None:
@@ -55,7 +65,7 @@ def main() -> None:
     seen = 0
     for x, y in loader:
         with accelerator.accumulate(model):
-            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss = model(x, y)["loss"]
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -90,9 +100,14 @@ def main() -> None:
         "train_fp8_gemms": train_gemms,
         "eval_fp8_gemms": eval_gemms,
         "world_size": accelerator.num_processes,
+        "reference_check": repr(settings.reference_check),
+        "reference_sources": {k: v for k, v in settings.sources.items() if k.startswith("reference")},
+        "reference_results": [r.to_dict() for r in accelerator.fp8_runs[0].reference.results]
+        if accelerator.fp8_runs[0].reference is not None else None,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
+    accelerator.end_training()  # the reference checks' summary, printed by the main process
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """fp8_plugin.accelerate.Accelerator with real Accelerate: one process in this process, a config
 file through ``accelerate launch``, two processes under torchrun (gloo), save/load state."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.tracking import GeneralTracker
 from accelerate.utils import TERecipeKwargs, set_seed
 from torch import nn
 
@@ -333,13 +336,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_end_with_identical_weights_and_scales_one_reduction_per_step(tmp_path, strategy):
-    # What `accelerate launch` would set for two processes, on CPU: torchrun starts them.
+def test_two_processes_end_with_identical_weights_and_scales_one_reduction_per_step(tmp_path):
+    # What `accelerate launch` would set for two DDP processes, on CPU: torchrun starts them.
+    # (FSDP cannot be tested here: on CPUs Accelerate runs DDP whatever ACCELERATE_USE_FSDP says.)
     env = {**_env(), "ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_USE_CPU": "true",
            "ACCELERATE_FP8_COMPUTE_DTYPE": "fp32"}
-    if strategy == "fsdp2":  # converted in prepare(), before Accelerate's fully_shard
-        env.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={_free_port()}", str(WORKER), str(tmp_path), "--grad-accum", "2"],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -375,3 +376,305 @@ def test_before_step_hooks_run_once_per_optimizer_step_with_its_gradients_and_we
     assert len(seen) == len(expected) == 2
     for got, want in zip(seen, expected):
         assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, want))
+
+
+# BF16 reference checks (fp8_plugin.reference_check) through the Accelerator.
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)  # dropout 0.1 on embeddings, attention and residuals: the replays must redraw it
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+
+
+def token_batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (4, 16), generator=g) for _ in range(n)]
+
+
+def gpt2_run(seed: int = 0, **accelerator_kwargs):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    set_seed(seed)
+    accelerator_kwargs.setdefault("fp8_compute_dtype", torch.float32)
+    accelerator = Accelerator(mixed_precision="fp8", **accelerator_kwargs)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def train_lm(accelerator, model, optimizer, data) -> list[float]:
+    model.train()
+    losses = []
+    for ids in data:
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def figures(result) -> dict:
+    """A check's figures, without its wall time."""
+    return {k: v for k, v in result.to_dict().items() if k != "seconds"}
+
+
+def test_reference_checks_run_on_the_due_steps_replaying_their_last_micro_batch():
+    accelerator, model, optimizer = gpt2_run(fp8_reference_check=fp.ReferenceCheck(every=2, policy="log"),
+                                             gradient_accumulation_steps=2)
+    data = token_batches(12)  # 6 optimizer steps of 2 micro-batches
+    losses, logged = [], []
+    for ids in data:
+        losses += train_lm(accelerator, model, optimizer, [ids])
+        logged.append(accelerator.fp8_reference_metrics())
+    checker = accelerator.fp8_runs[0].reference
+    assert checker.steps == 6
+    assert [r.step for r in checker.results] == [1, 3, 5]  # checks of optimizer steps 2, 4, 6
+    # Figures come once, right after the optimizer step that checked: micro-batches 4, 8, 12.
+    assert [i for i, metrics in enumerate(logged) if metrics] == [3, 7, 11]
+    for result, metrics in zip(checker.results, [logged[3], logged[7], logged[11]]):
+        assert metrics == result.metrics()
+        assert result.passed and set(result.layer_sqnr_db) == {
+            name for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    # The FP8 replay is the step's last micro-batch with its training forward's dropout masks,
+    # scales and weights: the same loss to the bit (float32 compute, one process).
+    assert [r.loss_fp8 for r in checker.results] == [losses[3], losses[7], losses[11]]
+    assert all(r.loss_reference != r.loss_fp8 for r in checker.results)  # the reference ran without FP8
+
+
+def test_training_with_reference_checks_equals_training_without_bit_for_bit():
+    data = token_batches(8)
+
+    def run(every):
+        # BF16 compute: Accelerate's autocast wrapper and the replays' own autocast are exercised.
+        accelerator, model, optimizer = gpt2_run(fp8_recipe="fp8-delayed", fp8_compute_dtype=torch.bfloat16,
+                                                 fp8_reference_every=every, gradient_accumulation_steps=2,
+                                                 kwargs_handlers=[FP8Kwargs(reference_policy="log")])
+        losses = train_lm(accelerator, model, optimizer, data)
+        unwrapped = accelerator.unwrap_model(model)
+        return (losses, {k: v.clone() for k, v in unwrapped.state_dict().items()}, optimizer.state_dict(),
+                fp.convert.fp8_state_dict(unwrapped), torch.rand(16), accelerator.fp8_runs[0].reference)
+
+    checked, plain = run(1), run(0)
+    assert len(checked[5].results) == 4 and plain[5] is None
+    assert checked[0] == plain[0]
+    assert checked[1].keys() == plain[1].keys()
+    assert all(torch.equal(v, plain[1][k]) for k, v in checked[1].items())
+    opt_checked, opt_plain = checked[2]["state"], plain[2]["state"]
+    assert opt_checked.keys() == opt_plain.keys()
+    for index, state in opt_checked.items():
+        assert all(torch.equal(v, opt_plain[index][k]) for k, v in state.items()), index
+    assert checked[3].keys() == plain[3].keys()
+    for key, value in checked[3].items():
+        assert all(torch.equal(t, plain[3][key][name]) for name, t in value.items()), key
+    assert torch.equal(checked[4], plain[4])  # the RNG stream goes on where it would have
+
+
+class ListTracker(GeneralTracker):
+    """An Accelerate tracker that keeps what it is given."""
+
+    name = "list"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[Optional[int], dict]] = []
+        self.finished = False
+
+    @property
+    def tracker(self):
+        return self.logged
+
+    def log(self, values: dict, step: Optional[int] = None, **kwargs) -> None:
+        self.logged.append((step, dict(values)))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_reference_figures_reach_accelerate_trackers_and_end_training_reports(tmp_path, capsys):
+    tracker = ListTracker()
+    report = tmp_path / "reports" / "fp8_ref.json"
+    accelerator, model, optimizer = gpt2_run(log_with=[tracker], fp8_reference_check=fp.ReferenceCheck(
+        every=2, policy="log", json_path=str(report), log_layers=False))
+    accelerator.init_trackers("fp8-reference")
+    train_lm(accelerator, model, optimizer, token_batches(5))
+    results = accelerator.fp8_runs[0].reference.results
+    assert [step for step, _ in tracker.logged] == [2, 4]
+    assert [values for _, values in tracker.logged] == [r.metrics(layers=False) for r in results]
+    assert {"fp8_ref/grad_cosine", "fp8_ref/loss_rel_diff", "fp8_ref/sqnr_min_db"} <= set(tracker.logged[0][1])
+    summary = accelerator.fp8_reference_summary()
+    assert summary.startswith("FP8 reference checks: 2 run (every 2 steps, policy 'log'), 0 failed")
+    capsys.readouterr()
+    accelerator.end_training()
+    out = capsys.readouterr().out
+    assert summary in out and f"written: {report}" in out
+    assert tracker.finished
+    data = json.loads(report.read_text())
+    assert data["steps"] == 5 and [c["step"] for c in data["checks"]] == [1, 3]
+
+
+def plant_input_underflow(layer: FP8Linear) -> None:
+    # Delayed scaling, "max" over a 1024-step history: an amax of 1e30 recorded in every slot
+    # keeps the input scale at 448 / 1e30 for the next 1023 updates, so every input of this
+    # layer flushes to zero in E4M3 (GPT-2's biases start at zero: its FP8 output is 0, SQNR 0 dB).
+    state = layer.fp8_state
+    state.amax_history[0].fill_(1e30)
+    state.scale[0] = 448.0 / 1e30
+    state.initialized[0] = True
+
+
+def test_fallback_decision_and_check_history_survive_save_state_load_state(tmp_path):
+    data = token_batches(4)
+    faulty = "transformer.h.0.mlp.c_fc"
+    recipe = fp.DelayedScaling(amax_history_len=1024, amax_compute_algo="max")
+
+    def fresh(seed=0):
+        accelerator, model, optimizer = gpt2_run(seed, fp8_recipe=recipe, fp8_reference_every=1,
+                                                 kwargs_handlers=[FP8Kwargs(reference_policy="fallback")])
+        return accelerator, model, optimizer, dict(model.named_modules())[faulty]
+
+    accelerator, model, optimizer, layer = fresh()
+    plant_input_underflow(layer)
+    with pytest.warns(UserWarning, match=f"moved to high precision: {faulty}"):
+        full_losses = train_lm(accelerator, model, optimizer, data)
+    full_results = [figures(r) for r in accelerator.fp8_runs[0].reference.results]
+    full_weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    assert full_results[0]["fallback_layers"] == [faulty] and full_results[0]["layer_sqnr_db"][faulty] < 20
+    assert not any(r["failures"] for r in full_results[1:])  # the other layers pass once it is out of FP8
+    assert layer.use_fp8 is False
+
+    accelerator, model, optimizer, layer = fresh()
+    plant_input_underflow(layer)
+    with pytest.warns(UserWarning, match=f"moved to high precision: {faulty}"):
+        first = train_lm(accelerator, model, optimizer, data[:2])
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator, model, optimizer, layer = fresh(seed=123)  # no fault planted, FP8 on: load_state restores
+    assert layer.use_fp8 is True
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    checker = accelerator.fp8_runs[0].reference
+    assert layer.use_fp8 is False and checker.steps == 2
+    assert [figures(r) for r in checker.results] == full_results[:2]
+    rest = train_lm(accelerator, model, optimizer, data[2:])
+    assert first + rest == full_losses
+    assert [figures(r) for r in checker.results] == full_results
+    assert all(torch.equal(full_weights[k], v) for k, v in accelerator.unwrap_model(model).state_dict().items())
+
+
+def test_reference_settings_from_arguments_fp8kwargs_and_config_keys(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_REFERENCE_EVERY", "8")
+    monkeypatch.setenv("ACCELERATE_FP8_REFERENCE_POLICY", "Fallback")
+    settings = Accelerator(mixed_precision="fp8").fp8_settings
+    assert settings.reference_check == fp.ReferenceCheck(every=8, policy="fallback")
+    assert settings.sources["reference_every"] == "ACCELERATE_FP8_REFERENCE_EVERY"
+    assert settings.sources["reference_policy"] == "ACCELERATE_FP8_REFERENCE_POLICY"
+    # Each of every and policy from the highest level giving it; the rest from the ReferenceCheck.
+    AcceleratorState._reset_state(True)
+    check = fp.ReferenceCheck(every=3, policy="raise", min_sqnr_db=15.0)
+    settings = Accelerator(mixed_precision="fp8", fp8_reference_every=2,
+                           kwargs_handlers=[FP8Kwargs(reference_check=check)]).fp8_settings
+    assert settings.reference_check == fp.ReferenceCheck(every=2, policy="raise", min_sqnr_db=15.0)
+    assert settings.sources["reference_every"] == "Accelerator(fp8_reference_every)"
+    assert settings.sources["reference_policy"] == "FP8Kwargs(reference_check).policy"
+    AcceleratorState._reset_state(True)
+    settings = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(reference_policy="log")]).fp8_settings
+    assert settings.reference_check == fp.ReferenceCheck(every=8, policy="log")
+    # 0 turns them off, whatever the lower levels say.
+    AcceleratorState._reset_state(True)
+    assert Accelerator(mixed_precision="fp8", fp8_reference_every=0).fp8_settings.reference_check is None
+    monkeypatch.delenv("ACCELERATE_FP8_REFERENCE_EVERY")
+    monkeypatch.delenv("ACCELERATE_FP8_REFERENCE_POLICY")
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(mixed_precision="fp8")
+    assert accelerator.fp8_settings.reference_check is None
+    assert accelerator.fp8_reference_summary() == "FP8 reference checks: off"
+
+
+def test_reference_settings_errors_name_the_setting_and_the_valid_values(monkeypatch):
+    policies = "valid: log, warn, fallback, raise"
+    with pytest.raises(ValueError, match=f"FP8Kwargs\\(reference_policy\\)='ignore' .*{policies}"):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(reference_policy="ignore")])
+    with pytest.raises(ValueError, match="Accelerator\\(fp8_reference_every\\)=-1 .*valid: an int >= 0"):
+        Accelerator(mixed_precision="fp8", fp8_reference_every=-1)
+    with pytest.raises(ValueError, match="Accelerator\\(fp8_reference_check\\).every=4 and "
+                                         "Accelerator\\(fp8_reference_every\\)=2"):
+        Accelerator(mixed_precision="fp8", fp8_reference_every=2, fp8_reference_check=fp.ReferenceCheck(every=4))
+    with pytest.raises(TypeError, match="fp8_reference_check=.*must be a fp8_plugin.ReferenceCheck"):
+        Accelerator(mixed_precision="fp8", fp8_reference_check={"every": 4})
+    with pytest.raises(ValueError, match="fp8_reference_every given, but mixed_precision='bf16'"):
+        Accelerator(mixed_precision="bf16", fp8_reference_every=4)
+    monkeypatch.setenv("ACCELERATE_FP8_REFERENCE_EVERY", "often")
+    with pytest.raises(ValueError, match="ACCELERATE_FP8_REFERENCE_EVERY='often' .*valid: an int >= 0"):
+        Accelerator(mixed_precision="fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_REFERENCE_EVERY", "4")
+    monkeypatch.setenv("ACCELERATE_FP8_REFERENCE_POLICY", "abort")
+    with pytest.raises(ValueError, match=f"ACCELERATE_FP8_REFERENCE_POLICY='abort' .*{policies}"):
+        Accelerator(mixed_precision="fp8")
+
+
+def test_accelerate_launch_reference_config_keys(tmp_path):
+    proc, result = launch(tmp_path, "  reference_every: 2\n  reference_policy: log\n  compute_dtype: fp32")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert result["reference_check"] == repr(fp.ReferenceCheck(every=2, policy="log"))
+    assert result["reference_sources"] == {"reference_every": "ACCELERATE_FP8_REFERENCE_EVERY",
+                                           "reference_policy": "ACCELERATE_FP8_REFERENCE_POLICY"}
+    assert [r["step"] for r in result["reference_results"]] == [1, 3]  # 4 optimizer steps
+    assert "FP8 reference checks: 2 run (every 2 steps, policy 'log')" in proc.stdout
+
+
+def torchrun(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={_free_port()}", str(WORKER), str(tmp_path), "--grad-accum", "2"],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_two_processes_ddp_reference_checks_agree_on_every_rank(tmp_path):
+    env = {**_env(), "ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_USE_CPU": "true",
+           "ACCELERATE_FP8_COMPUTE_DTYPE": "fp32", "ACCELERATE_FP8_REFERENCE_EVERY": "2",
+           "ACCELERATE_FP8_REFERENCE_POLICY": "log"}
+    proc = torchrun(tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["world_size"] == 2 and r0["losses"] != r1["losses"]  # the ranks replayed different data
+    # The figures are sums over both ranks' replays (one all-reduce): the same on both, to the bit.
+    fig0 = [{k: v for k, v in r.items() if k != "seconds"} for r in r0["reference_results"]]
+    fig1 = [{k: v for k, v in r.items() if k != "seconds"} for r in r1["reference_results"]]
+    assert [r["step"] for r in fig0] == [1, 3] and fig0 == fig1
+    # Replays record no amax: still one MAX all-reduce per optimizer step; weights still identical.
+    assert r0["max_all_reduces"] == [[9]] * 4 == r1["max_all_reduces"]
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+    assert proc.stdout.count("FP8 reference checks: 2 run") == 1  # the main process prints the summary
+
+
+def test_reference_checks_are_refused_under_fsdp(tmp_path, monkeypatch):
+    # Accelerate never picks FSDP on CPUs (it keeps MULTI_CPU, i.e. DDP, whatever
+    # ACCELERATE_USE_FSDP says): the construction check is called with the type a GPU run gets.
+    from accelerate.utils import DistributedType
+    from fp8_plugin.accelerate.accelerator import _check_reference_setup
+
+    monkeypatch.setenv("ACCELERATE_FP8_REFERENCE_EVERY", "2")
+    accelerator = Accelerator(mixed_precision="fp8", fp8_compute_dtype=torch.float32)
+    for allowed in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        _check_reference_setup(accelerator.fp8_settings, allowed)
+    with pytest.raises(ValueError, match="FP8 reference checks \\(ACCELERATE_FP8_REFERENCE_EVERY=2\\) are not "
+                                         "supported with distributed_type=FSDP.*Valid set-ups: one process, DDP"):
+        _check_reference_setup(accelerator.fp8_settings, DistributedType.FSDP)
+    # A model sharded before prepare() (fully_shard, as transformers' distributed loading does)
+    # is refused by prepare() itself, before conversion: here on a one-process gloo group.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = make_model()
+        fully_shard(model)
+        with pytest.raises(ValueError, match="ACCELERATE_FP8_REFERENCE_EVERY=2.*sharded with FSDP "
+                                             "\\(found FSDPSequential\\).*Valid set-ups: one process, DDP"):
+            accelerator.prepare(model)
+        assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    finally:
+        dist.destroy_process_group()

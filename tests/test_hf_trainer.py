@@ -78,3 +78,50 @@ def test_transformers_still_builds_the_trainer_accelerator_from_the_patched_name
     import inspect
 
     assert "Accelerator(**args)" in inspect.getsource(transformers.trainer.Trainer.create_accelerator_and_postprocess)
+
+
+def test_fp8_trainer_logs_reference_figures_at_their_steps_and_prints_the_summary(tmp_path, capsys):
+    import json
+
+    from transformers import TrainerCallback, TrainingArguments
+
+    class Seen(TrainerCallback):  # what the report_to integrations receive: on_log
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append((state.global_step, dict(logs)))
+
+    seen = Seen()
+    report = tmp_path / "fp8_ref.json"
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, learning_rate=1e-3, use_cpu=True, report_to=[],
+                             save_strategy="no", logging_steps=3, disable_tqdm=True)
+    trainer = FP8Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32), callbacks=[seen],
+                         fp8_reference_every=2,
+                         fp8_reference_check=fp.ReferenceCheck(every=2, policy="log", json_path=str(report)))
+    capsys.readouterr()
+    trainer.train()
+    results = trainer.accelerator.fp8_runs[0].reference.results
+    assert [r.step for r in results] == [1, 3]  # optimizer steps 2 and 4
+    # Steps 2 and 4 are logged for their checks (logging_steps=3 logs step 3), each with its figures.
+    training_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in training_logs] == [2, 3, 4]
+    for entry, result in zip([training_logs[0], training_logs[2]], results):
+        assert {k: v for k, v in entry.items() if k.startswith("fp8_ref/")} == result.metrics()
+        assert "fp8_ref/grad_cosine" in entry and "fp8_ref/sqnr_db/transformer.h.0.mlp.c_fc" in entry
+    assert not any(k.startswith("fp8_ref/") for k in training_logs[1])
+    assert [(step, logs["fp8_ref/grad_cosine"]) for step, logs in seen.logs if "fp8_ref/grad_cosine" in logs] == [
+        (2, results[0].grad_cosine), (4, results[1].grad_cosine)]
+    out = capsys.readouterr().out
+    assert trainer.accelerator.fp8_reference_summary() in out
+    assert "FP8 reference checks: 2 run (every 2 steps, policy 'log'), 0 failed" in out
+    assert f"written: {report}" in out and len(json.loads(report.read_text())["checks"]) == 2
+
+
+def test_fp8_trainer_reference_settings_errors_come_at_construction(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="fp8_reference_every.*=-2 .*valid: an int >= 0"):
+        FP8Trainer(model=tiny_gpt2(), args=args, fp8_reference_every=-2)

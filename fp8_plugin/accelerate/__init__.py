@@ -3,9 +3,12 @@
 ``Accelerator(mixed_precision="fp8")``, or ``accelerate launch`` with a config file whose
 ``mixed_precision`` is ``fp8``, trains with fp8-plugin's FP8 on any machine; see
 :class:`~fp8_plugin.accelerate.accelerator.Accelerator` and docs/accelerate.md.
+``ReferenceCheck`` (the BF16 reference checks' settings) is re-exported here for
+``Accelerator(fp8_reference_check=...)`` and ``FP8Kwargs(reference_check=...)``.
 """
 
+from ..reference_check import ReferenceCheck
 from .accelerator import Accelerator
 from .settings import FP8Kwargs, FP8Settings, resolve_settings
 
-__all__ = ["Accelerator", "FP8Kwargs", "FP8Settings", "resolve_settings"]
+__all__ = ["Accelerator", "FP8Kwargs", "FP8Settings", "ReferenceCheck", "resolve_settings"]

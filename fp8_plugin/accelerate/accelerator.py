@@ -15,13 +15,21 @@ torchao) is asked for or run, and then:
   scale update and one amax reduction;
 - ``save_state`` / ``load_state`` carry the FP8 state (a registered checkpoint object) next to
   the model, optimizer, scaler and RNG states; the model's ``state_dict()`` itself stays vanilla,
-  so ``unwrap_model(model).save_pretrained()`` and safetensors checkpoints work unchanged.
+  so ``unwrap_model(model).save_pretrained()`` and safetensors checkpoints work unchanged;
+- with ``fp8_reference_every`` (or a ``ReferenceCheck``, an ``FP8Kwargs`` field, the config
+  file's ``reference_every`` / ``reference_policy``) the BF16 reference checks of
+  :mod:`fp8_plugin.reference_check` run: each training forward of a prepared model is offered for
+  replay, the check runs in the optimizer step (one process or DDP), its figures go to
+  ``accelerator.log`` (the trackers), the summary and report files come with ``end_training()``,
+  and the checks' history travels in ``save_state``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import weakref
 from types import MethodType
 from typing import Any, Optional, Union
 
@@ -45,6 +53,7 @@ from torch import nn
 
 from ..convert import ConversionReport
 from ..recipes import Recipe
+from ..reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
 from ..training import FP8Training, Patterns
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
 
@@ -75,21 +84,32 @@ class Accelerator(_AccelerateAccelerator):
         fp8_compute_dtype: dtype of the non-FP8 ops: ``torch.bfloat16`` (default),
             ``torch.float16`` (dynamic loss scaling through Accelerate's own ``GradScaler``) or
             ``torch.float32`` (no autocast). It sets Accelerate's base mixed precision.
+        fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
+            off); see :mod:`fp8_plugin.reference_check`. The model's output must hold its loss
+            (``output.loss``, ``output["loss"]`` or a 0-dim tensor), else pass
+            ``ReferenceCheck(output_loss=...)``. One process or DDP (refused under FSDP).
+        fp8_reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
+            policy, thresholds, report files); its ``every`` and ``policy`` count as given here.
+            Both also come from :class:`FP8Kwargs` or the config file's ``fp8_config``
+            (``reference_every``, ``reference_policy``).
         kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
             Accelerate's ``TERecipeKwargs`` or ``FP8RecipeKwargs`` (mapped field by field).
 
     Attributes:
         fp8_settings: the resolved :class:`~fp8_plugin.accelerate.settings.FP8Settings`
             (None without FP8), with ``sources`` saying where each setting came from.
-        fp8_runs: one :class:`~fp8_plugin.training.FP8Training` per prepared model.
+        fp8_runs: one :class:`~fp8_plugin.training.FP8Training` per prepared model (its
+            ``reference`` holds the reference checks' results).
 
     Raises:
         ValueError: contradictory FP8 settings (the message names both sources), an unsupported
             option or value (named, with the valid ones), FP8 arguments without
-            ``mixed_precision="fp8"``, a DeepSpeed set-up, or ``AORecipeKwargs`` /
+            ``mixed_precision="fp8"``, a DeepSpeed set-up, reference checks under FSDP (or
+            another set-up than one process or DDP), or ``AORecipeKwargs`` /
             ``MSAMPRecipeKwargs`` (other FP8 backends).
-        TypeError: an unknown kwargs handler class (the valid ones are listed), or
-            ``mixed_precision`` passed by position.
+        TypeError: an unknown kwargs handler class (the valid ones are listed),
+            ``mixed_precision`` passed by position, or ``fp8_reference_check`` not a
+            ReferenceCheck.
     """
 
     def __init__(
@@ -100,6 +120,8 @@ class Accelerator(_AccelerateAccelerator):
         fp8_include: Patterns = None,
         fp8_exclude: Patterns = None,
         fp8_compute_dtype: Union[torch.dtype, str, None] = None,
+        fp8_reference_every: Optional[int] = None,
+        fp8_reference_check: Optional[ReferenceCheck] = None,
         kwargs_handlers: Optional[list] = None,
         **kwargs: Any,
     ) -> None:
@@ -111,11 +133,12 @@ class Accelerator(_AccelerateAccelerator):
         requested = mixed_precision if mixed_precision is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
         fp8_arguments = {name: value for name, value in (
             ("fp8_recipe", fp8_recipe), ("fp8_include", fp8_include), ("fp8_exclude", fp8_exclude),
-            ("fp8_compute_dtype", fp8_compute_dtype)) if value is not None}
+            ("fp8_compute_dtype", fp8_compute_dtype), ("fp8_reference_every", fp8_reference_every),
+            ("fp8_reference_check", fp8_reference_check)) if value is not None}
         self.fp8_settings: Optional[FP8Settings] = None
         if str(requested).lower() == "fp8":
             self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
-                                                 fp8_handlers, os.environ)
+                                                 fp8_handlers, os.environ, fp8_reference_every, fp8_reference_check)
             mixed_precision = BASE_PRECISION[self.fp8_settings.compute_dtype]
         elif fp8_arguments or fp8_handlers:
             given = ", ".join([*fp8_arguments, *(type(h).__name__ for h in fp8_handlers)])
@@ -125,6 +148,7 @@ class Accelerator(_AccelerateAccelerator):
                 "set mixed_precision='fp8' to train in FP8"
             )
         self.fp8_runs: list[FP8Training] = []
+        self._fp8_reference_pending: dict[str, float] = {}
         super().__init__(*args, mixed_precision=mixed_precision,
                          kwargs_handlers=[h for h in handlers if not isinstance(h, _FP8_HANDLERS)] or None, **kwargs)
         if self.fp8_settings is not None and self.distributed_type == DistributedType.DEEPSPEED:
@@ -138,6 +162,8 @@ class Accelerator(_AccelerateAccelerator):
                 f"a loss scaler, which Accelerate makes only on GPUs (device here: {self.device.type!r}); "
                 "valid here: torch.bfloat16, torch.float32"
             )
+        if self.fp8_settings is not None and self.fp8_settings.reference_check is not None:
+            _check_reference_setup(self.fp8_settings, self.distributed_type)
         if self.fp8_settings is not None:
             self.register_for_checkpointing(_FP8Checkpoint(self.fp8_runs))
 
@@ -176,6 +202,7 @@ class Accelerator(_AccelerateAccelerator):
             # A subclass that adds only the FP8 step notification; state and pickling unchanged.
             prepared.__class__ = _FP8StepOptimizer
             prepared.fp8_runs = self.fp8_runs
+            prepared._fp8_accelerator = weakref.ref(self)
         return prepared
 
     def fp8_metrics(self) -> dict[str, float]:
@@ -186,13 +213,75 @@ class Accelerator(_AccelerateAccelerator):
             metrics.update({key.replace("fp8/", f"fp8/{prefix}", 1): value for key, value in run.metrics().items()})
         return metrics
 
+    def fp8_reference_metrics(self) -> dict[str, float]:
+        """The figures (``fp8_ref/...``; ``fp8_ref/model<i>/...`` with several models) of the
+        reference checks run since the last call, once (the latest of each key); empty when
+        none ran. They also go to ``accelerator.log`` (the trackers) at each check's step."""
+        metrics, self._fp8_reference_pending = self._fp8_reference_pending, {}
+        return metrics
+
+    def fp8_reference_summary(self) -> str:
+        """The reference checks' text summary (checks run and failed, lowest layer SQNR,
+        layers moved to high precision, overhead); one block per model with several."""
+        checkers = [(index, run.reference) for index, run in enumerate(self.fp8_runs) if run.reference is not None]
+        if not checkers:
+            settings = getattr(self, "fp8_settings", None)
+            if settings is not None and settings.reference_check is not None:
+                return f"FP8 reference checks: every {settings.reference_check.every} steps; no model prepared"
+            return "FP8 reference checks: off"
+        if len(self.fp8_runs) == 1:
+            return checkers[0][1].summary()
+        return "\n".join(f"model{index}: {checker.summary()}" for index, checker in checkers)
+
+    def write_fp8_reference_reports(self) -> list[str]:
+        """Write the report files the ``ReferenceCheck`` asks for (``json_path``, ``plot_path``;
+        a second model's get ``-model1`` before the extension, ...) on the main process; returns
+        their paths (empty on the other processes)."""
+        if not self.is_main_process:
+            return []
+        return [path for run in self.fp8_runs if run.reference is not None for path in run.reference.write_reports()]
+
+    def print_fp8_reference_summary(self) -> str:
+        """Write the reference checks' report files and print their summary (with the files
+        written) on the main process; returns the text (on every process). Nothing is written
+        or printed when the checks are off."""
+        if not any(run.reference is not None for run in self.fp8_runs):
+            return self.fp8_reference_summary()
+        written = self.write_fp8_reference_reports()
+        text = self.fp8_reference_summary() + "".join(f"\n  written: {path}" for path in written)
+        if self.is_main_process:
+            print(text, flush=True)
+        return text
+
+    def end_training(self) -> None:
+        """Accelerate's ``end_training`` (trackers finished, process group destroyed), after
+        :meth:`print_fp8_reference_summary` (when the reference checks are on)."""
+        self.print_fp8_reference_summary()
+        super().end_training()
+
+    def _log_reference(self, runs: list[FP8Training]) -> None:
+        # After an optimizer step of ``runs``: the figures of the checks it ran, to the trackers
+        # (main process only) and to fp8_reference_metrics().
+        for run in runs:
+            metrics = run.reference.pop_metrics() if run.reference is not None else {}
+            if not metrics:
+                continue
+            if len(self.fp8_runs) > 1:
+                prefix = f"{METRIC_PREFIX}model{self.fp8_runs.index(run)}/"
+                metrics = {key.replace(METRIC_PREFIX, prefix, 1): value for key, value in metrics.items()}
+            self._fp8_reference_pending.update(metrics)
+            self.log(metrics, step=run.reference.steps)
+
     def _convert(self, obj: Any) -> None:
         settings = self.fp8_settings
         if settings is None or not isinstance(obj, nn.Module) or getattr(obj, "_is_accelerate_prepared", False):
             return
         if any(run.module is obj for run in self.fp8_runs):
             return
-        run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype)
+        if settings.reference_check is not None:
+            _check_not_sharded(settings, obj)
+        run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype,
+                          reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)))
         run.convert(obj)
         run.exclude_state_from_state_dict()
         self.fp8_runs.append(run)
@@ -201,8 +290,74 @@ class Accelerator(_AccelerateAccelerator):
         _wrap_forward(obj, run, self.device.type, settings.use_autocast_during_eval)
 
 
+def _indexed_reports(config: Optional[ReferenceCheck], index: int) -> Optional[ReferenceCheck]:
+    # The report files of the index-th model: the paths given for the first, "-model<i>" added
+    # before the extension for the others (one file per model, none overwritten).
+    if config is None or index == 0:
+        return config
+
+    def indexed(path: Optional[str]) -> Optional[str]:
+        if not path:
+            return path
+        root, ext = os.path.splitext(path)
+        return f"{root}-model{index}{ext}"
+
+    return dataclasses.replace(config, json_path=indexed(config.json_path), plot_path=indexed(config.plot_path))
+
+
+def _reference_given(settings: FP8Settings) -> str:
+    config = settings.reference_check
+    if "reference_every" in settings.sources:
+        return f"{settings.sources['reference_every']}={config.every!r}"
+    return f"{settings.sources.get('reference_policy', 'reference_policy')}={config.policy!r}"
+
+
+_REFERENCE_SETUPS = ("Valid set-ups: one process, DDP (multi-CPU / multi-GPU); set reference_every to 0 to "
+                     "train under FSDP")
+
+
+def _check_reference_setup(settings: FP8Settings, distributed_type: DistributedType) -> None:
+    """Reference checks run on one process or under DDP (Accelerate's MULTI_* types).
+
+    Raises:
+        ValueError: any other distributed type (FSDP, XLA, Megatron-LM).
+    """
+    if distributed_type == DistributedType.NO or str(distributed_type.value).startswith("MULTI_"):
+        return
+    raise ValueError(
+        f"FP8 reference checks ({_reference_given(settings)}) are not supported with distributed_type="
+        f"{distributed_type.value}: the check's replay computes gradients with torch.autograd.grad, which would run "
+        f"into FSDP's gradient hooks (reduce-scatter, resharding). {_REFERENCE_SETUPS}"
+    )
+
+
+def _check_not_sharded(settings: FP8Settings, module: nn.Module) -> None:
+    """A model already sharded with FSDP (``fully_shard`` or ``FullyShardedDataParallel``,
+    e.g. by transformers' distributed loading) refuses reference checks as FSDP set-ups do.
+
+    Raises:
+        ValueError: ``module`` or one of its submodules is FSDP-sharded.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch without distributed support: nothing can be sharded
+        return
+    sharded = next((m for m in module.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))), None)
+    if sharded is not None:
+        raise ValueError(
+            f"FP8 reference checks ({_reference_given(settings)}) are not supported on a model sharded with FSDP "
+            f"(found {type(sharded).__name__}): the check's replay computes gradients with torch.autograd.grad, "
+            f"which would run into FSDP's gradient hooks. {_REFERENCE_SETUPS}"
+        )
+
+
 def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval: bool) -> None:
     """Run ``module``'s forward in the FP8 context (in training; in evaluation too if ``in_eval``).
+
+    With reference checks on, a training forward (``module.training``, grad enabled) is first
+    offered to them (``FP8Training.capture_replay``, kept on due steps only, with the RNG state of
+    this moment): the replay calls the unwrapped forward with the same arguments and reads the
+    loss with ``ReferenceCheck.output_loss`` (default :func:`~fp8_plugin.reference_check.output_loss`).
 
     The wrapper is a method with ``__wrapped__``, as Accelerate's own autocast wrapper is, so
     ``unwrap_model(model, keep_fp32_wrapper=False)`` removes it with Accelerate's.
@@ -216,6 +371,9 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not (self.training or in_eval):
             return call(self, *args, **kwargs)
+        if self.training and run.reference is not None and torch.is_grad_enabled():
+            loss_of = run.reference.config.output_loss or output_loss
+            run.capture_replay(lambda: loss_of(call(self, *args, **kwargs)))
         with run.forward_context(device_type):
             return call(self, *args, **kwargs)
 
@@ -225,9 +383,12 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
 
 class _FP8StepOptimizer(AcceleratedOptimizer):
     """An ``AcceleratedOptimizer`` that ends the FP8 training step of its models at each
-    optimizer step (``sync_gradients``), one the loss scaler skips included."""
+    optimizer step (``sync_gradients``), one the loss scaler skips included: the reference
+    check due on the step runs before the step, and its figures go to the Accelerator
+    (``_fp8_accelerator``, a weak reference: the optimizer does not keep it alive) after it."""
 
     fp8_runs: list[FP8Training]
+    _fp8_accelerator: Optional["weakref.ReferenceType[Accelerator]"] = None
 
     def step(self, closure: Any = None) -> Any:
         runs = self._runs() if self.gradient_state.sync_gradients else []
@@ -236,7 +397,15 @@ class _FP8StepOptimizer(AcceleratedOptimizer):
         output = super().step(closure)
         for run in runs:
             run.after_optimizer_step()
+        accelerator = self._fp8_accelerator() if self._fp8_accelerator is not None else None
+        if accelerator is not None and runs:
+            accelerator._log_reference(runs)
         return output
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_fp8_accelerator", None)  # a weak reference does not pickle
+        return state
 
     def _runs(self) -> list[FP8Training]:
         # The FP8 models whose parameters this optimizer updates (looked up per step: models
@@ -248,13 +417,17 @@ class _FP8StepOptimizer(AcceleratedOptimizer):
 
 class _FP8Checkpoint:
     """The FP8 state of every prepared model, as one object for ``register_for_checkpointing``
-    (``save_state`` calls ``state_dict`` on every process: it may reduce pending amaxes)."""
+    (``save_state`` calls ``state_dict`` on every process: it may reduce pending amaxes), and the
+    history of each model's reference checks (steps counted, results; None where off). The
+    layers a check's fallback moved to high precision travel in the FP8 state (``use_fp8``)."""
 
     def __init__(self, runs: list[FP8Training]) -> None:
         self.runs = runs
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fp8_state": [run.state_dict() for run in self.runs]}
+        return {"fp8_state": [run.state_dict() for run in self.runs],
+                "reference_checks": [run.reference.state_dict() if run.reference is not None else None
+                                     for run in self.runs]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("fp8_state", [])
@@ -265,6 +438,10 @@ class _FP8Checkpoint:
             )
         for run, model_state in zip(self.runs, saved):
             run.load_state_dict(model_state, "Accelerator.load_state")
+        # A checkpoint written without checks (or by an older version) leaves them counting afresh.
+        for run, reference in zip(self.runs, state.get("reference_checks") or [None] * len(self.runs)):
+            if run.reference is not None and reference is not None:
+                run.reference.load_state_dict(reference)
 
 
 def _check_handlers(handlers: list) -> None:

@@ -13,7 +13,9 @@ its ``--fp8_*`` options, set or not, under the option's name. Accelerate itself 
 under other names than ``accelerate config`` writes them (``amax_history_length``,
 ``amax_compute_algorithm``, ``optimization_level``): both spellings are read here. A variable under
 an option's name that holds the option's default counts as unset (``accelerate launch`` writes
-the defaults whether or not they were asked for).
+the defaults whether or not they were asked for). This project's own keys: ``recipe``,
+``include``, ``exclude``, ``compute_dtype``, and for the BF16 reference checks
+``reference_every`` and ``reference_policy``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from ..formats import Format, parse_format
 from ..precision_strings import PRECISION_STRINGS, parse_precision_string
 from ..recipes import AutoRecipe, DelayedScaling, MXFP8BlockScaling, Recipe
+from ..reference_check import POLICIES, ReferenceCheck, resolve_reference_check
 from ..training import COMPUTE_DTYPES, Patterns
 
 __all__ = ["FP8Kwargs", "FP8Settings", "resolve_settings", "ENV_PREFIX", "BASE_PRECISION"]
@@ -64,9 +67,18 @@ class FP8Kwargs:
             dynamic loss scaling, ``torch.float32``), or its name (``"bf16"``, ``"fp16"``, ``"fp32"``).
         use_autocast_during_eval: run FP8 GEMMs in evaluation forwards too (Accelerate's
             Transformer Engine option of that name; default False: evaluation in high precision).
+        reference_every: run a BF16 reference check every this many optimizer steps (0: off);
+            see :mod:`fp8_plugin.reference_check`.
+        reference_policy: what a failed check does: one of ``"log"``, ``"warn"``,
+            ``"fallback"``, ``"raise"``.
+        reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (thresholds,
+            ``output_loss``, report files); its ``every`` and ``policy`` count as given here.
 
     Raises:
-        ValueError: (when the Accelerator resolves it) an unknown precision string or dtype.
+        ValueError: (when the Accelerator resolves it) an unknown precision string or dtype, a
+            negative ``reference_every``, an unknown ``reference_policy``, or two of the
+            reference fields that contradict each other.
+        TypeError: (idem) ``reference_check`` not a ReferenceCheck.
     """
 
     recipe: RecipeSetting = None
@@ -74,6 +86,9 @@ class FP8Kwargs:
     exclude: Patterns = None
     compute_dtype: Union[torch.dtype, str, None] = None
     use_autocast_during_eval: Optional[bool] = None
+    reference_every: Optional[int] = None
+    reference_policy: Optional[str] = None
+    reference_check: Optional[ReferenceCheck] = None
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields that are set (Accelerate's ``KwargsHandler`` convention)."""
@@ -89,7 +104,9 @@ class FP8Settings:
         include, exclude: conversion patterns.
         compute_dtype: dtype of the non-FP8 ops.
         use_autocast_during_eval: FP8 GEMMs in evaluation forwards.
-        sources: for each setting, where its value came from.
+        reference_check: the BF16 reference checks (None: off).
+        sources: for each setting, where its value came from (``reference_every``,
+            ``reference_policy`` and ``reference_check`` for the checks' settings).
     """
 
     recipe: Recipe
@@ -97,6 +114,7 @@ class FP8Settings:
     exclude: Patterns
     compute_dtype: torch.dtype
     use_autocast_during_eval: bool
+    reference_check: Optional[ReferenceCheck] = None
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -132,14 +150,55 @@ def _flag(text: str) -> bool:
     return str(text).strip().lower() in ("1", "true", "yes", "y", "on")
 
 
+def _reference_every(value: Any, where: str) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{where}={value!r} is not valid; valid: an int >= 0 (0: reference checks off)") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}={value!r} is not valid; valid: an int >= 0 (0: reference checks off)")
+    return value
+
+
+def _reference_policy(value: Any, where: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in POLICIES:
+        raise ValueError(f"{where}={value!r} is not a valid reference check policy; valid: {', '.join(POLICIES)}")
+    return value.strip().lower()
+
+
+def _set_reference(level: _Level, owner: str, every: Any, policy: Any, check: Any, names: Sequence[str]) -> None:
+    """The reference check settings one source gives: ``names`` are the names of its every,
+    policy and ReferenceCheck settings. A ReferenceCheck gives its ``every`` and ``policy`` too."""
+    every_name, policy_name, check_name = names
+    if check is not None:
+        if not isinstance(check, ReferenceCheck):
+            raise TypeError(f"{owner}({check_name}={check!r}) must be a fp8_plugin.ReferenceCheck")
+        level.set("reference_check", check, f"{owner}({check_name})")
+        level.set("reference_every", check.every, f"{owner}({check_name}).every")
+        level.set("reference_policy", check.policy, f"{owner}({check_name}).policy")
+    if every is not None:
+        where = f"{owner}({every_name})"
+        level.set("reference_every", _reference_every(every, where), where)
+    if policy is not None:
+        where = f"{owner}({policy_name})"
+        level.set("reference_policy", _reference_policy(policy, where), where)
+
+
 def _code_level(recipe: RecipeSetting, include: Patterns, exclude: Patterns,
-                compute_dtype: Union[torch.dtype, str, None]) -> _Level:
+                compute_dtype: Union[torch.dtype, str, None], reference_every: Optional[int] = None,
+                reference_check: Optional[ReferenceCheck] = None) -> _Level:
     level = _Level()
     level.set("recipe", recipe, "Accelerator(fp8_recipe)")
     level.set("include", include, "Accelerator(fp8_include)")
     level.set("exclude", exclude, "Accelerator(fp8_exclude)")
     level.set("compute_dtype", compute_dtype, "Accelerator(fp8_compute_dtype)")
+    _set_reference(level, "Accelerator", reference_every, None, reference_check,
+                   ("fp8_reference_every", "", "fp8_reference_check"))
     return level
+
+
+_REFERENCE_FIELDS = ("reference_every", "reference_policy", "reference_check")
 
 
 def _handler_level(handlers: Sequence[Any]) -> _Level:
@@ -148,7 +207,10 @@ def _handler_level(handlers: Sequence[Any]) -> _Level:
         name = type(handler).__name__
         if isinstance(handler, FP8Kwargs):
             for key, value in handler.to_kwargs().items():
-                level.set(key, value, f"FP8Kwargs({key})")
+                if key not in _REFERENCE_FIELDS:
+                    level.set(key, value, f"FP8Kwargs({key})")
+            _set_reference(level, "FP8Kwargs", handler.reference_every, handler.reference_policy,
+                           handler.reference_check, _REFERENCE_FIELDS)
             continue
         # Accelerate's TERecipeKwargs / FP8RecipeKwargs: every field is filled in (from the
         # environment or Accelerate's defaults), and every one is honoured, defaults included.
@@ -260,6 +322,11 @@ def _env_level(env: Mapping[str, str]) -> _Level:
         if value:
             level.set(key, [p.strip() for p in value.split(",") if p.strip()], var(key.upper()))
     level.set("compute_dtype", env.get(var("COMPUTE_DTYPE")), var("COMPUTE_DTYPE"))
+    # The BF16 reference checks: reference_every, reference_policy.
+    for key, parse in (("reference_every", _reference_every), ("reference_policy", _reference_policy)):
+        value = env.get(var(key.upper()))
+        if value is not None and value.strip() not in ("", "None"):
+            level.set(key, parse(value, var(key.upper())), var(key.upper()))
     return level
 
 
@@ -314,24 +381,37 @@ def resolve_settings(
     compute_dtype: Union[torch.dtype, str, None] = None,
     handlers: Sequence[Any] = (),
     env: Mapping[str, str] = {},
+    reference_every: Optional[int] = None,
+    reference_check: Optional[ReferenceCheck] = None,
 ) -> FP8Settings:
     """Resolve the FP8 settings of an ``Accelerator`` (see the module docstring for the order).
+
+    The BF16 reference checks are on when any level gives ``reference_every`` (> 0),
+    ``reference_policy`` or a ``ReferenceCheck``: each of ``every`` and ``policy`` comes from
+    the highest level giving it, the other settings from the highest ``ReferenceCheck`` given
+    (else the :class:`~fp8_plugin.reference_check.ReferenceCheck` defaults: every 200 steps,
+    policy ``"warn"``); ``reference_every`` 0 turns them off.
 
     Args:
         recipe, include, exclude, compute_dtype: the ``Accelerator``'s ``fp8_*`` arguments.
         handlers: the FP8 kwargs handlers passed (``FP8Kwargs``, ``TERecipeKwargs``,
             ``FP8RecipeKwargs``).
         env: the process environment (``os.environ``).
+        reference_every, reference_check: the ``Accelerator``'s ``fp8_reference_every`` and
+            ``fp8_reference_check`` arguments.
 
     Raises:
         ValueError: contradictory settings (the message names both), an unsupported option (the
-            message names it, its value and the valid ones), an unknown precision string or dtype.
-        TypeError: a recipe that is neither a Recipe nor a string.
+            message names it, its value and the valid ones), an unknown precision string or dtype,
+            a negative or non-integer ``reference_every``, an unknown ``reference_policy``.
+        TypeError: a recipe that is neither a Recipe nor a string; a ``reference_check`` that
+            is not a ReferenceCheck.
     """
     if len(handlers) > 1:
         names = " and ".join(type(h).__name__ for h in handlers)
         raise ValueError(f"Contradictory FP8 settings: {names} both passed in kwargs_handlers; pass one")
-    levels = [_code_level(recipe, include, exclude, compute_dtype), _handler_level(handlers), _env_level(env)]
+    levels = [_code_level(recipe, include, exclude, compute_dtype, reference_every, reference_check),
+              _handler_level(handlers), _env_level(env)]
     sources: dict[str, str] = {}
 
     chosen_recipe: Optional[Recipe] = None
@@ -369,11 +449,22 @@ def resolve_settings(
         dtype, sources["compute_dtype"] = string_dtype
     else:
         dtype = torch.bfloat16
+    reference = None
+    chosen = {key: pick(key) for key in _REFERENCE_FIELDS}
+    if any(chosen.values()):
+        for key, value in chosen.items():
+            if value is not None:
+                sources[key] = value[1]
+        base = chosen["reference_check"][0] if chosen["reference_check"] else ReferenceCheck()
+        every = chosen["reference_every"][0] if chosen["reference_every"] else base.every
+        policy = chosen["reference_policy"][0] if chosen["reference_policy"] else base.policy
+        reference = resolve_reference_check(None, dataclasses.replace(base, every=every, policy=policy), "Accelerator")
     return FP8Settings(
         recipe=chosen_recipe if chosen_recipe is not None else AutoRecipe(),
         include=settings["include"],
         exclude=settings["exclude"],
         compute_dtype=dtype,
         use_autocast_during_eval=bool(settings["use_autocast_during_eval"]),
+        reference_check=reference,
         sources=sources,
     )
