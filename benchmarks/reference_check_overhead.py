@@ -83,9 +83,8 @@ def git_commit() -> str:
 
 
 class StepClock(L.Callback):
-    """Wall and process CPU time of each training step (forward, backward, check, optimizer)
-    and its loss. CPU time (all threads of this process) is less disturbed than wall time by
-    other processes sharing the machine."""
+    """Wall and process CPU time (all threads of this process) of each training step (forward,
+    backward, check, optimizer), and its loss."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
@@ -246,9 +245,9 @@ def main(argv=None) -> dict:
     p.add_argument("--every", type=int, default=20, help="check interval of the checked run (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the timings (default 5)")
     p.add_argument("--warmup-run-steps", type=int, default=12,
-                   help="an untimed run of this many steps (checks every half of it) first: the process's one-time "
-                        "costs (on CPU the timed choice of FP8 GEMM kernels, over a minute) stay out of the "
-                        "figures; 0: none (default 12)")
+                   help="an untimed run of this many steps (checks every half of it) first, so that the process's "
+                        "one-time costs (first calls of each kernel, the timed choice of FP8 GEMM kernels on CPU) "
+                        "stay out of the figures; 0: none (default 12)")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (off, on), each reported (default 1)")
     p.add_argument("--precision", default="fp8-hybrid", help="an fp8-* precision string (default fp8-hybrid)")
     p.add_argument("--batch-size", type=int, default=16)
