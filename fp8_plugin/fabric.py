@@ -131,8 +131,7 @@ class FP8Precision(MixedPrecision):
         """The reference checks' text summary, after writing the report files they ask for."""
         if self.fp8.reference is None:
             return "FP8 reference checks: off"
-        written = self.fp8.reference.write_reports()
-        return self.fp8.reference.summary() + "".join(f"\n  written: {path}" for path in written)
+        return self.fp8.reference.finish()
 
 
 def precision_plugin_from_string(precision: str, strategy: object = None, accelerator: object = None) -> FP8Precision:

@@ -637,6 +637,12 @@ class ReferenceChecker:
 
         return summary_text(self)
 
+    def finish(self) -> str:
+        """Write the report files, then return the summary with a line per file written."""
+        from .reference_report import with_written
+
+        return with_written(self.summary(), self.write_reports())
+
     def write_reports(self) -> list[str]:
         """Write the JSON and PNG files the config asks for; returns their paths."""
         from .reference_report import write_reports

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .reference_check import ReferenceChecker
 
-__all__ = ["summary_text", "report_data", "write_json", "write_plot", "write_reports"]
+__all__ = ["summary_text", "report_data", "write_json", "write_plot", "write_reports", "with_written"]
 
 
 def summary_text(checker: "ReferenceChecker") -> str:
@@ -157,3 +157,8 @@ def write_reports(checker: "ReferenceChecker") -> list[str]:
         write_plot(checker, checker.config.plot_path)
         written.append(checker.config.plot_path)
     return written
+
+
+def with_written(text: str, paths: list[str]) -> str:
+    """``text`` followed by a ``written: <path>`` line per report file written."""
+    return text + "".join(f"\n  written: {path}" for path in paths)

@@ -54,6 +54,7 @@ from torch import nn
 from ..convert import ConversionReport
 from ..recipes import Recipe
 from ..reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
+from ..reference_report import with_written
 from ..training import FP8Training, Patterns
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
 
@@ -248,7 +249,7 @@ class Accelerator(_AccelerateAccelerator):
         if not any(run.reference is not None for run in self.fp8_runs):
             return self.fp8_reference_summary()
         written = self.write_fp8_reference_reports()
-        text = self.fp8_reference_summary() + "".join(f"\n  written: {path}" for path in written)
+        text = with_written(self.fp8_reference_summary(), written)
         if self.is_main_process:
             print(text, flush=True)
         return text

@@ -130,8 +130,7 @@ class _FP8Behaviour:
         if checker is not None and checker.steps > self._summarised_steps:
             self._summarised_steps = checker.steps
             if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-                written = checker.write_reports()
-                rank_zero_info(checker.summary() + "".join(f"\n  written: {path}" for path in written))
+                rank_zero_info(checker.finish())
         super().teardown()  # type: ignore[misc]
 
     @property
