@@ -10,7 +10,8 @@ from typing import Any
 
 
 from .autocast import autocast, is_fp8_enabled, update_pending_scales
-from .convert import ConversionReport, convert_model
+from .convert import ConversionReport, convert_model, split_fp8_state
+from .faults import FaultPolicy, FP8NonFiniteError
 from .device import DeviceReport, auto_recipe, describe_device
 from .formats import Format
 from .distributed import amax_reducer
@@ -46,6 +47,9 @@ __all__ = [
     "autocast",
     "convert_model",
     "ConversionReport",
+    "split_fp8_state",
+    "FaultPolicy",
+    "FP8NonFiniteError",
     "is_fp8_enabled",
     "ReferenceCheck",
     "ReferenceResult",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -39,10 +40,31 @@ class _FP8Context:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.context = _FP8Context()
+        self.fp8_forwards = 0  # FP8 forwards run on this thread, to spot an autocast that ran none
 
 
 _local = _Local()
 _step_ids = itertools.count()  # unique across threads: a model moved between threads still updates
+
+
+def note_fp8_forward() -> None:
+    """Count an FP8 forward on this thread (called by FP8 layers)."""
+    _local.fp8_forwards += 1
+
+
+_warned_no_fp8 = False
+
+
+def _warn_no_fp8_layer() -> None:
+    global _warned_no_fp8
+    if not _warned_no_fp8:
+        _warned_no_fp8 = True
+        warnings.warn(
+            "fp8_plugin.autocast() was entered for a training step in which no FP8 layer ran: the model runs in "
+            "high precision. Convert it first (fp8_plugin.convert_model(model); its report says which layers "
+            "were swapped and why the others were not)",
+            stacklevel=3,
+        )
 
 
 def new_step_id() -> int:
@@ -88,7 +110,11 @@ def autocast(
             their amaxes combine (max). None: each outermost entry with grad is a step of its own.
 
     Raises:
-        TypeError: ``recipe`` is not a :class:`~fp8_plugin.recipes.Recipe`.
+        TypeError: ``recipe`` is not a :class:`~fp8_plugin.recipes.Recipe`, or ``enabled`` not a bool.
+
+    Warns:
+        UserWarning: (once per process) an outermost context entered with grad enabled in which
+            no FP8 layer ran, such as one around a model that was never converted.
 
     Enter it with grad enabled for training steps and under ``torch.no_grad()`` /
     ``torch.inference_mode()`` for evaluation. Backward passes need not be inside the context:
@@ -96,9 +122,14 @@ def autocast(
     (``torch.utils.checkpoint``, reentrant or not) rerun under the forward's context. Contexts
     nest; the innermost one decides.
     """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast(enabled={enabled!r}) is invalid; valid: True, False")
     check_recipe(recipe, "autocast")
     recipe = resolve_recipe(recipe)
     outer = _local.context
+    # An outermost training context that runs no FP8 layer is a mistake (an unconverted model).
+    watch = enabled and not outer.enabled and torch.is_grad_enabled()
+    forwards = _local.fp8_forwards
     if enabled and not outer.enabled:
         step = (step if step is not None else next(_step_ids)) if torch.is_grad_enabled() else None
     else:
@@ -113,6 +144,8 @@ def autocast(
         yield
     finally:
         _local.context = outer
+    if watch and _local.fp8_forwards == forwards:
+        _warn_no_fp8_layer()
 
 
 @contextlib.contextmanager

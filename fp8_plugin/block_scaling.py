@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import fp8_max
-from .scaling import divide, saturate
+from .scaling import dequantize, divide, saturate
 
 __all__ = ["block_amax", "mx_scale_inv", "blockwise_scale", "quantize_blocks", "dequantize_blocks", "E8M0_EMAX"]
 
@@ -88,7 +88,8 @@ def blockwise_scale(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool,
 
 def quantize_blocks(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Saturating cast of ``x * scale[block]`` (float32 product) to ``dtype``, of ``x``'s shape;
-    infinities of ``x`` are kept, as in :func:`fp8_plugin.scaling.quantize`.
+    infinities of ``x`` are kept, as in :func:`fp8_plugin.scaling.quantize`, except in a block
+    whose scale is NaN (MX, a block holding an inf or NaN): its data is NaN throughout.
 
     ``scale`` is ``[ceil(R / block[0]), ceil(C / block[1])]``: the blockwise scale, or ``1 / X``
     for MX (exact, X being a power of two).
@@ -100,8 +101,10 @@ def quantize_blocks(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return data.to(dtype)
 
 
-def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``data * scale_inv`` broadcast over blocks, float32 of ``data``'s shape."""
+def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype = torch.float32, saturate: bool = True) -> torch.Tensor:
+    """``data * scale_inv`` broadcast over blocks, in ``dtype`` (float32 by default), of
+    ``data``'s shape; finite data reads back finite, as in :func:`fp8_plugin.scaling.dequantize`."""
     rows, cols = data.shape
     full = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
-    return data.to(torch.float32) * full
+    return dequantize(data, full, dtype, saturate)

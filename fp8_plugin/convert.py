@@ -25,7 +25,7 @@ import functools
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -33,11 +33,12 @@ from torch import nn
 from .backends import get_backend
 from .device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
 from .gemm import native_gemm
-from .quantizers import ScalingState
+from .quantizers import ScalingState, is_scaling_state_key
 from .recipes import DelayedScaling, Recipe, check_recipe
 from .scaling_group import ScalingGroup
 
-__all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "HEAD_NAMES"]
+__all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
+           "HEAD_NAMES"]
 
 # Module-name components that mark an output head (transformers' naming).
 HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs", "pooler", "cls", "head", "heads"})
@@ -112,9 +113,24 @@ def _patterns(value: Patterns, setting: str) -> Optional[list[str]]:
         return None
     if isinstance(value, str):
         return [value]
-    if not all(isinstance(p, str) for p in value):
-        raise TypeError(f"{setting}={value!r} must be a glob pattern or a list of them, e.g. ['*.attention.*']")
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in value):
+        raise TypeError(
+            f"convert_model: {setting}={value!r} is invalid; valid: a glob pattern over module names or a list of "
+            "them, e.g. '*.attention.*' or ['lm_head', 'encoder.layer.0.*']"
+        )
     return list(value)
+
+
+def _check_patterns_match(patterns: Optional[list[str]], setting: str, names: list[str]) -> None:
+    # A pattern that matches no candidate layer is a typo or a pattern for another model: it
+    # would silently convert (exclude) or skip (include) layers the user meant otherwise.
+    for pattern in patterns or ():
+        if not any(_matches(name, [pattern]) for name in names):
+            shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(
+                f"convert_model: {setting} pattern {pattern!r} matches no linear layer of this model; valid: "
+                f"patterns over the full dotted name or one component of the layers {shown or '(none)'}"
+            )
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -286,7 +302,8 @@ def convert_model(
     Raises:
         TypeError: ``recipe`` is not a Recipe, bad pattern types, or ``allow_subclasses`` is
             not a bool.
-        ValueError: unknown backend.
+        ValueError: unknown backend, or an ``include`` / ``exclude`` pattern that matches no
+            candidate layer (checked before any layer is swapped).
         RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
             ``fully_shard``).
 
@@ -335,6 +352,9 @@ def convert_model(
             replacements[id(module)] = chosen.make_linear(module, recipe)
         report.layers.append(LayerDecision(name, kind, in_f, out_f, not reason, reason))
 
+    candidates = [d.name for d in report.layers]
+    _check_patterns_match(include_p, "include", candidates)
+    _check_patterns_match(exclude_p, "exclude", candidates)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) in replacements:
@@ -398,6 +418,25 @@ def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, ScalingState):
             state.update(module.state_dict(prefix=f"{name}." if name else ""))
     return state
+
+
+def split_fp8_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a converted model's ``state_dict()`` into its vanilla part and its FP8 scaling state.
+
+    The vanilla part loads into the unconverted model with ``load_state_dict(strict=True)``
+    (same keys, shapes and layouts as before conversion); both parts together load back into a
+    converted model (``load_state_dict(vanilla)`` alone also works: scaling then starts afresh).
+
+    Args:
+        state_dict: any mapping of ``state_dict`` keys (a converted or a vanilla model's).
+
+    Returns:
+        ``(vanilla, fp8)``: two new dicts, in the original key order; ``fp8`` holds the
+        ``...fp8_state._extra_state`` entries.
+    """
+    vanilla = {k: v for k, v in state_dict.items() if not is_scaling_state_key(k)}
+    fp8 = {k: v for k, v in state_dict.items() if is_scaling_state_key(k)}
+    return vanilla, fp8
 
 
 def fp8_state_keys(model: nn.Module) -> list[str]:

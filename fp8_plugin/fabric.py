@@ -22,6 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from .convert import ConversionReport
+from .faults import resolve_fault_policy
 from .precision_strings import settings_for_loop
 from .recipes import Recipe
 from .reference_check import ReferenceCheck, output_loss, resolve_reference_check
@@ -53,12 +54,16 @@ class FP8Precision(MixedPrecision):
         reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
             thresholds, policy, report files). Figures: :meth:`reference_metrics` after each
             step (for ``fabric.log_dict``), :meth:`reference_summary` at the end.
+        nonfinite, max_consecutive_skips: what ``fabric.step``-time non-finite gradients do
+            (``"skip"``: ``optimizer.step`` is not run; ``"raise"``) and how many skipped steps
+            in a row stop the run; see :mod:`fp8_plugin.faults`.
 
     Raises:
         TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
         ValueError: ``compute_dtype`` is not bfloat16, float16 or float32, a ``scaler`` with
-            another compute dtype than float16, or ``reference_every`` negative or
-            contradicting ``reference_check``.
+            another compute dtype than float16, ``reference_every`` negative or
+            contradicting ``reference_check``, an unknown ``nonfinite`` or a negative
+            ``max_consecutive_skips``.
     """
 
     def __init__(
@@ -74,14 +79,17 @@ class FP8Precision(MixedPrecision):
         device: Optional[str] = None,
         reference_every: Optional[int] = None,
         reference_check: Optional[ReferenceCheck] = None,
+        nonfinite: Optional[str] = None,
+        max_consecutive_skips: Optional[int] = None,
     ) -> None:
         recipe = check_arguments("fabric.FP8Precision", recipe, compute_dtype)
         reference = resolve_reference_check(reference_every, reference_check, "fabric.FP8Precision")
+        faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
         if scaler is not None and compute_dtype != torch.float16:
             raise ValueError(f"fabric.FP8Precision(scaler=...) needs compute_dtype=torch.float16, got {compute_dtype}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__("16-mixed" if compute_dtype == torch.float16 else "bf16-mixed", device=device, scaler=scaler)
-        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference)
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference, faults)
         self.precision = precision  # type: ignore[assignment]
 
     @property
@@ -113,9 +121,14 @@ class FP8Precision(MixedPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self.fp8.before_optimizer_step()
-        output = super().optimizer_step(optimizer, **kwargs)
-        self.fp8.after_optimizer_step()
+        scale = getattr(self.scaler, "_scale", None)
+        before = scale.clone() if scale is not None else None
+        output = None
+        if self.fp8.before_optimizer_step(loss_scaled=self.scaler is not None):
+            output = super().optimizer_step(optimizer, **kwargs)
+        # else: non-finite gradients under nonfinite="skip": weights and optimizer state unchanged
+        scale = getattr(self.scaler, "_scale", None)
+        self.fp8.after_optimizer_step(scale < before if scale is not None and before is not None else None)
         return output
 
     def fp8_metrics(self) -> dict[str, float]:

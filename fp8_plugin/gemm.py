@@ -383,7 +383,7 @@ def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bi
     # [N, K] tensor sums otherwise on narrow outputs, N < ~16).
     # Outside torch autocast, which would round the dequantized operands to bf16.
     with torch.autocast(a.data.device.type, enabled=False):
-        out = a.dequantize() @ b.dequantize().t().contiguous()
+        out = a.dequantize(saturate=False) @ b.dequantize(saturate=False).t().contiguous()
     if bias is not None:
         out = out + _kernel_bias(bias, out_dtype).to(torch.float32)
     return out.to(out_dtype)

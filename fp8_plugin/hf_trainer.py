@@ -15,24 +15,38 @@ Trainer's micro-batches: each optimizer step that ran a check is logged (``contr
 with its ``fp8_ref/...`` figures merged into the Trainer's log, so they reach
 ``trainer.state.log_history`` and the ``report_to`` integrations; ``train()`` ends by printing
 the checks' summary on the main process and writing the report files.
+
+Checkpoints: the Trainer saves the model through its vanilla ``state_dict()``, so the FP8 state
+(scales, amax histories, layers moved to high precision, reference-check history) goes beside it,
+into ``fp8_state.pt`` of each checkpoint folder (written atomically, by the main process), and
+``train(resume_from_checkpoint=...)`` restores it when the Trainer prepares the model: the
+resumed run continues with the scales it stopped with. A checkpoint without that file (written
+by the plain ``Trainer``) resumes with a warning, its scales starting afresh.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from typing import Any, Optional, Union
 
+import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import IntervalStrategy
+from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from ._transformers_private import trainer_accelerator_class
 from .accelerate import Accelerator
 from .accelerate.settings import BASE_PRECISION
+from .files import atomic_write
 from .recipes import Recipe
 from .reference_check import ReferenceCheck
 from .training import Patterns
 
-__all__ = ["FP8Trainer"]
+__all__ = ["FP8Trainer", "FP8_STATE_NAME"]
+
+# The file of each checkpoint folder that holds the FP8 state.
+FP8_STATE_NAME = "fp8_state.pt"
 
 _COMPUTE_DTYPES = {precision: dtype for dtype, precision in BASE_PRECISION.items()}
 
@@ -51,6 +65,10 @@ class FP8Trainer(Trainer):
             process or DDP.
         fp8_reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
             policy, thresholds, report files).
+        fp8_nonfinite, fp8_max_consecutive_skips: what an optimizer step with non-finite
+            gradients does (``"skip"``, the default: not taken, and the Trainer's scheduler
+            does not step either; ``"raise"``) and how many skipped steps in a row stop the run;
+            see :mod:`fp8_plugin.faults`.
 
     Attributes:
         accelerator: a :class:`fp8_plugin.accelerate.Accelerator`; ``accelerator.fp8_reports``
@@ -65,10 +83,12 @@ class FP8Trainer(Trainer):
 
     def __init__(self, *args: Any, fp8_recipe: Union[Recipe, str, None] = None, fp8_include: Patterns = None,
                  fp8_exclude: Patterns = None, fp8_reference_every: Optional[int] = None,
-                 fp8_reference_check: Optional[ReferenceCheck] = None, **kwargs: Any) -> None:
+                 fp8_reference_check: Optional[ReferenceCheck] = None, fp8_nonfinite: Optional[str] = None,
+                 fp8_max_consecutive_skips: Optional[int] = None, **kwargs: Any) -> None:
         self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude,
                                "fp8_reference_every": fp8_reference_every,
-                               "fp8_reference_check": fp8_reference_check}
+                               "fp8_reference_check": fp8_reference_check, "fp8_nonfinite": fp8_nonfinite,
+                               "fp8_max_consecutive_skips": fp8_max_consecutive_skips}
         super().__init__(*args, **kwargs)
         settings = self.accelerator.fp8_settings
         if settings is not None and settings.reference_check is not None:
@@ -86,12 +106,39 @@ class FP8Trainer(Trainer):
         metrics = accelerator.fp8_reference_metrics() if isinstance(accelerator, Accelerator) else {}
         super().log({**logs, **metrics} if metrics else logs, *args, **kwargs)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; then, with reference checks on, their summary printed on the
-        main process and their report files written (``ReferenceCheck.json_path``, ``plot_path``)."""
-        output = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; resuming, it also restores the checkpoint's FP8 state
+        (``fp8_state.pt``); at the end, with reference checks on, their summary is printed on
+        the main process and their report files written (``ReferenceCheck.json_path``,
+        ``plot_path``).
+
+        Raises:
+            RuntimeError: the checkpoint's FP8 state is corrupted (named; nothing of it loaded).
+        """
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)  # as the Trainer resolves it
+        if isinstance(path, (str, os.PathLike)) and self.accelerator.fp8_settings is not None:
+            file = os.path.join(path, FP8_STATE_NAME)
+            if os.path.isfile(file):
+                self.accelerator.load_fp8_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+            else:
+                warnings.warn(f"{path} holds no {FP8_STATE_NAME}: the FP8 scales start afresh", stacklevel=2)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.accelerator.print_fp8_reference_summary()
         return output
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model`` (a vanilla checkpoint), plus the FP8 state in
+        ``fp8_state.pt`` beside it once a model was prepared. Called on every process, as the
+        Trainer does; only the main process writes."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        accelerator = getattr(self, "accelerator", None)
+        if isinstance(accelerator, Accelerator) and accelerator.fp8_runs:
+            state = accelerator.fp8_state_dict()  # on every process: it may reduce pending amaxes
+            if self.args.should_save:
+                path = os.path.join(output_dir if output_dir is not None else self.args.output_dir, FP8_STATE_NAME)
+                atomic_write(path, lambda f: torch.save(state, f), mode="wb")
 
 
 class _LogReferenceChecks(TrainerCallback):

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._torch_private import in_backward_pass
-from .autocast import current_context
+from .autocast import current_context, note_fp8_forward
 from .gemm import fp8_gemm
-from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
+from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, recipe_key
 from .recipes import DelayedScaling, Recipe
 from .scaling_group import ScalingGroup
 
@@ -135,6 +135,7 @@ class FP8Linear(nn.Linear):
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self.weight_transposed = False
         self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
+        self.fp8_state.recipe = recipe_key(self.recipe)
         self._forward_context: Optional[_ForwardContext] = None
         # A layer of its own; convert_model puts all the layers of a model in one group.
         ScalingGroup().add(self)
@@ -178,6 +179,7 @@ class FP8Linear(nn.Linear):
         new.bias = module.bias
         new.weight_transposed = transposed
         new.fp8_state = ScalingState(cls._history_len(new.recipe), device=module.weight.device)
+        new.fp8_state.recipe = recipe_key(new.recipe)
         new.train(module.training)
         return new
 
@@ -190,6 +192,15 @@ class FP8Linear(nn.Linear):
         if recipe is None:
             self._forward_context = _ForwardContext(None, training, None)
             return self._high_precision_forward(x)
+        note_fp8_forward()
+        if not torch.is_autocast_enabled(x.device.type) and x.dtype != self.weight.dtype:
+            # nn.Linear refuses this pairing; an FP8 GEMM would not notice, and the model would
+            # then compute in the input's dtype only while FP8 is on.
+            raise RuntimeError(
+                f"FP8Linear: input dtype {x.dtype} differs from the weight's {self.weight.dtype} outside torch "
+                "autocast (nn.Linear raises for this too); cast the inputs to the model's dtype, or run under "
+                "torch.autocast"
+            )
         group = self.scaling_group
         if training and group.step != context.step:
             # First FP8 forward of a training step: last step's amaxes become scales (all the
@@ -234,7 +245,8 @@ class FP8Linear(nn.Linear):
         """Current scaling figures per role, read from state (no recomputation, no sync).
 
         Returns ``{role: {"amax": float32 0-dim (current step's or last cast's amax),
-        "scale": float32 0-dim, "nonfinite_amax_count": int64 0-dim}}`` for roles
+        "scale": float32 0-dim, "nonfinite_amax_count": int64 0-dim, "amax_outlier_count":
+        int64 0-dim, "amax_outlier_ratio": float32 0-dim (the last outlier's)}}`` for roles
         ``input``, ``weight``, ``grad_output``.
         """
         s = self.fp8_state
@@ -243,6 +255,8 @@ class FP8Linear(nn.Linear):
                 "amax": s.amax_history[i, 0],
                 "scale": s.scale[i],
                 "nonfinite_amax_count": s.nonfinite_amax_count[i],
+                "amax_outlier_count": s.outlier_count[i],
+                "amax_outlier_ratio": s.outlier_ratio[i],
             }
             for i, role in enumerate(ROLES)
         }

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+import functools
+import warnings
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -34,6 +36,9 @@ __all__ = [
     "ScalingState",
     "is_scaling_state_key",
     "update_delayed_scaling",
+    "recipe_key",
+    "check_saved_state",
+    "STATE_VERSION",
 ]
 
 # The three FP8 tensors of a linear layer, in the order of ScalingState's rows.
@@ -54,11 +59,12 @@ class QuantizedTensor:
     scale_inv: torch.Tensor
     block: Optional[tuple[int, int]] = None
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """High-precision copy ``data * scale_inv`` in ``dtype``."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, saturate: bool = True) -> torch.Tensor:
+        """High-precision copy ``data * scale_inv`` in ``dtype``; finite data reads back finite
+        unless ``saturate=False`` (the plain product, for the emulated GEMM's hot path)."""
         if self.block is None:
-            return dequantize(self.data, self.scale_inv, dtype)
-        return dequantize_blocks(self.data, self.scale_inv, self.block).to(dtype)
+            return dequantize(self.data, self.scale_inv, dtype, saturate)
+        return dequantize_blocks(self.data, self.scale_inv, self.block, dtype, saturate)
 
     def t(self) -> "QuantizedTensor":
         """Transpose with a contiguous copy of ``data`` (1 byte per value).
@@ -99,12 +105,31 @@ class ScalingState(nn.Module):
     - ``scale``: float32 ``[3]``; multiplies a tensor before its FP8 cast.
     - ``initialized``: bool ``[3]``; False until a scale has been computed from a history.
     - ``nonfinite_amax_count``: int64 ``[3]``; casts whose amax was inf or NaN.
+    - ``outlier_count``: int64 ``[3]``; delayed-scaling updates whose amax was an outlier
+      (``DelayedScaling.amax_outlier_factor``); ``outlier_ratio``: float32 ``[3]``, the last
+      outlier's amax over the amax its scale came from.
 
     They are plain tensor attributes, not buffers, as in Transformer Engine: data-parallel
     wrappers broadcast buffers from rank 0 (DDP's ``broadcast_buffers``), which would overwrite
     each rank's scales; what makes ranks agree is the amax reduction alone. They travel in
     ``state_dict()`` as this module's extra state (one ``"_extra_state"`` entry: a dict of the
-    tensors above plus ``"pending"``, bool ``[3]``, and ``"use_fp8"``, bool 0-dim).
+    tensors above plus ``"pending"``, bool ``[3]``, ``"use_fp8"``, bool 0-dim, ``"version"``,
+    int64 0-dim, :data:`STATE_VERSION`, and ``"recipe"``, uint8 ``[n]``, the UTF-8 bytes of the
+    :func:`recipe_key` of the scales).
+
+    Loading (``set_extra_state``) checks what it is given before it takes any of it:
+
+    - a state of format version 1 (no ``"version"``: without the outlier counters) loads, the
+      counters at zero; a newer version than :data:`STATE_VERSION` is not read: scaling starts
+      afresh, with a warning;
+    - a state whose scales belong to another recipe than the one in force at the first cast
+      after loading (another scaling method, format or margin, by :func:`recipe_key`) is not
+      used: scaling starts afresh then, with a warning naming both recipes (``use_fp8`` is
+      kept);
+    - a state with missing or unknown entries, wrong shapes or dtypes, or impossible values
+      (non-finite or non-positive scales, negative or non-finite amaxes, negative counts)
+      raises a ``RuntimeError`` naming the ``state_dict`` key and the fault: a corrupted
+      checkpoint is never half-loaded.
 
     ``use_fp8`` (host-side bool) is the layer's FP8 switch (``FP8Linear.use_fp8``): kept here so
     that a layer moved to high precision (by hand, or by a BF16 reference check's fallback)
@@ -123,8 +148,14 @@ class ScalingState(nn.Module):
         self.scale = torch.ones(3, dtype=torch.float32, device=device)
         self.initialized = torch.zeros(3, dtype=torch.bool, device=device)
         self.nonfinite_amax_count = torch.zeros(3, dtype=torch.int64, device=device)
+        self.outlier_count = torch.zeros(3, dtype=torch.int64, device=device)
+        self.outlier_ratio = torch.zeros(3, dtype=torch.float32, device=device)
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
+        # recipe_key of the recipe whose scales these are ("" until a layer sets it).
+        self.recipe = ""
+        self._loaded_recipe: Optional[str] = None  # a loaded state's recipe, until the first cast checks it
+        self._key = "fp8_state._extra_state"  # where load_state_dict found it, for messages
         # A vanilla checkpoint (no FP8 state) loads into a converted model: scaling starts fresh.
         self.register_load_state_dict_post_hook(_allow_missing_scaling_state)
 
@@ -160,33 +191,76 @@ class ScalingState(nn.Module):
 
     @torch.no_grad()
     def observe_current(self, role: int, amax: torch.Tensor, scale: torch.Tensor) -> None:
-        """Store the amax and scale of a current-scaling cast, for statistics."""
-        self.nonfinite_amax_count[role] += (~torch.isfinite(amax)).to(torch.int64)
-        self.amax_history[role, 0] = amax
+        """Store the amax and scale of a current-scaling cast, for statistics; a non-finite
+        amax is counted and not stored (the slot keeps the last finite one), as in
+        :meth:`record_amax`, so the state stays finite whichever recipe reads it next."""
+        finite = torch.isfinite(amax)
+        self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
+        self.amax_history[role, 0] = torch.where(finite, amax, self.amax_history[role, 0])
         self.scale[role] = scale
 
-    def get_extra_state(self) -> dict[str, torch.Tensor]:
-        state = {name: t.detach().clone() for name, t in self.tensors().items()}
+    def get_extra_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {name: t.detach().clone() for name, t in self.tensors().items()}
         state["pending"] = torch.tensor([role in self.pending for role in range(len(ROLES))])
         state["use_fp8"] = torch.tensor(self.use_fp8)
+        # Tensors only, as every entry: checkpoint formats that take tensors alone carry them too.
+        state["version"] = torch.tensor(STATE_VERSION, dtype=torch.int64)
+        state["recipe"] = torch.tensor(list(self.recipe.encode()), dtype=torch.uint8)
         return state
 
-    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
-        if not isinstance(state, dict) or not {*_STATE_TENSORS, "pending"} <= set(state) <= {
-                *_STATE_TENSORS, "pending", "use_fp8"}:
-            found = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise RuntimeError(
-                f"FP8 scaling state in the checkpoint has entries {found}; expected "
-                f"{sorted({*_STATE_TENSORS, 'pending'})} and optionally 'use_fp8' "
-                "(a checkpoint written by another fp8_plugin version?)"
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        version = check_saved_state(state, self._key)
+        if version > STATE_VERSION:
+            warnings.warn(
+                f"{self._key}: FP8 scaling state of format version {version}, written by a newer fp8-plugin "
+                f"(this one reads versions up to {STATE_VERSION}); it is not used: this layer's scales start "
+                "afresh (they settle within the first training step)",
+                stacklevel=2,
             )
+            return
+        use_fp8 = bool(state["use_fp8"]) if "use_fp8" in state else True
+        saved_recipe = _recipe_text(state.get("recipe"))
         device = self.device
         for name in _STATE_TENSORS:
+            if name not in state:  # format version 1: no outlier counters yet
+                setattr(self, name, torch.zeros_like(getattr(self, name)))
+                continue
             # A checkpoint written with another amax_history_len restores its own length.
             setattr(self, name, state[name].detach().to(device=device, dtype=getattr(self, name).dtype).clone())
         # Which recipe recorded them is not saved: the one in force at the next update applies.
         self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
-        self.use_fp8 = bool(state["use_fp8"]) if "use_fp8" in state else True
+        self.use_fp8 = use_fp8
+        self.recipe = saved_recipe or self.recipe
+        # The recipe in force is known at the first cast (an autocast may override the layer's).
+        self._loaded_recipe = saved_recipe or None
+
+    def use_recipe(self, recipe: Recipe) -> None:
+        """Called by every cast with the recipe in force: the first cast after a load drops
+        (with a warning) saved scales that belong to another recipe, by :func:`recipe_key`."""
+        if self._loaded_recipe is None:
+            return
+        saved, self._loaded_recipe = self._loaded_recipe, None
+        key = recipe_key(recipe)
+        if key != saved:
+            warnings.warn(
+                f"{self._key}: the checkpoint's FP8 scales belong to {saved}, this layer now runs {key}; they "
+                "are not used: this layer's scales start afresh (they settle within the first training step)",
+                stacklevel=3,
+            )
+            self.reset(recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1)
+            self.recipe = key
+
+    def reset(self, amax_history_len: Optional[int] = None) -> None:
+        """Forget every amax and scale (as a new layer's state); the history keeps its length
+        unless ``amax_history_len`` is given. ``use_fp8`` stays."""
+        fresh = ScalingState(amax_history_len or self.amax_history_len, device=self.device)
+        for name in _STATE_TENSORS:
+            setattr(self, name, getattr(fresh, name))
+        self.pending = {}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._key = f"{prefix}_extra_state"
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def follow(self, device: torch.device) -> None:
         """Move the state to ``device`` (a layer whose weights moved without ``Module.to``)."""
@@ -201,7 +275,94 @@ class ScalingState(nn.Module):
         return self
 
 
-_STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count")
+_STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "outlier_count", "outlier_ratio")
+# Format of the saved scaling state: 1 had no "version", "recipe" or outlier counters.
+STATE_VERSION = 2
+_VERSION_1_ENTRIES = frozenset({"amax_history", "scale", "initialized", "nonfinite_amax_count", "pending"})
+_ENTRIES = frozenset({*_STATE_TENSORS, "pending", "use_fp8", "version", "recipe"})
+# name: (dtype kinds accepted, shape with L for the history length)
+_SHAPES = {"amax_history": (3, "L"), "scale": (3,), "initialized": (3,), "nonfinite_amax_count": (3,),
+           "outlier_count": (3,), "outlier_ratio": (3,), "pending": (3,), "use_fp8": ()}
+
+
+def recipe_key(recipe: Recipe) -> str:
+    """What makes a layer's saved scales valid for a recipe: its scaling method, format and
+    margin (``"DelayedScaling(HYBRID, margin=0)"``); history length and algorithm may differ."""
+    try:
+        return _cached_recipe_key(recipe)
+    except TypeError:  # an unhashable field (a callable amax_compute_algo object)
+        return _recipe_key(recipe)
+
+
+def _recipe_key(recipe: Recipe) -> str:
+    return f"{type(recipe).__name__}({recipe.fp8_format.name}, margin={recipe.margin})"
+
+
+# Every cast asks for its recipe's key: format it once per recipe.
+_cached_recipe_key = functools.lru_cache(maxsize=256)(_recipe_key)
+
+
+def _recipe_text(saved: Any) -> str:
+    # The recipe key as saved: UTF-8 bytes in a uint8 tensor (absent before version 2).
+    if saved is None:
+        return ""
+    if isinstance(saved, str):
+        return saved
+    if isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.dim() == 1:
+        return bytes(saved.tolist()).decode()
+    raise TypeError(f"recipe entry {saved!r}")
+
+
+def check_saved_state(state: Any, key: str) -> int:
+    """The format version of a saved scaling state, after checking it is whole and sane.
+
+    Raises:
+        RuntimeError: naming ``key`` and what is wrong.
+    """
+    def fail(problem: str) -> RuntimeError:
+        return RuntimeError(
+            f"{key}: the FP8 scaling state in the checkpoint is corrupted ({problem}); nothing of it was loaded. "
+            "To resume without it, drop the FP8 state (fp8_plugin.split_fp8_state for a model state_dict; the "
+            "'precision_plugin' entry of a Lightning checkpoint): scaling then starts afresh"
+        )
+
+    if not isinstance(state, dict):
+        raise fail(f"a {type(state).__name__}, not a dict")
+    version = state.get("version", 1)
+    if isinstance(version, torch.Tensor) and version.numel() == 1 and not version.is_floating_point():
+        version = int(version)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise fail(f"version {version!r}")
+    if version > STATE_VERSION:
+        return version
+    required = _VERSION_1_ENTRIES if version == 1 else _ENTRIES - {"use_fp8"}
+    if not required <= set(state) <= _ENTRIES:
+        raise fail(f"entries {sorted(state)}; expected {sorted(required)}, optionally 'use_fp8'")
+    try:
+        _recipe_text(state.get("recipe"))
+    except (TypeError, ValueError):
+        raise fail(f"recipe {state.get('recipe')!r}") from None
+    for name, shape in _SHAPES.items():
+        if name not in state:
+            continue
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise fail(f"{name} is a {type(t).__name__}, not a tensor")
+        length = t.shape[1] if name == "amax_history" and t.dim() == 2 else None
+        want = tuple(length if d == "L" else d for d in shape)
+        if tuple(t.shape) != want or (length is not None and length < 1):
+            raise fail(f"{name} has shape {list(t.shape)}, expected {[*shape]}")
+        if t.is_floating_point() or t.is_complex():
+            values = t.detach().to(torch.float64)
+            if name in ("scale",) and not bool(((values > 0) & torch.isfinite(values)).all()):
+                raise fail(f"{name} {t.tolist()} is not all finite and > 0")
+            if name in ("amax_history", "outlier_ratio") and not bool(((values >= 0) & torch.isfinite(values)).all()):
+                raise fail(f"{name} holds negative or non-finite values")
+        elif name.endswith("_count") and bool((t < 0).any()):
+            raise fail(f"{name} {t.tolist()} is negative")
+    if not state["scale"].is_floating_point():
+        raise fail(f"scale has dtype {state['scale'].dtype}, not a floating dtype")
+    return version
 
 
 def _allow_missing_scaling_state(module: nn.Module, incompatible_keys) -> None:
@@ -239,6 +400,7 @@ class PerTensorQuantizer(Quantizer):
 
     @torch.no_grad()
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        self.state.use_recipe(self.recipe)
         amax = tensor_amax(x)
         one = torch.ones((), dtype=torch.float32, device=x.device)
         current = scale_from_amax(amax, self.max, self.recipe.margin, one)
@@ -249,10 +411,12 @@ class PerTensorQuantizer(Quantizer):
             if self.record:
                 self.state.record_amax(role, amax)
                 self.state.pending[role] = self.recipe
+                self.state.recipe = recipe_key(self.recipe)
         else:
             scale = current
             if self.record:
                 self.state.observe_current(self.role, amax, scale)
+                self.state.recipe = recipe_key(self.recipe)
         return QuantizedTensor(quantize(x, scale, self.dtype), divide(1.0, scale))
 
 
@@ -298,10 +462,12 @@ class BlockQuantizer(Quantizer):
         return self._cast(x)[0]
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        self.state.use_recipe(self.recipe)
         row, amax = self._cast(x)
         # The tensor's amax is the max of its block amaxes: no second pass over x.
         if self.record:
             self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
+            self.state.recipe = recipe_key(self.recipe)
         return row, (self.quantize(x.t()) if columnwise else None)
 
 
@@ -325,6 +491,9 @@ def update_delayed_scaling(
     per group: ``amax = recipe.reduce_history(history)``, ``scale = (FP8_MAX / amax) /
     2 ** margin`` (kept where amax is 0 or not finite), and the history shifts by one step with
     a zeroed current slot. Each group costs a fixed number of batched kernels, not one per layer.
+    Before the scale is computed, a current-step amax beyond ``recipe.amax_outlier_factor``
+    times the amax the previous scale came from is counted and kept, clipped or skipped, as
+    ``recipe.amax_outlier_policy`` says: after the reduction, so every rank decides alike.
     """
     groups = [g for g in groups if g[2]]
     if not groups:
@@ -337,8 +506,9 @@ def update_delayed_scaling(
             h[:, 0] = part
     for (recipe, role, states), history in zip(groups, histories):
         dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
-        amax = recipe.reduce_history(history)
         previous = torch.stack([s.scale[role] for s in states])
+        _handle_outliers(recipe, role, states, history, previous, fp8_max(dtype))
+        amax = recipe.reduce_history(history)
         scale = scale_from_amax(amax, fp8_max(dtype), recipe.margin, previous)
         initialized = torch.stack([s.initialized[role] for s in states]) | (
             (amax > 0) & torch.isfinite(amax)
@@ -348,3 +518,23 @@ def update_delayed_scaling(
         torch._foreach_copy_([s.amax_history[role] for s in states], list(history.unbind(0)))
         torch._foreach_copy_([s.scale[role] for s in states], list(scale.unbind(0)))
         torch._foreach_copy_([s.initialized[role] for s in states], list(initialized.unbind(0)))
+
+
+def _handle_outliers(recipe: DelayedScaling, role: int, states: list[ScalingState], history: torch.Tensor,
+                     previous: torch.Tensor, max_value: float) -> None:
+    # The amax the previous scale was computed from, recovered from the scale itself: the
+    # history may be a single (already rolled) column, and the scale is what casts use.
+    bound = divide(max_value, previous) / (2.0**recipe.margin)
+    current = history[:, 0]
+    initialized = torch.stack([s.initialized[role] for s in states])
+    factor = float(recipe.amax_outlier_factor)
+    outlier = initialized & torch.isfinite(current) & (current > factor * bound)
+    ratio = current / bound
+    if recipe.amax_outlier_policy == "clip":
+        history[:, 0] = torch.where(outlier, factor * bound, current)
+    elif recipe.amax_outlier_policy == "skip":
+        history[:, 0] = torch.where(outlier, torch.zeros_like(current), current)
+    counts = torch.stack([s.outlier_count[role] for s in states]) + outlier.to(torch.int64)
+    ratios = torch.where(outlier, ratio, torch.stack([s.outlier_ratio[role] for s in states]))
+    torch._foreach_copy_([s.outlier_count[role] for s in states], list(counts.unbind(0)))
+    torch._foreach_copy_([s.outlier_ratio[role] for s in states], list(ratios.unbind(0)))

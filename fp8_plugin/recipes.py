@@ -11,6 +11,7 @@ where FP8_MAX is 448 (E4M3) or 57344 (E5M2).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -28,9 +29,20 @@ __all__ = [
     "AutoRecipe",
     "check_recipe",
     "AMAX_COMPUTE_ALGOS",
+    "AMAX_OUTLIER_POLICIES",
+    "MAX_MARGIN",
+    "MAX_AMAX_HISTORY_LEN",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+AMAX_OUTLIER_POLICIES = ("clip", "keep", "skip")
+# margin 8 puts the largest value of a tensor at 448 / 2**8 = 1.75 in E4M3: fewer than 7 binades
+# above the smallest normal (2**-6) remain for the rest of the tensor, and at margin 15 every
+# value is subnormal or zero. 7 is the largest margin that leaves a useful range.
+MAX_MARGIN = 7
+# Each FP8 layer keeps 3 x amax_history_len float32 and max-reduces it every step; 65536 steps
+# (256 times TE's default) is beyond any scale schedule and still small per layer (768 KiB).
+MAX_AMAX_HISTORY_LEN = 65536
 
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -59,6 +71,13 @@ def check_recipe(recipe: object, owner: str) -> None:
             f"{owner}(recipe={recipe!r}) is not a recipe; valid: AutoRecipe(...), DelayedScaling(...), "
             "Float8CurrentScaling(...), Float8BlockScaling(...), MXFP8BlockScaling(...) or None"
         )
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Recipe:
@@ -92,10 +111,27 @@ class DelayedScaling(Recipe):
             the most recent step, and returning float32 ``[n]`` (TE's convention).
         reduce_amax: reduce amaxes across the data-parallel group before each scale update
             (used by the distributed integration; no effect in a single process).
+        amax_outlier_factor: a step's amax (after the reduction across ranks) is an outlier
+            when it exceeds this factor times the amax the current scale was computed from
+            (``FP8_MAX / (scale * 2 ** margin)``). Outliers are counted per layer and role
+            (``ScalingState.outlier_count``, the largest ratio in ``outlier_ratio``) and
+            reported by the training loops. A float > 1; default 100.
+        amax_outlier_policy: what an outlier amax does to the history: ``"clip"`` (default:
+            it enters as ``amax_outlier_factor`` times that amax, so the scale drops by at most
+            the factor per step and a real change in range is still followed within a few
+            steps), ``"keep"`` (it enters as it is: Transformer Engine's behaviour, under which
+            one batch of values 10^6 times larger flushes the next ``amax_history_len`` steps
+            of normal values to zero with the ``"max"`` algorithm) or ``"skip"`` (it does not
+            enter; the scale stays as it was).
+
+    The outlier policy is this project's addition to TE's recipe: TE keeps every amax.
 
     Raises:
-        ValueError: negative or non-integer margin, ``amax_history_len < 1``, an unknown
-            ``amax_compute_algo``, an unknown format, or E5M2 as the forward format.
+        ValueError: margin not an integer in [0, ``MAX_MARGIN``] (7), ``amax_history_len`` not
+            an integer in [1, ``MAX_AMAX_HISTORY_LEN``] (65536), an unknown
+            ``amax_compute_algo`` or ``amax_outlier_policy``, ``amax_outlier_factor`` not a
+            finite number > 1, an unknown format, or E5M2 as the forward format.
+        TypeError: ``reduce_amax`` not a bool.
     """
 
     margin: int = 0
@@ -103,20 +139,34 @@ class DelayedScaling(Recipe):
     amax_history_len: int = 1024
     amax_compute_algo: AmaxComputeAlgo = "max"
     reduce_amax: bool = True
+    amax_outlier_factor: float = 100.0
+    amax_outlier_policy: str = "clip"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "DelayedScaling")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"DelayedScaling(margin={self.margin!r}) is invalid; valid: an integer >= 0")
-        if (
-            isinstance(self.amax_history_len, bool)
-            or not isinstance(self.amax_history_len, int)
-            or self.amax_history_len < 1
-        ):
+        if not _is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
+            raise ValueError(
+                f"DelayedScaling(margin={self.margin!r}) is invalid; valid: an integer from 0 to {MAX_MARGIN} "
+                f"(the scale is divided by 2**margin; at margin {MAX_MARGIN + 1} and above most E4M3 values "
+                "underflow)"
+            )
+        if not _is_int(self.amax_history_len) or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN:
             raise ValueError(
                 f"DelayedScaling(amax_history_len={self.amax_history_len!r}) is invalid; "
-                "valid: an integer >= 1"
+                f"valid: an integer from 1 to {MAX_AMAX_HISTORY_LEN}"
+            )
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"DelayedScaling(reduce_amax={self.reduce_amax!r}) is invalid; valid: True, False")
+        factor = self.amax_outlier_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
+            raise ValueError(
+                f"DelayedScaling(amax_outlier_factor={factor!r}) is invalid; valid: a finite number > 1"
+            )
+        if self.amax_outlier_policy not in AMAX_OUTLIER_POLICIES:
+            raise ValueError(
+                f"DelayedScaling(amax_outlier_policy={self.amax_outlier_policy!r}) is invalid; valid: "
+                f"{', '.join(repr(p) for p in AMAX_OUTLIER_POLICIES)}"
             )
         algo = self.amax_compute_algo
         if not callable(algo) and algo not in AMAX_COMPUTE_ALGOS:
@@ -205,8 +255,14 @@ class QParams:
     amax_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.amax_epsilon >= 0:
-            raise ValueError(f"QParams(amax_epsilon={self.amax_epsilon!r}) is invalid; valid: a float >= 0")
+        if not isinstance(self.power_2_scale, bool):
+            raise TypeError(f"QParams(power_2_scale={self.power_2_scale!r}) is invalid; valid: True, False")
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= _FLOAT32_MAX:
+            raise ValueError(
+                f"QParams(amax_epsilon={eps!r}) is invalid; valid: a float from 0 to the float32 max "
+                f"({_FLOAT32_MAX:.6g}: block amaxes are float32)"
+            )
 
 
 @dataclass(frozen=True)
@@ -227,6 +283,7 @@ class Float8BlockScaling(Recipe):
 
     Raises:
         ValueError: an unknown format or E5M2, a block dim other than 1 or 2.
+        TypeError: a ``fp8_quant_*`` that is not a :class:`QParams`.
     """
 
     fp8_format: Format = Format.E4M3
@@ -242,8 +299,13 @@ class Float8BlockScaling(Recipe):
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "Float8BlockScaling")
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if not isinstance(getattr(self, name), QParams):
+                raise TypeError(
+                    f"Float8BlockScaling({name}={getattr(self, name)!r}) is invalid; valid: a QParams(...)"
+                )
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
-            if getattr(self, name) not in (1, 2):
+            if not _is_int(getattr(self, name)) or getattr(self, name) not in (1, 2):
                 raise ValueError(
                     f"Float8BlockScaling({name}={getattr(self, name)!r}) is invalid; valid: 1 (1x128 blocks), 2 (128x128 blocks)"
                 )

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections import Counter
 from typing import TYPE_CHECKING, Any
+
+from .files import atomic_write
 
 if TYPE_CHECKING:
     from .reference_check import ReferenceChecker
@@ -72,25 +72,10 @@ def report_data(checker: "ReferenceChecker") -> dict[str, Any]:
     }
 
 
-def _atomic_write(path: str, write: Any, mode: str = "w") -> None:
-    # Write next to the target and rename: a crash never leaves a truncated report.
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_json(checker: "ReferenceChecker", path: str) -> None:
     """Write :func:`report_data` to ``path`` (infinite SQNR as null)."""
     data = report_data(checker)
-    _atomic_write(path, lambda f: json.dump(data, f, indent=1, allow_nan=False))
+    atomic_write(path, lambda f: json.dump(data, f, indent=1, allow_nan=False))
 
 
 def write_plot(checker: "ReferenceChecker", path: str) -> None:
@@ -143,7 +128,7 @@ def write_plot(checker: "ReferenceChecker", path: str) -> None:
             ax_sqnr.get_yticklabels()[i].set_color("tab:red")
     fig.colorbar(image, ax=ax_sqnr, label=f"SQNR dB (min {checker.config.min_sqnr_db:g})")
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
     plt.close(fig)
 
 

@@ -45,9 +45,13 @@ def scale_from_amax(
 
     Returns:
         float32 tensor of ``amax``'s shape. Where ``amax`` is tiny the result is clamped to the
-        float32 max rather than becoming inf.
+        float32 max rather than becoming inf. The margin divides ``fp8_max`` first (exactly: a
+        power of two), so that it still applies where ``fp8_max / amax`` alone would overflow
+        but the scale does not (E4M3, margin 7: amaxes from 1.0e-38 to 1.3e-36). Elsewhere
+        this is the float32 value of dividing the quotient by ``2 ** margin``, but for subnormal
+        scales (E4M3, margin 7, amax above 0.88 * float32 max), rounded once instead of twice.
     """
-    scale = divide(fp8_max_value, amax) / (2.0**margin)
+    scale = divide(fp8_max_value / 2.0**margin, amax)
     scale = torch.clamp(scale, max=_FLOAT32_MAX)
     valid = (amax > 0) & torch.isfinite(amax)
     return torch.where(valid, scale, previous)
@@ -83,6 +87,29 @@ def saturate(scaled: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch
     return torch.where(torch.isinf(x), overflow, scaled.clamp(-bound, bound))
 
 
-def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``data * scale_inv`` in ``dtype``: the inverse of :func:`quantize` up to rounding."""
-    return (data.to(torch.float32) * scale_inv).to(dtype)
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+               saturate: bool = True) -> torch.Tensor:
+    """``data * scale_inv`` in ``dtype``: the inverse of :func:`quantize` up to rounding.
+
+    Finite data reads back finite: a product beyond the range of ``dtype`` (or of float32, in
+    which it is computed) saturates to its max. FP8 rounding can carry a value just below the
+    float32 max past it (float32 max cast with the power-of-two scale 2^-120 rounds to 256, and
+    256 * 2^120 = 2^128, as a delayed scale from a smaller amax can too); the saturated value is
+    nearer to that value than the product was. Infinities and NaNs of ``data`` are kept.
+
+    Args:
+        data: FP8 data, any shape.
+        scale_inv: float32, broadcastable to ``data``.
+        dtype: floating dtype of the result.
+        saturate: False gives the plain product, one multiply (the emulated GEMM, whose sums
+            can overflow anyway, skips the clamp on its hot path).
+    """
+    values = data.to(torch.float32)
+    product = values * scale_inv
+    if not saturate:
+        return product.to(dtype)
+    bound = min(torch.finfo(dtype).max, _FLOAT32_MAX)
+    saturated = product.clamp(-bound, bound)  # NaN stays NaN
+    if data.dtype == torch.float8_e4m3fn:
+        return saturated.to(dtype)  # E4M3 has no inf: an inf product can only be an overflow
+    return torch.where(torch.isinf(values), product, saturated).to(dtype)

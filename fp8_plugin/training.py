@@ -19,8 +19,9 @@ from torch import nn
 from .autocast import AmaxReducer, autocast, new_step_id
 from .convert import ConversionReport, convert_model, fp8_state_dict
 from .distributed import amax_reducer
+from .faults import FaultMonitor, FaultPolicy
 from .linear import FP8Linear
-from .quantizers import is_scaling_state_key
+from .quantizers import check_saved_state, is_scaling_state_key
 from .recipes import AutoRecipe, Recipe, check_recipe
 from .reference_check import ReferenceCheck, ReferenceChecker
 from .scaling_group import update_pending_scales
@@ -57,17 +58,21 @@ class FP8Training:
         amax_reduction_group: process group whose ranks share amaxes (and sum the reference
             checks' figures); None means the world.
         reference_check: the periodic BF16 reference checks (None: off).
+        fault_policy: what a step with non-finite gradients does, and how many skipped steps
+            in a row stop the run (None: ``FaultPolicy()``, skip with a warning, at most 25).
 
     Attributes:
         module: the converted model (None before :meth:`convert`).
         report: its :class:`~fp8_plugin.convert.ConversionReport`.
         reference: the :class:`~fp8_plugin.reference_check.ReferenceChecker` (None when off).
+        faults: the :class:`~fp8_plugin.faults.FaultMonitor` (skipped steps, outliers reported).
     """
 
     def __init__(self, recipe: Recipe, include: Patterns = None, exclude: Patterns = None,
                  compute_dtype: torch.dtype = torch.bfloat16,
                  amax_reduction_group: Optional["dist.ProcessGroup"] = None,
-                 reference_check: Optional[ReferenceCheck] = None) -> None:
+                 reference_check: Optional[ReferenceCheck] = None,
+                 fault_policy: Optional[FaultPolicy] = None) -> None:
         self.recipe = recipe
         self.include = include
         self.exclude = exclude
@@ -82,6 +87,8 @@ class FP8Training:
         self._step: Optional[int] = None
         self.before_step_hooks: list[Callable[["FP8Training"], None]] = []
         self.reference = ReferenceChecker(reference_check) if reference_check is not None else None
+        self.faults = FaultMonitor(fault_policy if fault_policy is not None else FaultPolicy())
+        self.optimizer_steps = 0  # optimizer steps attempted, skipped ones included
 
     def convert(self, module: nn.Module) -> bool:
         """Swap ``module``'s linear layers for FP8 ones, once. Returns False if already done."""
@@ -141,26 +148,48 @@ class FP8Training:
         if self.reference is not None and torch.is_grad_enabled():
             self.reference.capture(run_replay, self._device())
 
-    def before_optimizer_step(self) -> None:
-        """Run the reference check due on this step, then ``before_step_hooks`` (each called
-        with this object): the point where a step's gradients are complete and the weights are
-        still the ones its forwards used. Loops call it right before the optimizer step.
+    def before_optimizer_step(self, loss_scaled: bool = False) -> bool:
+        """Check the step for non-finite gradients and amax outliers (:mod:`fp8_plugin.faults`),
+        run the reference check due on this step, then ``before_step_hooks`` (each called with
+        this object): the point where a step's gradients are complete and the weights are still
+        the ones its forwards used. Loops call it right before the optimizer step.
+
+        Args:
+            loss_scaled: a loss scaler (FP16) checks the gradients and skips the step itself.
+
+        Returns:
+            False when the loop must skip the optimizer step (non-finite gradients under
+            ``nonfinite="skip"``), else True. Always True with ``loss_scaled``.
 
         Raises:
+            FP8NonFiniteError: non-finite gradients under ``nonfinite="raise"``, or too many
+                skipped steps in a row.
             FP8ReferenceCheckError: a failed check under ``policy="raise"``.
         """
-        if self.reference is not None and self.module is not None:
+        take = True
+        if self.module is not None:
+            take = self.faults.check(self.module, self.optimizer_steps + 1, loss_scaled, self.amax_reduction_group)
+        if take and self.reference is not None and self.module is not None:
             self.reference.run(self.module, self.compute_dtype, self.amax_reduction_group)
         for hook in self.before_step_hooks:
             hook(self)
+        return take
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, scaler_skipped: Optional[torch.Tensor] = None) -> None:
         """Apply the step's amaxes now, with the reduction: between steps (checkpoints,
         validation, the end of training) the FP8 state is settled and the same on every rank.
         The next forward starts a new training step and finds nothing pending: one amax
         reduction per optimizer step, however many micro-batches it accumulated. Call it for
-        every optimizer step the loop attempts, including one a loss scaler skips."""
+        every optimizer step the loop attempts, including one a loss scaler skips.
+
+        Args:
+            scaler_skipped: with a loss scaler, whether it skipped this step (a bool tensor,
+                read later without a sync), so that skipped steps in a row are counted.
+        """
         self._step = None
+        self.optimizer_steps += 1
+        if scaler_skipped is not None:
+            self.faults.scaler_step(scaler_skipped)
         if self.module is not None:
             update_pending_scales(self.module, self.amax_reducer())
         if self.reference is not None:
@@ -177,18 +206,23 @@ class FP8Training:
         """Restore what :meth:`state_dict` returned into the converted module.
 
         Raises:
-            RuntimeError: no module converted yet, or state for layers that are not FP8 here.
+            RuntimeError: no module converted yet, state for layers that are not FP8 here, or a
+                corrupted state (named; nothing is loaded then).
         """
         if not saved:
             return
         if self.module is None:
             raise RuntimeError(f"{owner}.load_state_dict called before convert_module: no module to restore into")
+        # Every layer's state is checked before any is loaded: a corrupted one is never half-applied.
+        for key, value in saved.items():
+            check_saved_state(value, key)
         result = self.module.load_state_dict(saved, strict=False)
         if result.unexpected_keys:
             raise RuntimeError(
                 "The checkpoint holds FP8 state for layers this model does not run in FP8: "
                 f"{result.unexpected_keys[:5]}; convert the same layers (include/exclude) as when it was saved"
             )
+        self.faults.restart_counts()
 
     def metrics(self) -> dict[str, float]:
         """Layer count, min/max scale and non-finite amaxes of the FP8 layers (one host sync)."""
@@ -197,12 +231,16 @@ class FP8Training:
             return {}
         scales = torch.stack([m.fp8_state.scale for m in layers])
         nonfinite = torch.stack([m.fp8_state.nonfinite_amax_count for m in layers]).sum()
-        values = torch.stack([scales.min(), scales.max(), nonfinite.to(scales.dtype)]).tolist()
+        outliers = torch.stack([m.fp8_state.outlier_count for m in layers]).sum()
+        values = torch.stack([scales.min(), scales.max(), nonfinite.to(scales.dtype),
+                              outliers.to(scales.dtype)]).tolist()
         return {
             "fp8/layers": float(len(layers)),
             "fp8/scale_min": values[0],
             "fp8/scale_max": values[1],
             "fp8/nonfinite_amax": values[2],
+            "fp8/amax_outliers": values[3],
+            "fp8/nonfinite_skipped_steps": float(self.faults.skipped_steps),
         }
 
 

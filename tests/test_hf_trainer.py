@@ -125,3 +125,38 @@ def test_fp8_trainer_reference_settings_errors_come_at_construction(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="fp8_reference_every.*=-2 .*valid: an int >= 0"):
         FP8Trainer(model=tiny_gpt2(), args=args, fp8_reference_every=-2)
+
+
+def test_fp8_trainer_checkpoints_carry_the_fp8_state_and_resume_exactly(tmp_path):
+    # The Trainer's checkpoint holds a vanilla model: the FP8 state (scales, histories) travels in
+    # fp8_state.pt beside it, so a resumed run continues with the scales it stopped with and ends
+    # where the uninterrupted run ends, bit for bit.
+    from transformers import TrainingArguments
+
+    def trainer(run, max_steps):
+        args = TrainingArguments(output_dir=str(tmp_path / run), max_steps=max_steps, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="steps",
+                                 save_steps=3, logging_steps=1, disable_tqdm=True, seed=0)
+        return FP8Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(32),
+                          fp8_recipe=fp.DelayedScaling(amax_history_len=4))
+
+    full = trainer("full", 6)
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert (checkpoint / "fp8_state.pt").is_file()
+    saved = torch.load(checkpoint / "fp8_state.pt", weights_only=True)["fp8_state"][0]
+    assert any(bool(v["initialized"].all()) for v in saved.values())  # real, settled scales
+
+    resumed = trainer("full", 6)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    full_fp8, resumed_fp8 = fp.convert.fp8_state_dict(full.model), fp.convert.fp8_state_dict(resumed.model)
+    for key, value in full_fp8.items():
+        for entry, tensor in value.items():
+            assert torch.equal(tensor, resumed_fp8[key][entry]), (key, entry)
+
+    plain = trainer("plain", 6)
+    (checkpoint / "fp8_state.pt").unlink()
+    with pytest.warns(UserWarning, match="holds no fp8_state.pt: the FP8 scales start afresh"):
+        plain.train(resume_from_checkpoint=str(checkpoint))

@@ -261,6 +261,14 @@ def test_fsdp_strategy_gets_the_fp8_fsdp_plugin():
     from fp8_plugin.lightning import FP8FSDPPrecision
 
     for strategy in ("fsdp", FSDPStrategy()):
+        if not torch.cuda.is_available():
+            # Lightning's ShardedGradScaler is disabled without CUDA: float16 is refused at start-up.
+            with pytest.raises(ValueError, match="needs an enabled loss scaler"):
+                precision_plugin_from_string("fp8-hybrid-float16", strategy=strategy)
+            plugin = precision_plugin_from_string("fp8-hybrid", strategy=strategy)
+            assert isinstance(plugin, FP8FSDPPrecision) and plugin.compute_dtype == torch.bfloat16
+            FSDPStrategy().precision_plugin = plugin  # the strategy's own type check
+            continue
         plugin = precision_plugin_from_string("fp8-hybrid-float16", strategy=strategy)
         assert isinstance(plugin, FP8FSDPPrecision)
         assert plugin.compute_dtype == torch.float16 and plugin.scaler is not None

@@ -11,8 +11,8 @@ from fp8_plugin.quantizers import INPUT
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"margin": -1}, r"margin=-1.*integer >= 0"),
-        ({"amax_history_len": 0}, r"amax_history_len=0.*integer >= 1"),
+        ({"margin": -1}, r"margin=-1.*integer from 0 to 7"),
+        ({"amax_history_len": 0}, r"amax_history_len=0.*integer from 1 to 65536"),
         ({"amax_compute_algo": "mean"}, r"amax_compute_algo='mean'.*'max', 'most_recent'"),
         ({"fp8_format": "E6M1"}, r"fp8_format='E6M1'.*Format.E4M3, Format.E5M2, Format.HYBRID"),
         ({"fp8_format": Format.E5M2}, r"E5M2 cannot be the forward format.*Format.HYBRID"),

@@ -93,6 +93,15 @@ class Accelerator(_AccelerateAccelerator):
             policy, thresholds, report files); its ``every`` and ``policy`` count as given here.
             Both also come from :class:`FP8Kwargs` or the config file's ``fp8_config``
             (``reference_every``, ``reference_policy``).
+        fp8_nonfinite: what an optimizer step with non-finite gradients does without loss
+            scaling: ``"skip"`` (default: ``optimizer.step()`` does nothing and
+            ``accelerator.optimizer_step_was_skipped`` is True, so prepared schedulers do not
+            step either; a warning names the first FP8 layer that saw a non-finite value) or
+            ``"raise"`` (:class:`~fp8_plugin.faults.FP8NonFiniteError` before the step). Also
+            ``FP8Kwargs(nonfinite=...)`` or the config key ``nonfinite``.
+        fp8_max_consecutive_skips: stop when more than this many optimizer steps in a row were
+            skipped (by the above or the loss scaler); 0: no limit; default 25. Also
+            ``FP8Kwargs`` or the config key ``max_consecutive_skips``.
         kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
             Accelerate's ``TERecipeKwargs`` or ``FP8RecipeKwargs`` (mapped field by field).
 
@@ -123,6 +132,8 @@ class Accelerator(_AccelerateAccelerator):
         fp8_compute_dtype: Union[torch.dtype, str, None] = None,
         fp8_reference_every: Optional[int] = None,
         fp8_reference_check: Optional[ReferenceCheck] = None,
+        fp8_nonfinite: Optional[str] = None,
+        fp8_max_consecutive_skips: Optional[int] = None,
         kwargs_handlers: Optional[list] = None,
         **kwargs: Any,
     ) -> None:
@@ -135,11 +146,13 @@ class Accelerator(_AccelerateAccelerator):
         fp8_arguments = {name: value for name, value in (
             ("fp8_recipe", fp8_recipe), ("fp8_include", fp8_include), ("fp8_exclude", fp8_exclude),
             ("fp8_compute_dtype", fp8_compute_dtype), ("fp8_reference_every", fp8_reference_every),
-            ("fp8_reference_check", fp8_reference_check)) if value is not None}
+            ("fp8_reference_check", fp8_reference_check), ("fp8_nonfinite", fp8_nonfinite),
+            ("fp8_max_consecutive_skips", fp8_max_consecutive_skips)) if value is not None}
         self.fp8_settings: Optional[FP8Settings] = None
         if str(requested).lower() == "fp8":
             self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
-                                                 fp8_handlers, os.environ, fp8_reference_every, fp8_reference_check)
+                                                 fp8_handlers, os.environ, fp8_reference_every, fp8_reference_check,
+                                                 fp8_nonfinite, fp8_max_consecutive_skips)
             mixed_precision = BASE_PRECISION[self.fp8_settings.compute_dtype]
         elif fp8_arguments or fp8_handlers:
             given = ", ".join([*fp8_arguments, *(type(h).__name__ for h in fp8_handlers)])
@@ -150,6 +163,7 @@ class Accelerator(_AccelerateAccelerator):
             )
         self.fp8_runs: list[FP8Training] = []
         self._fp8_reference_pending: dict[str, float] = {}
+        self._fp8_state_to_load: Optional[dict[str, Any]] = None
         super().__init__(*args, mixed_precision=mixed_precision,
                          kwargs_handlers=[h for h in handlers if not isinstance(h, _FP8_HANDLERS)] or None, **kwargs)
         if self.fp8_settings is not None and self.distributed_type == DistributedType.DEEPSPEED:
@@ -205,6 +219,26 @@ class Accelerator(_AccelerateAccelerator):
             prepared.fp8_runs = self.fp8_runs
             prepared._fp8_accelerator = weakref.ref(self)
         return prepared
+
+    def fp8_state_dict(self) -> dict[str, Any]:
+        """The FP8 state of every prepared model (scales, amax histories, ``use_fp8`` flags) and
+        their reference checks' histories: what ``save_state`` writes. Call it on every process
+        (it may reduce pending amaxes)."""
+        return _FP8Checkpoint(self.fp8_runs).state_dict()
+
+    def load_fp8_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`fp8_state_dict` returned: now for the models already prepared, or
+        for each model as ``prepare()`` converts it (the i-th prepared model gets the i-th state),
+        for loops that load a checkpoint before preparing (the transformers Trainer).
+
+        Raises:
+            RuntimeError: a corrupted state (named; nothing loaded), or more models prepared
+                than the state holds.
+        """
+        if self.fp8_runs:
+            _FP8Checkpoint(self.fp8_runs).load_state_dict(state)
+        else:
+            self._fp8_state_to_load = state
 
     def fp8_metrics(self) -> dict[str, float]:
         """FP8 figures of every prepared model (``FP8Training.metrics``), one host sync each."""
@@ -282,10 +316,13 @@ class Accelerator(_AccelerateAccelerator):
         if settings.reference_check is not None:
             _check_not_sharded(settings, obj)
         run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype,
-                          reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)))
+                          reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)),
+                          fault_policy=settings.fault_policy)
         run.convert(obj)
         run.exclude_state_from_state_dict()
         self.fp8_runs.append(run)
+        if self._fp8_state_to_load is not None:
+            _load_one(run, self._fp8_state_to_load, len(self.fp8_runs) - 1)
         if self.is_main_process:
             log.info("FP8 layers:\n%s", run.report)
         _wrap_forward(obj, run, self.device.type, settings.use_autocast_during_eval)
@@ -393,11 +430,20 @@ class _FP8StepOptimizer(AcceleratedOptimizer):
 
     def step(self, closure: Any = None) -> Any:
         runs = self._runs() if self.gradient_state.sync_gradients else []
+        loss_scaled = self.scaler is not None
+        # Every run checks (each may all-reduce its verdict); any non-finite gradient skips the step.
+        take = all([run.before_optimizer_step(loss_scaled=loss_scaled) for run in runs])
+        if take:
+            output = super().step(closure)
+            if not loss_scaled and runs:
+                self._is_overflow = False  # Accelerate sets it only with a scaler
+        else:
+            # What Accelerate does for a step its GradScaler skips: optimizer_step_was_skipped
+            # is True, and the schedulers it prepared do not step.
+            output, self._is_overflow = None, True
+        scaler_skipped = torch.tensor(bool(self._is_overflow)) if loss_scaled else None
         for run in runs:
-            run.before_optimizer_step()
-        output = super().step(closure)
-        for run in runs:
-            run.after_optimizer_step()
+            run.after_optimizer_step(scaler_skipped)
         accelerator = self._fp8_accelerator() if self._fp8_accelerator is not None else None
         if accelerator is not None and runs:
             accelerator._log_reference(runs)
@@ -443,6 +489,20 @@ class _FP8Checkpoint:
         for run, reference in zip(self.runs, state.get("reference_checks") or [None] * len(self.runs)):
             if run.reference is not None and reference is not None:
                 run.reference.load_state_dict(reference)
+
+
+def _load_one(run: FP8Training, state: dict[str, Any], index: int) -> None:
+    # The index-th model's part of an _FP8Checkpoint state, loaded as that model is converted.
+    saved = state.get("fp8_state", [])
+    if index >= len(saved):
+        raise RuntimeError(
+            f"The checkpoint holds FP8 state for {len(saved)} model(s); this Accelerator prepared a model more: "
+            "prepare the same models as the run that saved it"
+        )
+    run.load_state_dict(saved[index], "Accelerator.load_fp8_state_dict")
+    references = state.get("reference_checks") or []
+    if run.reference is not None and index < len(references) and references[index] is not None:
+        run.reference.load_state_dict(references[index])
 
 
 def _check_handlers(handlers: list) -> None:

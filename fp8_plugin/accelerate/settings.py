@@ -14,8 +14,9 @@ under other names than ``accelerate config`` writes them (``amax_history_length`
 ``amax_compute_algorithm``, ``optimization_level``): both spellings are read here. A variable under
 an option's name that holds the option's default counts as unset (``accelerate launch`` writes
 the defaults whether or not they were asked for). This project's own keys: ``recipe``,
-``include``, ``exclude``, ``compute_dtype``, and for the BF16 reference checks
-``reference_every`` and ``reference_policy``.
+``include``, ``exclude``, ``compute_dtype``, for the BF16 reference checks
+``reference_every`` and ``reference_policy``, and for steps with non-finite gradients
+``nonfinite`` (``skip`` / ``raise``) and ``max_consecutive_skips`` (see :mod:`fp8_plugin.faults`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..faults import NONFINITE_POLICIES, FaultPolicy
 from ..formats import Format, parse_format
 from ..precision_strings import PRECISION_STRINGS, parse_precision_string
 from ..recipes import AutoRecipe, DelayedScaling, MXFP8BlockScaling, Recipe
@@ -73,6 +75,10 @@ class FP8Kwargs:
             ``"fallback"``, ``"raise"``.
         reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (thresholds,
             ``output_loss``, report files); its ``every`` and ``policy`` count as given here.
+        nonfinite: what an optimizer step with non-finite gradients does without loss scaling:
+            ``"skip"`` (default) or ``"raise"``; see :mod:`fp8_plugin.faults`.
+        max_consecutive_skips: stop when more than this many optimizer steps in a row were
+            skipped (0: no limit; default 25).
 
     Raises:
         ValueError: (when the Accelerator resolves it) an unknown precision string or dtype, a
@@ -89,6 +95,8 @@ class FP8Kwargs:
     reference_every: Optional[int] = None
     reference_policy: Optional[str] = None
     reference_check: Optional[ReferenceCheck] = None
+    nonfinite: Optional[str] = None
+    max_consecutive_skips: Optional[int] = None
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields that are set (Accelerate's ``KwargsHandler`` convention)."""
@@ -105,6 +113,7 @@ class FP8Settings:
         compute_dtype: dtype of the non-FP8 ops.
         use_autocast_during_eval: FP8 GEMMs in evaluation forwards.
         reference_check: the BF16 reference checks (None: off).
+        fault_policy: what steps with non-finite gradients do.
         sources: for each setting, where its value came from (``reference_every``,
             ``reference_policy`` and ``reference_check`` for the checks' settings).
     """
@@ -115,6 +124,7 @@ class FP8Settings:
     compute_dtype: torch.dtype
     use_autocast_during_eval: bool
     reference_check: Optional[ReferenceCheck] = None
+    fault_policy: FaultPolicy = FaultPolicy()
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -167,6 +177,26 @@ def _reference_policy(value: Any, where: str) -> str:
     return value.strip().lower()
 
 
+def _nonfinite(value: Any, where: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in NONFINITE_POLICIES:
+        raise ValueError(f"{where}={value!r} is not valid; valid: {', '.join(repr(p) for p in NONFINITE_POLICIES)}")
+    return value.strip().lower()
+
+
+def _max_skips(value: Any, where: str) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}={value!r} is not valid; valid: an int >= 0 (0: no limit)")
+    return value
+
+
+_FAULT_FIELDS = {"nonfinite": _nonfinite, "max_consecutive_skips": _max_skips}
+
+
 def _set_reference(level: _Level, owner: str, every: Any, policy: Any, check: Any, names: Sequence[str]) -> None:
     """The reference check settings one source gives: ``names`` are the names of its every,
     policy and ReferenceCheck settings. A ReferenceCheck gives its ``every`` and ``policy`` too."""
@@ -187,8 +217,13 @@ def _set_reference(level: _Level, owner: str, every: Any, policy: Any, check: An
 
 def _code_level(recipe: RecipeSetting, include: Patterns, exclude: Patterns,
                 compute_dtype: Union[torch.dtype, str, None], reference_every: Optional[int] = None,
-                reference_check: Optional[ReferenceCheck] = None) -> _Level:
+                reference_check: Optional[ReferenceCheck] = None, nonfinite: Optional[str] = None,
+                max_consecutive_skips: Optional[int] = None) -> _Level:
     level = _Level()
+    for key, value in (("nonfinite", nonfinite), ("max_consecutive_skips", max_consecutive_skips)):
+        if value is not None:
+            where = f"Accelerator(fp8_{key})"
+            level.set(key, _FAULT_FIELDS[key](value, where), where)
     level.set("recipe", recipe, "Accelerator(fp8_recipe)")
     level.set("include", include, "Accelerator(fp8_include)")
     level.set("exclude", exclude, "Accelerator(fp8_exclude)")
@@ -207,6 +242,8 @@ def _handler_level(handlers: Sequence[Any]) -> _Level:
         name = type(handler).__name__
         if isinstance(handler, FP8Kwargs):
             for key, value in handler.to_kwargs().items():
+                if key in _FAULT_FIELDS:
+                    value = _FAULT_FIELDS[key](value, f"FP8Kwargs({key})")
                 if key not in _REFERENCE_FIELDS:
                     level.set(key, value, f"FP8Kwargs({key})")
             _set_reference(level, "FP8Kwargs", handler.reference_every, handler.reference_policy,
@@ -327,6 +364,11 @@ def _env_level(env: Mapping[str, str]) -> _Level:
         value = env.get(var(key.upper()))
         if value is not None and value.strip() not in ("", "None"):
             level.set(key, parse(value, var(key.upper())), var(key.upper()))
+    # Steps with non-finite gradients: nonfinite, max_consecutive_skips.
+    for key, parse in _FAULT_FIELDS.items():
+        value = env.get(var(key.upper()))
+        if value is not None and value.strip() not in ("", "None"):
+            level.set(key, parse(value, var(key.upper())), var(key.upper()))
     return level
 
 
@@ -383,6 +425,8 @@ def resolve_settings(
     env: Mapping[str, str] = {},
     reference_every: Optional[int] = None,
     reference_check: Optional[ReferenceCheck] = None,
+    nonfinite: Optional[str] = None,
+    max_consecutive_skips: Optional[int] = None,
 ) -> FP8Settings:
     """Resolve the FP8 settings of an ``Accelerator`` (see the module docstring for the order).
 
@@ -399,18 +443,22 @@ def resolve_settings(
         env: the process environment (``os.environ``).
         reference_every, reference_check: the ``Accelerator``'s ``fp8_reference_every`` and
             ``fp8_reference_check`` arguments.
+        nonfinite, max_consecutive_skips: the ``Accelerator``'s ``fp8_nonfinite`` and
+            ``fp8_max_consecutive_skips`` arguments.
 
     Raises:
         ValueError: contradictory settings (the message names both), an unsupported option (the
             message names it, its value and the valid ones), an unknown precision string or dtype,
-            a negative or non-integer ``reference_every``, an unknown ``reference_policy``.
+            a negative or non-integer ``reference_every``, an unknown ``reference_policy`` or
+            ``nonfinite``, a negative or non-integer ``max_consecutive_skips``.
         TypeError: a recipe that is neither a Recipe nor a string; a ``reference_check`` that
             is not a ReferenceCheck.
     """
     if len(handlers) > 1:
         names = " and ".join(type(h).__name__ for h in handlers)
         raise ValueError(f"Contradictory FP8 settings: {names} both passed in kwargs_handlers; pass one")
-    levels = [_code_level(recipe, include, exclude, compute_dtype, reference_every, reference_check),
+    levels = [_code_level(recipe, include, exclude, compute_dtype, reference_every, reference_check, nonfinite,
+                          max_consecutive_skips),
               _handler_level(handlers), _env_level(env)]
     sources: dict[str, str] = {}
 
@@ -436,7 +484,7 @@ def resolve_settings(
         return found[0] if found else None
 
     settings: dict[str, Any] = {}
-    for key in ("include", "exclude", "use_autocast_during_eval"):
+    for key in ("include", "exclude", "use_autocast_during_eval", *_FAULT_FIELDS):
         chosen = pick(key)
         settings[key] = chosen[0] if chosen else None
         if chosen:
@@ -466,5 +514,6 @@ def resolve_settings(
         compute_dtype=dtype,
         use_autocast_during_eval=bool(settings["use_autocast_during_eval"]),
         reference_check=reference,
+        fault_policy=FaultPolicy(**{k: settings[k] for k in _FAULT_FIELDS if settings[k] is not None}),
         sources=sources,
     )

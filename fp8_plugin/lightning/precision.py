@@ -21,14 +21,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from .._lightning_private import spawns_workers
 from ..autocast import AmaxReducer
 from ..convert import ConversionReport
 from ..recipes import Recipe
 from ..reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from ..faults import FaultPolicy, resolve_fault_policy
 from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
@@ -48,8 +50,11 @@ class _FP8Behaviour:
 
     def _init_fp8(self, recipe: Recipe, include: Patterns, exclude: Patterns, compute_dtype: torch.dtype,
                   amax_reduction_group: Optional["dist.ProcessGroup"], precision: str,
-                  reference_check: Optional[ReferenceCheck] = None) -> None:
-        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference_check)
+                  reference_check: Optional[ReferenceCheck] = None,
+                  fault_policy: Optional[FaultPolicy] = None) -> None:
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference_check,
+                               fault_policy)
+        self._take_step = True
         self._summarised_steps = 0
         self.precision = precision  # type: ignore[assignment]
         self._device_type = "cpu"
@@ -82,6 +87,7 @@ class _FP8Behaviour:
             self.fp8.exclude_state_from_state_dict()
             if self.fp8.reference is not None:
                 _attach_reference_capture(module, self.fp8)
+            _warn_if_spawned(module)
         return module
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
@@ -103,17 +109,22 @@ class _FP8Behaviour:
         # step was skipped for inf/NaN gradients (GradScaler only backs off then). No sync.
         scale = getattr(self.scaler, "_scale", None)
         self._scale_before_step = scale.clone() if scale is not None else None
-        self.fp8.before_optimizer_step()
+        self._take_step = self.fp8.before_optimizer_step(loss_scaled=self.scaler is not None)
         super()._after_closure(model, optimizer)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
-        self.fp8.after_optimizer_step()
+        if self.scaler is None:
+            output = self._step_unless_nonfinite(optimizer, model, closure, **kwargs)
+        else:  # the loss scaler skips steps with non-finite gradients itself
+            output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
         scale = getattr(self.scaler, "_scale", None)
+        scaler_skipped = None
         if scale is not None and self._scale_before_step is not None:
-            skipped = (scale < self._scale_before_step).to(torch.int64)
+            scaler_skipped = scale < self._scale_before_step
+            skipped = scaler_skipped.to(torch.int64)
             self._skipped_steps = skipped if self._skipped_steps is None else self._skipped_steps + skipped
             self._scale_before_step = None
+        self.fp8.after_optimizer_step(scaler_skipped)
         trainer = getattr(model, "_trainer", None)
         if trainer is not None and trainer.loggers:
             metrics = self.fp8_metrics() if trainer.global_step % trainer.log_every_n_steps == 0 else {}
@@ -123,6 +134,21 @@ class _FP8Behaviour:
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
         return output
+
+    def _step_unless_nonfinite(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        # Lightning's Precision.optimizer_step hands the closure to optimizer.step(), which
+        # could not then be skipped: run the closure (forward, backward, the before-step hooks
+        # and gradient clipping, through _after_closure) first, then step unless the FP8 fault
+        # policy says the gradients are not finite. MixedPrecision does the same with a scaler.
+        if isinstance(optimizer, torch.optim.LBFGS):
+            # LBFGS re-evaluates the closure inside step(): it keeps Lightning's path, checked but
+            # not skippable (nonfinite="raise" still stops it).
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if not self._take_step or (closure_result is None and getattr(model, "automatic_optimization", True)):
+            return closure_result  # skipped: non-finite gradients, or training_step returned None
+        return optimizer.step(**kwargs)
 
     def teardown(self) -> None:
         """End of fit (or validate / test): the reference checks' summary and report files."""
@@ -171,6 +197,18 @@ class _FP8Behaviour:
         if self.fp8.reference is not None and _REFERENCE_KEY in state_dict:
             self.fp8.reference.load_state_dict(state_dict[_REFERENCE_KEY])
             self._summarised_steps = self.fp8.reference.steps
+
+
+def _warn_if_spawned(module: nn.Module) -> None:
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None and spawns_workers(trainer.strategy):
+        rank_zero_warn(
+            "FP8 training under a spawned strategy (ddp_spawn, ddp_fork, ddp_notebook): after fit, the model in the "
+            "main process has the trained weights in its original high-precision layers, but not the FP8 scaling "
+            "state, which stays with the worker processes and the checkpoints this run writes. To continue FP8 "
+            "training, resume from a checkpoint (trainer.fit(..., ckpt_path=...)), or use strategy='ddp' to keep "
+            "the converted model in this process"
+        )
 
 
 class _ReferenceCapture(Callback):
@@ -249,11 +287,18 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
             single device or DDP.
         reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` with the
             interval, thresholds, policy and report files.
+        nonfinite: without loss scaling, what a step with non-finite gradients does:
+            ``"skip"`` (default: no optimizer step, a warning naming the first FP8 layer that
+            saw a non-finite value) or ``"raise"`` (stop before the step); see
+            :mod:`fp8_plugin.faults`.
+        max_consecutive_skips: stop when more than this many optimizer steps in a row were
+            skipped (by ``nonfinite="skip"`` or the loss scaler); 0: no limit; default 25.
 
     Raises:
         TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
         ValueError: ``compute_dtype`` is not one of the valid ones, ``loss_scaling=False``
-            with ``scaler``, or ``reference_every`` negative or contradicting ``reference_check``.
+            with ``scaler``, ``reference_every`` negative or contradicting ``reference_check``,
+            an unknown ``nonfinite`` or a negative ``max_consecutive_skips``.
 
     .. note::
         FP8 scaling state travels in Lightning checkpoints under this plugin's key, not in
@@ -276,9 +321,12 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         device: Optional[str] = None,
         reference_every: Optional[int] = None,
         reference_check: Optional[ReferenceCheck] = None,
+        nonfinite: Optional[str] = None,
+        max_consecutive_skips: Optional[int] = None,
     ) -> None:
         recipe = check_arguments("FP8Precision", recipe, compute_dtype)
         reference = resolve_reference_check(reference_every, reference_check, "FP8Precision")
+        faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
         if loss_scaling is False and scaler is not None:
             raise ValueError("FP8Precision(loss_scaling=False, scaler=...) contradict each other; pass one")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -286,7 +334,7 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
             scaler = torch.amp.GradScaler(device=device)
         # Lightning's MixedPrecision runs the scaler ("16-mixed") or nothing ("bf16-mixed").
         super().__init__("16-mixed" if scaler is not None else "bf16-mixed", device=device, scaler=scaler)
-        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference)
+        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference, faults)
 
     @override
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
@@ -324,13 +372,15 @@ class FP8FSDPPrecision(_FP8Behaviour, FSDPPrecision):
     ``ShardedGradScaler``.
 
     Args:
-        recipe, include, exclude, compute_dtype, precision, amax_reduction_group: as
-            :class:`FP8Precision` (``compute_dtype`` float32 means no autocast).
+        recipe, include, exclude, compute_dtype, precision, amax_reduction_group, nonfinite,
+            max_consecutive_skips: as :class:`FP8Precision` (``compute_dtype`` float32 means no
+            autocast).
         scaler: a ``ShardedGradScaler``; default one for float16, none otherwise.
 
     Raises:
         TypeError: ``recipe`` is not a Recipe.
-        ValueError: ``compute_dtype`` is not one of the valid ones.
+        ValueError: ``compute_dtype`` is not one of the valid ones, or float16 without an
+            enabled loss scaler (Lightning's default one is disabled without CUDA).
     """
 
     def __init__(
@@ -343,11 +393,22 @@ class FP8FSDPPrecision(_FP8Behaviour, FSDPPrecision):
         precision: str = "fp8-hybrid",
         scaler: Optional[Any] = None,
         amax_reduction_group: Optional["dist.ProcessGroup"] = None,
+        nonfinite: Optional[str] = None,
+        max_consecutive_skips: Optional[int] = None,
     ) -> None:
         recipe = check_arguments("FP8FSDPPrecision", recipe, compute_dtype)
+        faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
         base = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}[compute_dtype]
         super().__init__(base, scaler=scaler)
-        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision)
+        if compute_dtype == torch.float16 and (self.scaler is None or not self.scaler.is_enabled()):
+            # Lightning's default ShardedGradScaler targets CUDA and disables itself without it:
+            # float16 would then train with no loss scaling at all.
+            raise ValueError(
+                "FP8FSDPPrecision(compute_dtype=torch.float16) needs an enabled loss scaler, and the "
+                "ShardedGradScaler here is disabled (no CUDA device); valid here: torch.bfloat16, torch.float32, "
+                "or pass scaler=ShardedGradScaler(device=...) for a device that has one"
+            )
+        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, fault_policy=faults)
 
     @property
     @override
