@@ -133,6 +133,30 @@ def test_corrupted_state_in_a_lightning_checkpoint_stops_resume_before_any_step(
     assert module.steps == 0
 
 
+def test_lightning_checkpoint_without_fp8_state_resumes_with_a_warning(tmp_path):
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(32, 32)), batch_size=8)
+    common = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=tmp_path)
+    plain = L.Trainer(max_epochs=1, **common)  # a float32 run, no FP8 state in its checkpoint
+    plain.fit(Module(), data)
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed = L.Trainer(plugins=[FP8Precision(fp.DelayedScaling(amax_history_len=4), compute_dtype=torch.float32)],
+                        max_epochs=2, **common)
+    with pytest.warns(UserWarning, match="holds no FP8 state .* FP8 scales start afresh"):
+        resumed.fit(Module(), data, ckpt_path=tmp_path / "plain.ckpt")
+
+
 def test_state_of_the_previous_format_loads_with_outlier_counters_at_zero():
     saved = trained().state_dict()
     old = {k: v for k, v in saved[KEY].items() if k not in ("version", "recipe", "outlier_count", "outlier_ratio")}

@@ -28,9 +28,9 @@ from typing_extensions import override
 from .._lightning_private import spawns_workers
 from ..autocast import AmaxReducer
 from ..convert import ConversionReport
+from ..faults import FaultPolicy, resolve_fault_policy
 from ..recipes import Recipe
 from ..reference_check import ReferenceCheck, output_loss, resolve_reference_check
-from ..faults import FaultPolicy, resolve_fault_policy
 from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
@@ -38,6 +38,7 @@ __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 _STATE_KEY = "fp8_state"
 _SCALER_KEY = "loss_scaler"
 _REFERENCE_KEY = "reference_checks"
+_PLUGIN_NAMES = ("FP8Precision", "FP8FSDPPrecision")  # the names Lightning files their states under
 Patterns = Union[str, Sequence[str], None]
 
 
@@ -189,6 +190,22 @@ class _FP8Behaviour:
         if self.fp8.reference is not None:
             state[_REFERENCE_KEY] = self.fp8.reference.state_dict()
         return state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores a plugin's state only from the entry under its own class name: a
+        # checkpoint of the other FP8 plugin (FP8Precision <-> FP8FSDPPrecision) is read here,
+        # and one with no FP8 state at all is said to start afresh rather than silently.
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+        if self._module is None or type(self).__qualname__ in checkpoint:
+            return
+        other = next((name for name in _PLUGIN_NAMES if name in checkpoint), None)
+        if other is not None:
+            self.load_state_dict(checkpoint[other])
+        else:
+            rank_zero_warn(
+                "The checkpoint holds no FP8 state (written without fp8-plugin, or weights only): the model's weights "
+                "are restored, and its FP8 scales start afresh (they settle within the first training step)"
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and _SCALER_KEY in state_dict:
