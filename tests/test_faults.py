@@ -392,3 +392,21 @@ def test_fabric_skips_the_step_on_non_finite_gradients():
             optimizer.step()
         optimizer.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_mistaken_for_bad_ones():
+    # The per-step test sums each gradient (cheap); 4 x 1e38 overflows float32 although every
+    # value is finite, so a flagged step is confirmed element by element before it is skipped.
+    from fp8_plugin.faults import FaultMonitor
+
+    model = nn.Sequential(nn.Linear(16, 16))
+    fp.convert_model(model)
+    monitor = FaultMonitor(FaultPolicy())
+    model[0].weight.grad = torch.full((16, 16), 1e38)
+    model[0].bias.grad = torch.zeros(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert monitor.check(model, step=1, loss_scaled=False) is True
+    model[0].bias.grad[3] = float("nan")
+    with pytest.warns(UserWarning, match="first non-finite gradient in parameter '0.bias'"):
+        assert monitor.check(model, step=2, loss_scaled=False) is False
