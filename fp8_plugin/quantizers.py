@@ -11,10 +11,10 @@ give per-layer figures (amaxes, scales, non-finite counts) without recomputation
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 import functools
 import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -217,6 +217,7 @@ class ScalingState(nn.Module):
                 "afresh (they settle within the first training step)",
                 stacklevel=2,
             )
+            self.reset()
             return
         use_fp8 = bool(state["use_fp8"]) if "use_fp8" in state else True
         saved_recipe = _recipe_text(state.get("recipe"))
@@ -280,7 +281,7 @@ _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count"
 STATE_VERSION = 2
 _VERSION_1_ENTRIES = frozenset({"amax_history", "scale", "initialized", "nonfinite_amax_count", "pending"})
 _ENTRIES = frozenset({*_STATE_TENSORS, "pending", "use_fp8", "version", "recipe"})
-# name: (dtype kinds accepted, shape with L for the history length)
+# The shape of each saved tensor, "L" standing for the history length.
 _SHAPES = {"amax_history": (3, "L"), "scale": (3,), "initialized": (3,), "nonfinite_amax_count": (3,),
            "outlier_count": (3,), "outlier_ratio": (3,), "pending": (3,), "use_fp8": ()}
 
@@ -323,7 +324,7 @@ def check_saved_state(state: Any, key: str) -> int:
         return RuntimeError(
             f"{key}: the FP8 scaling state in the checkpoint is corrupted ({problem}); nothing of it was loaded. "
             "To resume without it, drop the FP8 state (fp8_plugin.split_fp8_state for a model state_dict; the "
-            "'precision_plugin' entry of a Lightning checkpoint): scaling then starts afresh"
+            "'FP8Precision' entry of a Lightning checkpoint): scaling then starts afresh"
         )
 
     if not isinstance(state, dict):
