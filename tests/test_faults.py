@@ -189,6 +189,17 @@ def test_raise_policy_stops_before_the_step_naming_the_layer():
     del clean_trainer
 
 
+@pytest.mark.parametrize("fault, where", [
+    ("activation", r"first seen by FP8 layer 'net.2' \(input\)"),
+    ("gradient", r"first non-finite gradient in parameter 'net.2.weight'"),
+])
+def test_raise_policy_stops_on_a_bad_activation_or_gradient_with_the_weights_of_the_step_before(fault, where):
+    faulty, snaps = Net(fault=fault, fault_batches=[2]), Snapshots()
+    with pytest.raises(FP8NonFiniteError, match=rf"step 3; {where}.*stopped before the step"):
+        fit(faulty, batches(), callbacks=[snaps], nonfinite="raise")
+    assert_same(snaps.before[2]["weights"], faulty.state_dict())
+
+
 def test_consecutive_skips_beyond_the_limit_stop_the_run():
     x, y = batches(n=8, bad=[2, 3, 4, 5, 6, 7])
     with warnings.catch_warnings():
