@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import fp8_plugin as fp
 from fp8_plugin.lightning import FP8Precision
 from fp8_plugin.recipes import MAX_AMAX_HISTORY_LEN, MAX_MARGIN
+from lightning_modules import CountingMLP
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -70,20 +71,7 @@ def test_pattern_that_matches_no_layer_is_an_error_listing_the_layers(setting):
 
 
 def test_pattern_error_reaches_a_lightning_run_before_any_step():
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _mlp()
-            self.steps = 0
-
-        def training_step(self, batch, batch_idx):
-            self.steps += 1
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    module = Module()
+    module = CountingMLP()
     trainer = L.Trainer(plugins=[FP8Precision(exclude="*.atention.*")], accelerator="cpu", devices=1, max_steps=2,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)

@@ -21,6 +21,7 @@ from fp8_plugin.lightning import FP8Precision
 from fp8_plugin.quantizers import INPUT, STATE_VERSION
 from fp8_plugin.files import atomic_write
 from fp8_plugin.training import FP8Training
+from lightning_modules import CountingMLP
 
 KEY = "0.fp8_state._extra_state"
 
@@ -88,24 +89,11 @@ def test_corrupted_state_is_refused_with_its_key_and_nothing_is_loaded(how):
 
 
 def test_corrupted_state_in_a_lightning_checkpoint_stops_resume_before_any_step(tmp_path):
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-            self.steps = 0
-
-        def training_step(self, batch, batch_idx):
-            self.steps += 1
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     data = DataLoader(TensorDataset(torch.randn(32, 32)), batch_size=8)
     common = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer = L.Trainer(plugins=[FP8Precision(fp.DelayedScaling(amax_history_len=4), compute_dtype=torch.float32)],
                         max_epochs=1, default_root_dir=tmp_path, **common)
-    trainer.fit(Module(), data)
+    trainer.fit(CountingMLP(), data)
     path = tmp_path / "ckpt.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
@@ -115,7 +103,7 @@ def test_corrupted_state_in_a_lightning_checkpoint_stops_resume_before_any_step(
     torch.save(checkpoint, path)
     raw = path.read_bytes()
 
-    module = Module()
+    module = CountingMLP()
     resumed = L.Trainer(plugins=[FP8Precision(fp.DelayedScaling(amax_history_len=4), compute_dtype=torch.float32)],
                         max_epochs=2, default_root_dir=tmp_path, **common)
     with pytest.raises(RuntimeError, match=r"net\.0\.fp8_state\._extra_state: .*corrupted \(scale .* is not all finite"):
@@ -124,7 +112,7 @@ def test_corrupted_state_in_a_lightning_checkpoint_stops_resume_before_any_step(
 
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(raw[: len(raw) // 2])
-    module = Module()
+    module = CountingMLP()
     again = L.Trainer(plugins=[FP8Precision(fp.DelayedScaling(amax_history_len=4), compute_dtype=torch.float32)],
                       max_epochs=2, default_root_dir=tmp_path, **common)
     # torch.load refuses the file (the error is torch's: an OSError or a RuntimeError from zip reading).
@@ -134,27 +122,16 @@ def test_corrupted_state_in_a_lightning_checkpoint_stops_resume_before_any_step(
 
 
 def test_lightning_checkpoint_without_fp8_state_resumes_with_a_warning(tmp_path):
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     data = DataLoader(TensorDataset(torch.randn(32, 32)), batch_size=8)
     common = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                   default_root_dir=tmp_path)
     plain = L.Trainer(max_epochs=1, **common)  # a float32 run, no FP8 state in its checkpoint
-    plain.fit(Module(), data)
+    plain.fit(CountingMLP(), data)
     plain.save_checkpoint(tmp_path / "plain.ckpt")
     resumed = L.Trainer(plugins=[FP8Precision(fp.DelayedScaling(amax_history_len=4), compute_dtype=torch.float32)],
                         max_epochs=2, **common)
     with pytest.warns(UserWarning, match="holds no FP8 state .* FP8 scales start afresh"):
-        resumed.fit(Module(), data, ckpt_path=tmp_path / "plain.ckpt")
+        resumed.fit(CountingMLP(), data, ckpt_path=tmp_path / "plain.ckpt")
 
 
 def test_state_of_the_previous_format_loads_with_outlier_counters_at_zero():

@@ -483,23 +483,22 @@ class _FP8Checkpoint:
                 f"The checkpoint holds FP8 state for {len(saved)} model(s), this Accelerator prepared "
                 f"{len(self.runs)}: prepare the same models before load_state"
             )
-        for run, model_state in zip(self.runs, saved):
-            run.load_state_dict(model_state, "Accelerator.load_state")
-        # A checkpoint written without checks (or by an older version) leaves them counting afresh.
-        for run, reference in zip(self.runs, state.get("reference_checks") or [None] * len(self.runs)):
-            if run.reference is not None and reference is not None:
-                run.reference.load_state_dict(reference)
+        for index, run in enumerate(self.runs):
+            _load_one(run, state, index, "Accelerator.load_state")
 
 
-def _load_one(run: FP8Training, state: dict[str, Any], index: int) -> None:
-    # The index-th model's part of an _FP8Checkpoint state, loaded as that model is converted.
+def _load_one(run: FP8Training, state: dict[str, Any], index: int,
+              owner: str = "Accelerator.load_fp8_state_dict") -> None:
+    # The index-th model's part of an _FP8Checkpoint state (all of them at load_state, or each as
+    # prepare() converts it).
     saved = state.get("fp8_state", [])
     if index >= len(saved):
         raise RuntimeError(
             f"The checkpoint holds FP8 state for {len(saved)} model(s); this Accelerator prepared a model more: "
             "prepare the same models as the run that saved it"
         )
-    run.load_state_dict(saved[index], "Accelerator.load_fp8_state_dict")
+    run.load_state_dict(saved[index], owner)
+    # A checkpoint written without checks (or by an older version) leaves them counting afresh.
     references = state.get("reference_checks") or []
     if run.reference is not None and index < len(references) and references[index] is not None:
         run.reference.load_state_dict(references[index])
