@@ -16,5 +16,10 @@ def in_backward_pass() -> bool:
     A forward that runs then is an activation-checkpoint recomputation (``torch.utils.checkpoint``,
     reentrant or not, recomputes inside the backward). torch has no public way to ask; the
     engine's graph-task id is -1 outside a backward and the id of the running task inside it.
+    Under ``torch.compile`` it is False: a compiled region's recomputation runs inside the
+    compiled graph (the compiler traces ``torch.utils.checkpoint`` itself), never through this
+    forward, and the engine's id cannot be read while tracing.
     """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1

@@ -25,7 +25,7 @@ import functools
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from .quantizers import ScalingState, is_scaling_state_key
 from .recipes import DelayedScaling, Recipe, check_recipe
 from .scaling_group import ScalingGroup
 
-__all__ = ["convert_model", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
+__all__ = ["convert_model", "too_small_for_fp8", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
            "HEAD_NAMES"]
 
 # Module-name components that mark an output head (transformers' naming).
@@ -259,6 +259,39 @@ def _skip_reason(name: str, module: nn.Module, in_f: int, out_f: int, heads: set
     return ""
 
 
+# Below these sizes an FP8 linear layer's forward and backward are slower than BF16 on an H100:
+# the casts cost more than the faster GEMMs save. torchao's measurements on H100 (the tables of
+# torchao/float8/README.md, "Performance", behind its _auto_filter_for_recipe): with one scale
+# per tensor FP8 loses when K <= 4096 and N <= 1024; with finer scales (rowwise there; MXFP8 and
+# 128-blockwise here, whose casts cost at least as much) when N <= 2048, K <= 1024, or
+# N <= 4096 and K <= 2048. benchmarks/suite.py measures this project's layers on the GPU at hand.
+def too_small_for_fp8(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
+    """Whether a linear layer of ``in_features`` (K) x ``out_features`` (N) is too small for FP8
+    to beat BF16 on an H100-class GPU under ``recipe`` (default ``DelayedScaling()``).
+
+    Source: torchao's H100 measurements (see the comment above this function in
+    ``fp8_plugin/convert.py``). Token count is not a criterion: it varies per batch, and the
+    layers of a model keep one precision.
+    """
+    k, n = in_features, out_features
+    if recipe is None or recipe_gemm_kind(recipe) == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+def _size_rule(skip_small: Any, recipe: Recipe, target: torch.device) -> Optional[Callable[[int, int], bool]]:
+    if callable(skip_small):
+        return skip_small
+    if isinstance(skip_small, bool) or skip_small == "auto":
+        if skip_small is False or (skip_small == "auto" and target.type == "cpu"):
+            return None
+        return lambda k, n: too_small_for_fp8(k, n, recipe)
+    raise TypeError(
+        f"convert_model: skip_small={skip_small!r} is not valid; valid: 'auto', True, False, or a callable "
+        "(in_features, out_features) -> bool"
+    )
+
+
 def convert_model(
     model: nn.Module,
     recipe: Optional[Recipe] = None,
@@ -268,6 +301,7 @@ def convert_model(
     backend: str = "native",
     device: Union[str, torch.device, None] = None,
     allow_subclasses: bool = False,
+    skip_small: Union[str, bool, Callable[[int, int], bool]] = "auto",
 ) -> ConversionReport:
     """Replace the model's ``nn.Linear`` / ``Conv1D`` layers with FP8 layers, in place.
 
@@ -295,13 +329,19 @@ def convert_model(
             path chosen (once, here: a GEMM probe on GPUs); None means the model's device if it
             is not the CPU, else the current CUDA device if CUDA is available, else the CPU
             (Lightning and Accelerate convert before they move the model).
+        skip_small: layers whose GEMM is too small for FP8 to be faster stay high precision.
+            ``"auto"`` (default): by :func:`too_small_for_fp8` when ``device`` is a GPU, none on a
+            CPU (no FP8 hardware: FP8 runs there for its numerics, at any size); True: by
+            :func:`too_small_for_fp8` on any device; False: none; a callable
+            ``(in_features, out_features) -> bool``: True keeps that layer high precision. A
+            layer named by an ``include`` pattern is swapped whatever its size.
 
     Returns:
         A :class:`ConversionReport`; ``print()`` it for a table.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe, bad pattern types, or ``allow_subclasses`` is
-            not a bool.
+        TypeError: ``recipe`` is not a Recipe, bad pattern types, ``allow_subclasses`` is
+            not a bool, or ``skip_small`` is none of "auto", a bool, a callable.
         ValueError: unknown backend, or an ``include`` / ``exclude`` pattern that matches no
             candidate layer (checked before any layer is swapped).
         RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
@@ -316,6 +356,7 @@ def convert_model(
     chosen = get_backend(backend)
     target = _target_device(model, device)
     recipe = resolve_recipe(recipe, target)
+    too_small = _size_rule(skip_small, recipe or DelayedScaling(), target)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude")
     heads = _output_embedding_ids(model)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -348,6 +389,8 @@ def convert_model(
             reason = "matched by exclude"
         else:
             reason = _skip_reason(name, module, in_f, out_f, heads, tied, explicit)
+            if not reason and not explicit and too_small is not None and too_small(in_f, out_f):
+                reason = f"too small for FP8 to be faster on {target.type} (skip_small)"
         if not reason and id(module) not in replacements:
             replacements[id(module)] = chosen.make_linear(module, recipe)
         report.layers.append(LayerDecision(name, kind, in_f, out_f, not reason, reason))

@@ -11,6 +11,10 @@ Three kinds of scaling reach the GEMM, each with its own native kernel:
 - ``mxfp8`` (MXFP8BlockScaling): ``scaled_mm`` with ``BlockWise1x32`` and swizzled E8M0 scales
   (cuBLAS, Blackwell sm100+); the contraction dim must be a multiple of 32.
 
+On CUDA, operands whose dims the kernel refuses are zero-padded to its multiples
+(:func:`pad_to_alignment`; most often the token count, which is M of the forward and dgrad and
+K of wgrad) and the output cut back: exact, and far faster than the emulation.
+
 Whether a kind is native on a device is decided once per device and cached: from the device,
 the installed torch, and for the block kinds a one-off probe GEMM on that device whose result
 must match the emulation (a kernel that is missing, refuses the layout, or disagrees is not
@@ -48,7 +52,7 @@ from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_sc
 
 __all__ = [
     "fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
-    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path",
+    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "pad_to_alignment",
 ]
 
 GEMM_KINDS = ("tensorwise", "blockwise", "mxfp8")
@@ -59,10 +63,13 @@ _BLOCK_KIND_K_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
 _warned: set[str] = set()
 
 
-def _warn_once(reason: str) -> None:
+# Under torch.compile this runs in Python while tracing (a traced warning would break the graph).
+@torch.compiler.assume_constant_result
+def _warn_once(reason: str) -> bool:
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"FP8 GEMM emulated in float32 ({reason}); numerics match, speed does not.", stacklevel=3)
+    return True
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,19 @@ def _native_gemm(kind: str, device: torch.device) -> NativeGemm:
     return _probe(kind, device)
 
 
+# The two host-side decisions of a GEMM's path, as constants: under torch.compile they run once
+# while tracing (their probes and timings cannot be traced) and the graph keeps the answer.
+@torch.compiler.assume_constant_result
+def _native_support(kind: str, device: torch.device) -> tuple[bool, str, tuple[torch.dtype, ...]]:
+    support = _native_gemm(kind, device)
+    return support.native, support.reason, support.out_dtypes
+
+
+@torch.compiler.assume_constant_result
+def _tensorwise_native(device: torch.device, dtype_a: torch.dtype, dtype_b: torch.dtype, out_dtype: torch.dtype) -> bool:
+    return tensorwise_choice(device, dtype_a, dtype_b, out_dtype).native
+
+
 def _random_operand(rows: int, cols: int, block: tuple[int, int], device: torch.device, gen: torch.Generator) -> QuantizedTensor:
     data = (torch.randn(rows, cols, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     grid = (-(-rows // block[0]), -(-cols // block[1]))
@@ -204,33 +224,64 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
         return kind, None, f"no native GEMM for {a.block} x {b.block} blocks"
     if _forced == "emulated":
         return kind, None, ""
-    support = _native_gemm(kind, a.data.device)  # a tensor's device already carries its index
+    support = NativeGemm(*_native_support(kind, a.data.device))  # a tensor's device carries its index
     if not support.native:
         return kind, None, support.reason
     if a.data.device.type != "cuda":
         if kind == "tensorwise" and _forced != "native":
-            choice = tensorwise_choice(a.data.device, a.data.dtype, b.data.dtype, out_dtype)
-            if not choice.native:
+            if not _tensorwise_native(a.data.device, a.data.dtype, b.data.dtype, out_dtype):
                 return kind, None, ""  # measured: the emulation is the faster exact path here
         return kind, support, ""
-    m, k = a.data.shape
-    n = b.data.shape[0]
-    if any(d % 16 for d in (m, k, n)):
-        return kind, None, f"dims {tuple(a.data.shape)} x {tuple(b.data.shape)} not all multiples of 16 on CUDA"
     if kind == "tensorwise" and a.data.dtype == b.data.dtype == torch.float8_e5m2:
         return kind, None, "E5M2 x E5M2 has no CUDA kernel"
-    if kind in _BLOCK_KIND_K_MULTIPLE and k % _BLOCK_KIND_K_MULTIPLE[kind]:
-        return kind, None, f"{kind} GEMM needs the contraction dim ({k}) to be a multiple of {_BLOCK_KIND_K_MULTIPLE[kind]}"
-    if b.block == (128, 128) and n % 128:
-        return kind, None, f"128x128-scaled operand needs its rows ({n}) to be a multiple of 128"
     return kind, support, ""
 
 
-def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, str]:
-    """Whether ``a @ b.T`` runs natively on this device and shape, and if not, why.
+def _alignment(kind: str, b: QuantizedTensor) -> tuple[int, int, int]:
+    # The multiples (M, K, N) a CUDA kernel needs: 16 everywhere (cuBLASLt FP8), K a whole number
+    # of blocks for the block kinds, and whole 128x128 blocks for a 128x128-scaled operand.
+    k = _BLOCK_KIND_K_MULTIPLE.get(kind, 16)
+    n = 128 if b.block == (128, 128) else 16
+    return 16, k, n
 
-    Decided from shapes, dtypes, blocks and the (cached) device support alone: no host-device
-    synchronisation.
+
+def _pad_rows_cols(q: QuantizedTensor, rows: int, cols: int) -> QuantizedTensor:
+    # Zero FP8 data beyond the original [r, c]: zeros add nothing to any product. A block grid
+    # gains rows of 1.0 for the new 1xB rows; new columns stay inside its last block, or in
+    # whole blocks of zeros (scale 1.0) for 128x128 rows.
+    r, c = q.data.shape
+    if (r, c) == (rows, cols):
+        return q
+    data = q.data.new_zeros(rows, cols)
+    data[:r, :c].copy_(q.data)
+    scale_inv = q.scale_inv
+    if q.block is not None:
+        grid_rows, grid_cols = -(-rows // q.block[0]), -(-cols // q.block[1])
+        grid = scale_inv.new_ones(grid_rows, grid_cols)
+        grid[: scale_inv.shape[0], : scale_inv.shape[1]].copy_(scale_inv)
+        scale_inv = grid
+    return QuantizedTensor(data, scale_inv, q.block)
+
+
+def pad_to_alignment(a: QuantizedTensor, b: QuantizedTensor, multiples: tuple[int, int, int]) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``a`` ``[M, K]`` and ``b`` ``[N, K]`` zero-padded to multiples ``(m, k, n)`` of M, K, N.
+
+    ``a @ b.T`` of the padded operands holds the original product in its top-left ``[M, N]``,
+    exactly: the padding is FP8 zeros, and block grids grow by blocks of scale 1.0 (new rows) or
+    not at all (K padded inside its last block). Costs one copy of each operand that grows.
+    """
+    (m, k), n = a.data.shape, b.data.shape[0]
+    mm, mk, mn = multiples
+    up = lambda d, mult: -(-d // mult) * mult  # noqa: E731
+    k2 = up(k, mk)
+    return _pad_rows_cols(a, up(m, mm), k2), _pad_rows_cols(b, up(n, mn), k2)
+
+
+def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, str]:
+    """Whether ``a @ b.T`` runs natively on this device, and if not, why.
+
+    Decided from dtypes, blocks and the (cached) device support alone: no host-device
+    synchronisation. Shapes do not matter: on CUDA unaligned operands are padded.
     """
     _, support, reason = _plan(a, b)
     return support is not None, reason
@@ -451,9 +502,20 @@ def fp8_gemm(
         if reason:
             _warn_once(reason)
         return _emulated(a, b, out_dtype, bias)
+    m, n = a.data.shape[0], b.data.shape[0]
+    if a.data.device.type == "cuda":
+        # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
+        # zeros rather than emulated: one copy of each operand against a far slower GEMM.
+        multiples = _alignment(kind, b)
+        a, b = pad_to_alignment(a, b, multiples)
+        if bias is not None and b.data.shape[0] != n:
+            bias = torch.cat([bias, bias.new_zeros(b.data.shape[0] - n)])
     # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower.
     with torch.autocast(a.data.device.type, enabled=False):
-        return _native(kind, support, a, b, out_dtype, bias)
+        out = _native(kind, support, a, b, out_dtype, bias)
+    if out.shape != (m, n):
+        out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
+    return out
 
 
 def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,

@@ -19,7 +19,9 @@ from torch import nn
 from ._torch_private import in_backward_pass
 from .autocast import current_context, note_fp8_forward
 from .gemm import fp8_gemm
-from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, recipe_key
+from .quantizers import (
+    GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded, recipe_key,
+)  # fmt: skip
 from .recipes import DelayedScaling, Recipe
 from .scaling_group import ScalingGroup
 
@@ -36,8 +38,43 @@ class _ForwardContext:
     group_step: Optional[int]
 
 
-def _unpack(q: Optional[QuantizedTensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    return (q.data, q.scale_inv) if q is not None else (None, None)
+class _WeightCache:
+    # A layer's cached weight casts and what they were cast from (FP8Linear._weight_cache_key).
+    __slots__ = ("key", "recorded", "rowwise", "columnwise")
+
+    def __init__(self, key: tuple, recorded: bool, rowwise: QuantizedTensor, columnwise: Optional[QuantizedTensor]) -> None:
+        self.key, self.recorded, self.rowwise, self.columnwise = key, recorded, rowwise, columnwise
+
+    def matches(self, key: tuple, record: bool) -> bool:
+        # A recording cast needs an entry that recorded in the same step; any entry serves a
+        # cast that records nothing. Tensors in the key compare by identity, not value.
+        if record and not self.recorded:
+            return False
+        if len(key) != len(self.key):
+            return False
+        for a, b in zip(self.key[:-1], key[:-1]):
+            if a is not b and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b):
+                return False
+        return not record or self.key[-1] == key[-1]
+
+
+def _unpack(q: Optional[QuantizedTensor], rowwise: QuantizedTensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    # A columnwise copy's data and scale_inv; scale_inv None when it is the rowwise copy's (per-
+    # tensor scaling): torch.compile refuses one tensor passed twice to an autograd function.
+    if q is None:
+        return None, None
+    return q.data, (None if q.scale_inv is rowwise.scale_inv else q.scale_inv)
+
+
+@dataclass(frozen=True)
+class _Backward:
+    # What the backward of one FP8 forward needs besides tensors: a hashable constant, so that
+    # torch.compile passes it through the autograd function unchanged.
+    recipe: Recipe
+    record: bool
+    x_block: Optional[tuple[int, int]]
+    w_block: Optional[tuple[int, int]]
+    weight_transposed: bool
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -47,49 +84,55 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W.T + b on 2-D ``x`` with FP8 GEMMs in forward, dgrad and wgrad.
+    """y = x @ W.T + b on 2-D ``x`` from FP8 operands cast before the call; dgrad and wgrad
+    are FP8 GEMMs with grad_output cast in the backward.
 
-    The output is the GEMM's own tensor, not a view, so that a model may modify it in place.
+    Only tensors and constants go in: the casts (and their host-side bookkeeping) happen
+    before the call, so that ``torch.compile`` traces it whole. ``x2d``, ``weight`` and ``bias``
+    carry the gradients; the FP8 copies ``x_t`` and ``w_t`` (the transposed operands the
+    backward consumes: wgrad needs x.T, dgrad needs W.T) are what is saved for backward, at 1
+    byte per value. The output is the GEMM's own tensor, not a view, so that a model may modify
+    it in place.
     """
 
     @staticmethod
-    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: "FP8Linear",
-                recipe: Recipe, record_forward: bool, record_backward: bool) -> torch.Tensor:
-        state = layer.fp8_state
-        w = weight.t() if layer.weight_transposed else weight  # [out, in]
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Backward consumes the transposed operands: wgrad needs x.T, dgrad needs W.T.
-        qx, qx_t = make_quantizer(recipe, INPUT, state, record_forward).quantize_pair(x2d, columnwise=need_wgrad)
-        qw, qw_t = make_quantizer(recipe, WEIGHT, state, record_forward).quantize_pair(w, columnwise=need_dgrad)
+    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                x_data: torch.Tensor, x_scale_inv: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor,
+                xt_data: Optional[torch.Tensor], xt_scale_inv: Optional[torch.Tensor],
+                wt_data: Optional[torch.Tensor], wt_scale_inv: Optional[torch.Tensor],
+                state: ScalingState, info: _Backward) -> torch.Tensor:
+        # A tensor's rowwise and columnwise copies have blocks of one shape (1xB along each
+        # copy's rows, or BxB), so one block tuple per operand serves both.
+        qx = QuantizedTensor(x_data, x_scale_inv, info.x_block)
+        qw = QuantizedTensor(w_data, w_scale_inv, info.w_block)
         out = fp8_gemm(qx, qw, _output_dtype(x2d), bias)
-        # FP8 copies, not the high-precision tensors, are kept for backward: 1 byte per value.
-        ctx.save_for_backward(*_unpack(qx_t), *_unpack(qw_t))
-        ctx.blocks = (qx_t.block if qx_t else None, qw_t.block if qw_t else None)
-        ctx.layer, ctx.recipe, ctx.record = layer, recipe, record_backward
-        ctx.x_dtype = x2d.dtype
+        # A per-tensor scale_inv serves both copies and is passed once (None for the copy).
+        ctx.save_for_backward(xt_data, x_scale_inv if xt_scale_inv is None else xt_scale_inv,
+                              wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv)
+        ctx.state, ctx.info, ctx.x_dtype = state, info, x2d.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        layer = ctx.layer
-        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
-        qx_t = QuantizedTensor(x_data, x_scale_inv, ctx.blocks[0])
-        qw_t = QuantizedTensor(w_data, w_scale_inv, ctx.blocks[1])
+        info: _Backward = ctx.info
+        xt_data, xt_scale_inv, wt_data, wt_scale_inv = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x or need_w:
-            quantizer = make_quantizer(ctx.recipe, GRAD_OUTPUT, layer.fp8_state, ctx.record)
+            quantizer = make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False)
             qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=need_w)
         if need_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype)
+            grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block), ctx.x_dtype)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
-            grad_w = fp8_gemm(qg_t, qx_t, torch.float32)
-            if layer.weight_transposed:
+            grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block), torch.float32)
+            if info.weight_transposed:
                 grad_w = grad_w.t()
-            grad_w = grad_w.to(layer.weight.dtype)
+            grad_w = grad_w.to(ctx.weight_dtype)
         if need_b:
-            grad_b = grad_out.to(torch.float32).sum(0).to(layer.bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+            grad_b = grad_out.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, *([None] * 10)
 
 
 class FP8Linear(nn.Linear):
@@ -137,6 +180,8 @@ class FP8Linear(nn.Linear):
         self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
         self.fp8_state.recipe = recipe_key(self.recipe)
         self._forward_context: Optional[_ForwardContext] = None
+        self.cache_fp8_weights = True
+        self._weight_cache: Optional[_WeightCache] = None
         # A layer of its own; convert_model puts all the layers of a model in one group.
         ScalingGroup().add(self)
 
@@ -224,13 +269,76 @@ class FP8Linear(nn.Linear):
         return self._fp8_forward(x, original.recipe, record_forward=False, record_backward=original.training)
 
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool) -> torch.Tensor:
+        state = self.fp8_state
         if isinstance(recipe, DelayedScaling):
-            self.fp8_state.resize_history(recipe.amax_history_len)
-        if self.fp8_state.device != x.device:
-            self.fp8_state.follow(x.device)
+            state.resize_history(recipe.amax_history_len)
+        if state.device != x.device:
+            state.follow(x.device)
+        state.use_recipe(recipe)
         x2d = x.reshape(-1, self.in_features)
-        out = _FP8LinearFunction.apply(x2d, self.weight, self.bias, self, recipe, record_forward, record_backward)
+        # The transposed FP8 copies serve the backward only: build them only when one will run
+        # (under no_grad autograd still reports the parameters as needing grad).
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and x2d.requires_grad
+        need_wgrad = grad and self.weight.requires_grad
+        need_bgrad = grad and self.bias is not None and self.bias.requires_grad
+        quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
+        qx, qx_t = quantizer.quantize_pair(x2d, columnwise=need_wgrad)
+        qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad)
+        if record_forward:
+            mark_recorded(state, recipe, INPUT)
+        if not (need_dgrad or need_wgrad or need_bgrad):
+            out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias)
+        else:
+            if record_backward:
+                # Marked now, recorded by the backward: host-side state cannot change inside a
+                # compiled backward. Should no backward run, the step's grad_output amax stays 0,
+                # which no scale update takes for a scale.
+                mark_recorded(state, recipe, GRAD_OUTPUT)
+            info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed)
+            out = _FP8LinearFunction.apply(
+                x2d, self.weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
+                *_unpack(qx_t, qx), *_unpack(qw_t, qw), state, info,
+            )  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _weight_casts(self, recipe: Recipe, record: bool, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while
+        # nothing they depend on changes: the micro-batches of gradient accumulation and
+        # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
+        w = self.weight.t() if self.weight_transposed else self.weight
+        quantizer = make_quantizer(recipe, WEIGHT, self.fp8_state, record)
+        if not self.cache_fp8_weights or torch.compiler.is_compiling():
+            return quantizer.quantize_pair(w, columnwise=columnwise)
+        key = self._weight_cache_key(recipe, record)
+        cached = self._weight_cache
+        if cached is not None and cached.matches(key, record) and (cached.columnwise is not None or not columnwise):
+            if record:
+                mark_recorded(self.fp8_state, recipe, WEIGHT)
+            return cached.rowwise, (cached.columnwise if columnwise else None)
+        self._weight_cache = None  # free the stale copies before casting new ones
+        rowwise, columnwise_copy = quantizer.quantize_pair(w, columnwise=columnwise)
+        self._weight_cache = _WeightCache(key, record, rowwise, columnwise_copy)
+        return rowwise, columnwise_copy
+
+    def _weight_cache_key(self, recipe: Recipe, record: bool) -> tuple:
+        # Everything a weight cast depends on: the weight (object, storage, in-place version),
+        # the recipe, under delayed scaling the scale (object and version: every scale update
+        # writes it in place; current and block scales come from the weight itself), inference
+        # mode (its tensors cannot be saved for backward), and for a recording cast the
+        # training step, whose amax slot it filled.
+        w, state = self.weight, self.fp8_state
+        scale = (state.scale, state.scale._version, state.initialized, state.initialized._version) if recipe.delayed() else ()
+        step = self.scaling_group.step if record else None
+        return (w, w._version, w.data_ptr(), w.device, recipe, *scale, torch.is_inference_mode_enabled(), step)
+
+    def clear_weight_cache(self) -> None:
+        """Drop the cached FP8 copies of the weight (they are rebuilt at the next FP8 forward).
+
+        Training loops call it before each optimizer step, whose update makes them stale, so
+        that they do not hold memory through the step.
+        """
+        self._weight_cache = None
 
     def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.weight_transposed:

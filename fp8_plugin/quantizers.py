@@ -38,6 +38,7 @@ __all__ = [
     "update_delayed_scaling",
     "recipe_key",
     "check_saved_state",
+    "mark_recorded",
     "STATE_VERSION",
 ]
 
@@ -180,24 +181,24 @@ class ScalingState(nn.Module):
         new[:, :keep] = self.amax_history[:, :keep]
         self.amax_history = new
 
-    @torch.no_grad()
     def record_amax(self, role: int, amax: torch.Tensor) -> None:
         """Fold ``amax`` (float32 0-dim) into the current step's slot; non-finite values are
         counted, not recorded, so that one overflow cannot freeze the scale for a whole history."""
-        finite = torch.isfinite(amax)
-        self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
-        slot = self.amax_history[role, 0]
-        slot.copy_(torch.where(finite, torch.maximum(slot, amax), slot))
+        with torch.no_grad():  # not a decorator: torch.compile cannot trace a decorated method inside autograd.Function
+            finite = torch.isfinite(amax)
+            self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
+            slot = self.amax_history[role, 0]
+            slot.copy_(torch.where(finite, torch.maximum(slot, amax), slot))
 
-    @torch.no_grad()
     def observe_current(self, role: int, amax: torch.Tensor, scale: torch.Tensor) -> None:
         """Store the amax and scale of a current-scaling cast, for statistics; a non-finite
         amax is counted and not stored (the slot keeps the last finite one), as in
         :meth:`record_amax`, so the state stays finite whichever recipe reads it next."""
-        finite = torch.isfinite(amax)
-        self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
-        self.amax_history[role, 0] = torch.where(finite, amax, self.amax_history[role, 0])
-        self.scale[role] = scale
+        with torch.no_grad():
+            finite = torch.isfinite(amax)
+            self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
+            self.amax_history[role, 0] = torch.where(finite, amax, self.amax_history[role, 0])
+            self.scale[role] = scale
 
     def get_extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {name: t.detach().clone() for name, t in self.tensors().items()}
@@ -289,6 +290,8 @@ _SHAPES = {"amax_history": (3, "L"), "scale": (3,), "initialized": (3,), "nonfin
 def recipe_key(recipe: Recipe) -> str:
     """What makes a layer's saved scales valid for a recipe: its scaling method, format and
     margin (``"DelayedScaling(HYBRID, margin=0)"``); history length and algorithm may differ."""
+    if torch.compiler.is_compiling():  # traced: the string is a constant of the graph, no cache
+        return _recipe_key(recipe)
     try:
         return _cached_recipe_key(recipe)
     except TypeError:  # an unhashable field (a callable amax_compute_algo object)
@@ -389,36 +392,42 @@ class PerTensorQuantizer(Quantizer):
             current-step slot of the history, marked pending until the next scale update;
             current scaling: the statistics). False (evaluation, recomputation) leaves the state
             untouched, as Transformer Engine does for forwards without grad.
+        host: False leaves the state's host-side records (the recipe check of
+            :meth:`ScalingState.use_recipe` before the cast, :func:`mark_recorded` after it) to
+            the caller, which does them outside a traced region: ``torch.compile`` cannot trace
+            Python side effects inside ``autograd.Function`` (FP8 layers cast so).
     """
 
-    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True) -> None:
+    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> None:
         self.recipe = recipe
         self.role = role
         self.state = state
         self.record = record
+        self.host = host
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
         self.max = fp8_max(self.dtype)
 
-    @torch.no_grad()
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        self.state.use_recipe(self.recipe)
-        amax = tensor_amax(x)
-        one = torch.ones((), dtype=torch.float32, device=x.device)
-        current = scale_from_amax(amax, self.max, self.recipe.margin, one)
-        if self.recipe.delayed():
-            # First step of a tensor: no history yet, so scale from its own amax.
-            role = self.role
-            scale = torch.where(self.state.initialized[role], self.state.scale[role], current)
-            if self.record:
-                self.state.record_amax(role, amax)
-                self.state.pending[role] = self.recipe
-                self.state.recipe = recipe_key(self.recipe)
-        else:
-            scale = current
-            if self.record:
-                self.state.observe_current(self.role, amax, scale)
-                self.state.recipe = recipe_key(self.recipe)
-        return QuantizedTensor(quantize(x, scale, self.dtype), divide(1.0, scale))
+        if self.host:
+            self.state.use_recipe(self.recipe)
+        with torch.no_grad():  # not a decorator: torch.compile cannot trace a decorated method inside autograd.Function
+            amax = tensor_amax(x)
+            one = torch.ones((), dtype=torch.float32, device=x.device)
+            current = scale_from_amax(amax, self.max, self.recipe.margin, one)
+            if self.recipe.delayed():
+                # First step of a tensor: no history yet, so scale from its own amax.
+                role = self.role
+                scale = torch.where(self.state.initialized[role], self.state.scale[role], current)
+                if self.record:
+                    self.state.record_amax(role, amax)
+            else:
+                scale = current
+                if self.record:
+                    self.state.observe_current(self.role, amax, scale)
+            q = QuantizedTensor(quantize(x, scale, self.dtype), divide(1.0, scale))
+        if self.record and self.host:
+            mark_recorded(self.state, self.recipe, self.role)
+        return q
 
 
 class BlockQuantizer(Quantizer):
@@ -431,14 +440,15 @@ class BlockQuantizer(Quantizer):
             :class:`~fp8_plugin.recipes.Float8BlockScaling`.
         role: 0 input, 1 weight, 2 grad_output.
         state: the layer's :class:`ScalingState`.
-        record: as in :class:`PerTensorQuantizer` (here only statistics are recorded).
+        record, host: as in :class:`PerTensorQuantizer` (here only statistics are recorded).
     """
 
-    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True) -> None:
+    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> None:
         self.recipe = recipe
         self.role = role
         self.state = state
         self.record = record
+        self.host = host
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
         if isinstance(recipe, MXFP8BlockScaling):
             self.block, self.qparams = (1, 32), None
@@ -448,39 +458,48 @@ class BlockQuantizer(Quantizer):
             self.block = (128, 128) if dims[role] == 2 else (1, 128)
             self.qparams = params[role]
 
-    @torch.no_grad()
     def _cast(self, x: torch.Tensor) -> tuple[QuantizedTensor, torch.Tensor]:
-        amax = block_amax(x, self.block)
-        if self.qparams is None:
-            scale_inv = mx_scale_inv(amax, self.dtype)
-            scale = divide(1.0, scale_inv)  # exact: powers of two
-        else:
-            scale = blockwise_scale(amax, self.dtype, self.qparams.power_2_scale, self.qparams.amax_epsilon)
-            scale_inv = divide(1.0, scale)
-        return QuantizedTensor(quantize_blocks(x, scale, self.block, self.dtype), scale_inv, self.block), amax
+        with torch.no_grad():
+            amax = block_amax(x, self.block)
+            if self.qparams is None:
+                scale_inv = mx_scale_inv(amax, self.dtype)
+                scale = divide(1.0, scale_inv)  # exact: powers of two
+            else:
+                scale = blockwise_scale(amax, self.dtype, self.qparams.power_2_scale, self.qparams.amax_epsilon)
+                scale_inv = divide(1.0, scale)
+            return QuantizedTensor(quantize_blocks(x, scale, self.block, self.dtype), scale_inv, self.block), amax
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         return self._cast(x)[0]
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        self.state.use_recipe(self.recipe)
+        if self.host:
+            self.state.use_recipe(self.recipe)
         row, amax = self._cast(x)
         # The tensor's amax is the max of its block amaxes: no second pass over x.
         if self.record:
             self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
-            self.state.recipe = recipe_key(self.recipe)
+            if self.host:
+                mark_recorded(self.state, self.recipe, self.role)
         return row, (self.quantize(x.t()) if columnwise else None)
 
 
-def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool = True) -> Quantizer:
-    """The quantizer a recipe uses for one role of one layer (``record`` as in
+def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:
+    """The host-side half of a recording cast of ``role`` under ``recipe``: a delayed-scaling
+    amax becomes pending (its scale update is due), and the state now belongs to ``recipe``."""
+    if recipe.delayed():
+        state.pending[role] = recipe
+    state.recipe = recipe_key(recipe)
+
+
+def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> Quantizer:
+    """The quantizer a recipe uses for one role of one layer (``record`` and ``host`` as in
     :class:`PerTensorQuantizer`)."""
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
-        return BlockQuantizer(recipe, role, state, record)
-    return PerTensorQuantizer(recipe, role, state, record)
+        return BlockQuantizer(recipe, role, state, record, host=host)
+    return PerTensorQuantizer(recipe, role, state, record, host=host)
 
 
-@torch.no_grad()
 def update_delayed_scaling(
     groups: Iterable[tuple[DelayedScaling, int, list[ScalingState]]],
     reduce_amax: Optional[Callable[[torch.Tensor], None]] = None,
@@ -496,29 +515,30 @@ def update_delayed_scaling(
     times the amax the previous scale came from is counted and kept, clipped or skipped, as
     ``recipe.amax_outlier_policy`` says: after the reduction, so every rank decides alike.
     """
-    groups = [g for g in groups if g[2]]
-    if not groups:
-        return
-    histories = [torch.stack([s.amax_history[role] for s in states]) for _, role, states in groups]
-    if reduce_amax is not None:
-        current = torch.cat([h[:, 0] for h in histories])
-        reduce_amax(current)
-        for h, part in zip(histories, current.split([h.shape[0] for h in histories])):
-            h[:, 0] = part
-    for (recipe, role, states), history in zip(groups, histories):
-        dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
-        previous = torch.stack([s.scale[role] for s in states])
-        _handle_outliers(recipe, role, states, history, previous, fp8_max(dtype))
-        amax = recipe.reduce_history(history)
-        scale = scale_from_amax(amax, fp8_max(dtype), recipe.margin, previous)
-        initialized = torch.stack([s.initialized[role] for s in states]) | (
-            (amax > 0) & torch.isfinite(amax)
-        )
-        history = history.roll(1, dims=1)
-        history[:, 0] = 0.0
-        torch._foreach_copy_([s.amax_history[role] for s in states], list(history.unbind(0)))
-        torch._foreach_copy_([s.scale[role] for s in states], list(scale.unbind(0)))
-        torch._foreach_copy_([s.initialized[role] for s in states], list(initialized.unbind(0)))
+    with torch.no_grad():
+        groups = [g for g in groups if g[2]]
+        if not groups:
+            return
+        histories = [torch.stack([s.amax_history[role] for s in states]) for _, role, states in groups]
+        if reduce_amax is not None:
+            current = torch.cat([h[:, 0] for h in histories])
+            reduce_amax(current)
+            for h, part in zip(histories, current.split([h.shape[0] for h in histories])):
+                h[:, 0] = part
+        for (recipe, role, states), history in zip(groups, histories):
+            dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
+            previous = torch.stack([s.scale[role] for s in states])
+            _handle_outliers(recipe, role, states, history, previous, fp8_max(dtype))
+            amax = recipe.reduce_history(history)
+            scale = scale_from_amax(amax, fp8_max(dtype), recipe.margin, previous)
+            initialized = torch.stack([s.initialized[role] for s in states]) | (
+                (amax > 0) & torch.isfinite(amax)
+            )
+            history = history.roll(1, dims=1)
+            history[:, 0] = 0.0
+            torch._foreach_copy_([s.amax_history[role] for s in states], list(history.unbind(0)))
+            torch._foreach_copy_([s.scale[role] for s in states], list(scale.unbind(0)))
+            torch._foreach_copy_([s.initialized[role] for s in states], list(initialized.unbind(0)))
 
 
 def _handle_outliers(recipe: DelayedScaling, role: int, states: list[ScalingState], history: torch.Tensor,

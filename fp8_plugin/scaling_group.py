@@ -64,8 +64,8 @@ class ScalingGroup:
             state: ScalingState = layer.fp8_state
             if not state.pending:
                 continue
-            for role, recorded in sorted(state.pending.items()):
-                chosen = recorded or recipe or layer.recipe
+            for role in sorted(state.pending):
+                chosen = state.pending[role] or recipe or layer.recipe
                 if isinstance(chosen, DelayedScaling):
                     groups.setdefault((chosen, role), []).append(state)
             state.pending = {}

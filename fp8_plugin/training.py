@@ -10,7 +10,7 @@ Loss scaling stays with each loop's own mixed-precision machinery (torch's ``Gra
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,8 @@ class FP8Training:
         # step shares it, so gradient accumulation makes one scale update per optimizer step.
         self._step: Optional[int] = None
         self.before_step_hooks: list[Callable[["FP8Training"], None]] = []
+        self._layers: list[FP8Linear] = []
+        self._layers_of: Optional[nn.Module] = None
         self.reference = ReferenceChecker(reference_check) if reference_check is not None else None
         self.faults = FaultMonitor(fault_policy if fault_policy is not None else FaultPolicy())
         self.optimizer_steps = 0  # optimizer steps attempted, skipped ones included
@@ -122,13 +124,20 @@ class FP8Training:
         Args:
             device_type: the autocast device; None means the converted module's device.
         """
-        stack = contextlib.ExitStack()
-        if self.compute_dtype != torch.float32:
-            stack.enter_context(torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype))
         if torch.is_grad_enabled() and self._step is None:
             self._step = new_step_id()
-        stack.enter_context(autocast(enabled=True, reduce_amax=self.amax_reducer(), step=self._step))
-        return stack
+        return self._contexts(device_type, self._step)
+
+    @contextlib.contextmanager
+    def _contexts(self, device_type: Optional[str], step: Optional[int]) -> Iterator[None]:
+        # Plain ``with`` statements, not an ExitStack: torch.compile traces these (a forward
+        # wrapped in this context, as Accelerate wraps it, then compiles without a graph break).
+        if self.compute_dtype == torch.float32:
+            torch_autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+        else:
+            torch_autocast = torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype)
+        with torch_autocast, autocast(enabled=True, reduce_amax=self.amax_reducer(), step=step):
+            yield
 
     def _device(self) -> torch.device:
         param = next(self.module.parameters(), None) if self.module is not None else None
@@ -173,7 +182,17 @@ class FP8Training:
             self.reference.run(self.module, self.compute_dtype, self.amax_reduction_group)
         for hook in self.before_step_hooks:
             hook(self)
+        if take and self.module is not None:
+            # The step changes the weights: their cached FP8 copies would only hold memory.
+            for layer in self._fp8_layers():
+                layer.clear_weight_cache()
         return take
+
+    def _fp8_layers(self) -> list[FP8Linear]:
+        if self._layers_of is not self.module:
+            self._layers = [m for m in self.module.modules() if isinstance(m, FP8Linear)]
+            self._layers_of = self.module
+        return self._layers
 
     def after_optimizer_step(self, scaler_skipped: Optional[torch.Tensor] = None) -> None:
         """Apply the step's amaxes now, with the reduction: between steps (checkpoints,

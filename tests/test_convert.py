@@ -1,6 +1,7 @@
 """fp8_plugin/convert.py: the Hugging Face layer swap on BERT, GPT-2 and Llama configs."""
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -426,3 +427,43 @@ def test_peft_modules_to_save_copies_stay_high_precision():
     assert type(model.get_submodule(f"{dense}.modules_to_save.default")) is nn.Linear
     assert not any(isinstance(m, FP8Linear) for n, m in model.named_modules() if "lora_" in n)
     assert isinstance(model.get_submodule("base_model.model.bert.encoder.layer.0.output.dense"), FP8Linear)
+
+
+def _sized_model() -> nn.Module:
+    # (K, N) around torchao's H100 thresholds for one scale per tensor: FP8 loses when
+    # K <= 4096 and N <= 1024.
+    return nn.Sequential(OrderedDict(
+        small=nn.Linear(4096, 1024), wide_k=nn.Linear(4112, 1024), wide_n=nn.Linear(1024, 1040), tiny=nn.Linear(64, 64),
+    ))  # fmt: skip
+
+
+def test_small_layers_stay_high_precision_where_fp8_cannot_be_faster():
+    model = _sized_model()
+    report = fp.convert_model(model, fp.DelayedScaling(), skip_small=True)
+    reasons = {d.name: d.reason for d in report.layers}
+    assert reasons == {"small": "too small for FP8 to be faster on cpu (skip_small)", "wide_k": "", "wide_n": "",
+                       "tiny": "too small for FP8 to be faster on cpu (skip_small)"}
+    assert isinstance(model.wide_k, fp.FP8Linear) and type(model.small) is nn.Linear
+
+
+def test_skip_small_is_off_on_a_cpu_by_default_and_overridable():
+    model = _sized_model()
+    fp.convert_model(model, fp.DelayedScaling())  # "auto" on a CPU: FP8 runs for its numerics
+    assert all(isinstance(m, fp.FP8Linear) for m in model)
+    model = _sized_model()
+    report = fp.convert_model(model, fp.DelayedScaling(), skip_small=True, include=["tiny", "wide_n"])
+    assert {d.name for d in report.layers if d.swapped} == {"tiny", "wide_n"}  # include wins over size
+    model = _sized_model()
+    fp.convert_model(model, fp.DelayedScaling(), skip_small=lambda k, n: k * n < 4_200_000)
+    assert [type(m).__name__ for m in model] == ["Linear", "FP8Linear", "Linear", "Linear"]
+    with pytest.raises(TypeError, match="skip_small='yes' is not valid; valid: 'auto', True, False"):
+        fp.convert_model(_sized_model(), skip_small="yes")
+
+
+def test_block_recipes_need_larger_layers_than_per_tensor_scaling():
+    # torchao's H100 thresholds for finer scales: FP8 loses when N <= 2048, K <= 1024, or
+    # N <= 4096 and K <= 2048.
+    mx = fp.MXFP8BlockScaling()
+    assert fp.too_small_for_fp8(2048, 4096, mx) and not fp.too_small_for_fp8(2064, 4096, mx)
+    assert fp.too_small_for_fp8(8192, 2048, mx) and fp.too_small_for_fp8(1024, 8192, mx)
+    assert not fp.too_small_for_fp8(4112, 1024) and fp.too_small_for_fp8(4112, 1024, fp.Float8BlockScaling())

@@ -261,6 +261,26 @@ def test_native_gemm_on_gpu_matches_the_emulation(recipe):
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(), fp.Float8BlockScaling(), fp.MXFP8BlockScaling()],
+                         ids=["tensorwise", "blockwise", "mxfp8"])
+def test_unaligned_token_counts_run_natively_on_gpu_padded(recipe):
+    kind = recipe_gemm_kind(recipe)
+    if not native_gemm(kind, "cuda").native:
+        pytest.skip(f"no native {kind} GEMM on this GPU")
+    # 250 tokens: M of the forward and dgrad, K of wgrad; no dim the kernels take as it is.
+    x, w = torch.randn(250, 512, device="cuda"), torch.randn(384, 512, device="cuda")
+    a, b = _operand(recipe, INPUT, x), _operand(recipe, WEIGHT, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an emulated GEMM warns
+        got = fp8_gemm(a, b, torch.bfloat16).double()
+        wgrad_a, wgrad_b = _operand(recipe, INPUT, w.t().contiguous()), _operand(recipe, WEIGHT, x.t().contiguous())
+        fp8_gemm(wgrad_a, wgrad_b, torch.float32)
+    assert got.shape == (250, 384) and got.is_contiguous()
+    expected = a.dequantize().double() @ b.dequantize().double().t()
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_bias_is_rounded_to_the_output_dtype_on_both_paths(out_dtype, bias_dtype):
@@ -277,3 +297,39 @@ def test_bias_is_rounded_to_the_output_dtype_on_both_paths(out_dtype, bias_dtype
     for path in ("emulated", "native"):
         with force_path(path):
             assert torch.equal(fp8_gemm(a, b, out_dtype, bias), expected), path
+
+
+def _exact_operand(rows: int, cols: int, block, dtype, gen: torch.Generator) -> QuantizedTensor:
+    # FP8 integers in [-8, 8] and power-of-two scales: every product and partial sum of a GEMM
+    # with K <= 1024 is exact in float32, so any summation order gives the float64 result.
+    data = torch.randint(-8, 9, (rows, cols), generator=gen).to(torch.float32).to(dtype)
+    if block is None:
+        scale_inv = torch.tensor(2.0**-3)
+    else:
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        scale_inv = torch.exp2(torch.randint(-3, 4, grid, generator=gen).to(torch.float32))
+    return QuantizedTensor(data, scale_inv, block)
+
+
+@pytest.mark.parametrize(
+    "block_a, block_b, multiples",
+    [(None, None, (16, 16, 16)), ((1, 128), (128, 128), (16, 128, 128)), ((1, 128), (1, 128), (16, 128, 16)),
+     ((1, 32), (1, 32), (16, 32, 16))],
+    ids=["tensorwise", "blockwise-1x128-128x128", "blockwise-1x128-1x128", "mxfp8"],
+)
+@pytest.mark.parametrize("m, k, n", [(37, 200, 24), (16, 129, 130), (1, 33, 1), (48, 256, 256)])
+def test_padding_to_the_kernel_alignment_keeps_the_product_exactly(block_a, block_b, multiples, m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n)
+    a = _exact_operand(m, k, block_a, torch.float8_e4m3fn, gen)
+    b = _exact_operand(n, k, block_b, torch.float8_e5m2, gen)
+    pa, pb = gemm.pad_to_alignment(a, b, multiples)
+    assert [d % mult for d, mult in zip((*pa.data.shape, pb.data.shape[0]), multiples)] == [0, 0, 0]
+    assert pa.data.shape[1] == pb.data.shape[1]
+    expected = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    out = pa.dequantize(torch.float64) @ pb.dequantize(torch.float64).t()
+    assert torch.equal(out[:m, :n], expected)
+    assert not out[m:].any() and not out[:, n:].any()
+    if block_a is None:  # torch._scaled_mm takes the padded operands on CPU: the same product
+        with force_path("native"):
+            got = fp8_gemm(pa, pb, torch.float32)
+        assert torch.equal(got[:m, :n].double(), expected)

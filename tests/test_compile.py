@@ -1,0 +1,153 @@
+"""FP8 layers under ``torch.compile(fullgraph=True)``: no graph break, the same numerics as eager.
+
+``fullgraph=True`` turns any graph break into an error, so a test that compiles and runs is a
+test that nothing of the project breaks the graph (nor synchronises with the host: a ``.item()``
+or a data-dependent branch breaks it too). The "aot_eager" backend traces forward and backward
+as Inductor would but runs the traced ops as they are, so its results must equal eager's bit for
+bit, scaling state included: a delayed-scaling history that the compiled backward failed to
+update would differ.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import fp8_plugin
+from fp8_plugin import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, FP8Linear, MXFP8BlockScaling
+
+RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), MXFP8BlockScaling(), Float8BlockScaling()]
+
+pytestmark = pytest.mark.filterwarnings("ignore:FP8 GEMM emulated", "ignore:Dynamo detected a call")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _train_step(layer: torch.nn.Module, recipe):
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with fp8_plugin.autocast(recipe=recipe):
+            y = layer(x)
+        return (y.float() ** 2).mean()
+
+    return step
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fp8_linear_compiles_whole_and_trains_as_eager(recipe):
+    torch.manual_seed(0)
+    eager = FP8Linear(128, 64, recipe=recipe)
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(_train_step(compiled_layer, recipe), fullgraph=True, backend="aot_eager")
+    reference = _train_step(eager, recipe)
+    for i in range(3):
+        x = torch.randn(32, 128) * (i + 1)
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        loss_c, loss_e = compiled(xs[0]), reference(xs[1])
+        loss_c.backward()
+        loss_e.backward()
+        assert torch.equal(loss_c, loss_e)
+        assert torch.equal(xs[0].grad, xs[1].grad)
+        assert torch.equal(compiled_layer.weight.grad, eager.weight.grad)
+        for name, tensor in eager.fp8_state.tensors().items():
+            assert torch.equal(compiled_layer.fp8_state.tensors()[name], tensor), (i, name)
+        assert compiled_layer.fp8_state.pending.keys() == eager.fp8_state.pending.keys()
+    # The compiled steps recorded amaxes: the layer ran in FP8, not in high precision.
+    assert bool((compiled_layer.fp8_state.amax_history[:, 0] > 0).all())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fp8_linear_evaluation_compiles_whole(recipe):
+    torch.manual_seed(0)
+    layer = FP8Linear(128, 64, recipe=recipe)
+
+    def evaluate(x):
+        with fp8_plugin.autocast(recipe=recipe):
+            return layer(x)
+
+    x = torch.randn(32, 128)
+    with torch.no_grad():
+        compiled = torch.compile(evaluate, fullgraph=True, backend="eager")(x)
+        assert torch.equal(compiled, evaluate(x))
+
+
+def _tiny_llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_converted_transformers_model_compiles_whole_forward_and_backward():
+    model = _tiny_llama()
+    report = fp8_plugin.convert_model(model, recipe=DelayedScaling())
+    fp8_layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(fp8_layers) == 2 * 7  # q, k, v, o, gate, up, down per block; lm_head stays
+    assert report is not None
+
+    def step(input_ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.autocast():
+            return model(input_ids=input_ids, labels=input_ids).loss
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    input_ids = torch.randint(0, 256, (2, 16))
+    for _ in range(2):
+        loss = compiled(input_ids)
+        loss.backward()
+        assert torch.isfinite(loss)
+    # Every FP8 layer recorded its input and grad_output amax in the compiled forward and
+    # backward: the GEMMs ran in FP8 (a high-precision fallback records nothing).
+    for layer in fp8_layers:
+        assert bool((layer.fp8_state.amax_history[:, 1] > 0).all()), layer
+        assert layer.weight.grad is not None
+
+
+def _recorded_in_fp8(layer: FP8Linear) -> bool:
+    # Amaxes of input, weight and grad_output reached the history: forward and backward ran FP8.
+    return bool((layer.fp8_state.amax_history.amax(dim=1) > 0).all())
+
+
+def test_lightning_trains_a_fullgraph_compiled_module_in_fp8():
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_modules import CountingMLP
+
+    torch.manual_seed(0)
+    module = CountingMLP()
+    trainer = L.Trainer(precision="fp8-hybrid", max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    trainer.fit(compiled, DataLoader(TensorDataset(torch.randn(48, 32)), batch_size=16))
+    assert module.steps == 3
+    layers = [m for m in module.net if isinstance(m, FP8Linear)]
+    assert len(layers) == 2 and all(_recorded_in_fp8(m) for m in layers)
+
+
+def test_accelerate_compiles_the_fp8_forward_without_a_graph_break():
+    from accelerate.utils import TorchDynamoPlugin
+
+    from fp8_plugin.accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = Accelerator(mixed_precision="fp8", cpu=True,
+                              dynamo_plugin=TorchDynamoPlugin(backend="aot_eager", fullgraph=True))  # fmt: skip
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
+    for _ in range(3):
+        accelerator.backward(prepared(torch.randn(16, 32)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    layers = [m for m in accelerator.unwrap_model(prepared, keep_torch_compile=False) if isinstance(m, FP8Linear)]
+    assert len(layers) == 2 and all(_recorded_in_fp8(m) for m in layers)
