@@ -35,6 +35,8 @@ class _FP8Context:
     reduce_amax: Optional[AmaxReducer] = None
     # Unique id of the training step (outermost enabled entry with grad on); None outside one.
     step: Optional[int] = None
+    # Inside a high-precision replay: the dtype FP8 layers compute their GEMMs in (None: as nn.Linear).
+    reference_dtype: Optional[torch.dtype] = None
 
 
 class _Local(threading.local):
@@ -149,7 +151,7 @@ def autocast(
 
 
 @contextlib.contextmanager
-def replay(fp8: bool, recipe: Optional[Recipe] = None) -> Iterator[None]:
+def replay(fp8: bool, recipe: Optional[Recipe] = None, *, reference_dtype: Optional[torch.dtype] = None) -> Iterator[None]:
     """Rerun a training forward and backward without changing any FP8 state (reference checks).
 
     Inside, FP8 layers run in FP8 (``fp8=True``, with each layer's recipe or ``recipe``) or in
@@ -157,10 +159,15 @@ def replay(fp8: bool, recipe: Optional[Recipe] = None) -> Iterator[None]:
     with the current scales, recording no amax and updating no scale, whatever the grad mode.
     Replaying a micro-batch before the optimizer step therefore repeats its FP8 numerics exactly
     and leaves the step's pending amaxes alone.
+
+    ``reference_dtype`` (with ``fp8=False``): the FP8 layers compute their GEMMs in this dtype,
+    outside torch autocast, and return their output in the autocast dtype, so that every other
+    op runs as in training (float32 where BF16 matmuls are slow: CPUs without AVX512-BF16 or AMX).
     """
     check_recipe(recipe, "replay")
     outer = _local.context
-    _local.context = _FP8Context(enabled=fp8, recipe=resolve_recipe(recipe) if fp8 else None)
+    _local.context = _FP8Context(enabled=fp8, recipe=resolve_recipe(recipe) if fp8 else None,
+                                 reference_dtype=None if fp8 else reference_dtype)
     try:
         yield
     finally:

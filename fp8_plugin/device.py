@@ -190,7 +190,8 @@ def bf16_matmul_is_fast(device_type: str = "cpu", k: int = 384) -> tuple[bool, s
     """
     if device_type == "cuda" and torch.cuda.is_available():
         return True, "CUDA GPU"
-    a, b = torch.randn(256, k), torch.randn(k, 1536)
+    gen = torch.Generator().manual_seed(0)  # its own stream: the caller's random numbers stay as they were
+    a, b = torch.randn(256, k, generator=gen), torch.randn(k, 1536, generator=gen)
     timings = {}
     for dtype in (torch.float32, torch.bfloat16):
         x, y = a.to(dtype), b.to(dtype)

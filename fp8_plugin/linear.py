@@ -155,10 +155,18 @@ class FP8Linear(nn.Linear):
         scaling_group: the :class:`~fp8_plugin.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
 
+        cache_fp8_weights: keep the weight's FP8 copies while the weight, its delayed scale and
+            the recipe are unchanged (default True): the micro-batches of gradient accumulation
+            and consecutive evaluation batches cast the weight once, with identical numerics.
+            :meth:`clear_weight_cache` drops them (training loops do before each optimizer step).
+
     Forwards inside an autocast entered with grad enabled are training forwards: they record
     amaxes, and the first of a step applies the previous step's. Other FP8 forwards (evaluation)
     use the current scales and leave the state alone. A forward rerun by activation
-    checkpointing runs as the original did, with the same scales, recording nothing twice.
+    checkpointing runs as the original did, with the same scales, recording nothing twice. The
+    transposed FP8 copies the backward consumes are made only when a backward can run (not
+    under ``torch.no_grad()`` / ``torch.inference_mode()``). ``torch.compile(fullgraph=True)``
+    compiles the layer whole, forward and backward.
 
     Shapes: input ``[..., in_features]`` in any floating dtype; output ``[..., out_features]``
     in the torch autocast dtype when torch autocast is on, else the input dtype.
@@ -236,6 +244,8 @@ class FP8Linear(nn.Linear):
         recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
         if recipe is None:
             self._forward_context = _ForwardContext(None, training, None)
+            if context.reference_dtype is not None:
+                return self._reference_forward(x, context.reference_dtype)
             return self._high_precision_forward(x)
         note_fp8_forward()
         if not torch.is_autocast_enabled(x.device.type) and x.dtype != self.weight.dtype:
@@ -339,6 +349,16 @@ class FP8Linear(nn.Linear):
         that they do not hold memory through the step.
         """
         self._weight_cache = None
+
+    def _reference_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # A reference check's replay: the GEMM in ``dtype`` outside torch autocast, the output in
+        # the dtype the layer would give, so that the ops after it run as in training.
+        out_dtype = _output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            weight = self.weight.to(dtype)
+            out = F.linear(x.to(dtype), weight.t() if self.weight_transposed else weight,
+                           None if self.bias is None else self.bias.to(dtype))
+        return out.to(out_dtype)
 
     def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.weight_transposed:

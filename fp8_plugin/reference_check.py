@@ -3,7 +3,8 @@
 On the step a check fires, before the optimizer step (the weights are the ones the step's FP8
 forwards used), the last micro-batch of the step runs twice more from the RNG state of its
 training forward (same dropout masks): once in FP8 and once with every FP8 layer in high
-precision (the loop's non-FP8 dtype, BF16 by default), each into its own gradient buffers
+precision (the loop's non-FP8 dtype, BF16 by default; float32 GEMMs for the FP8 layers on a CPU
+whose BF16 matmuls are slow, see :func:`reference_gemm_dtype`), each into its own gradient buffers
 (``torch.autograd.grad``). Both replays run as evaluation forwards do for FP8 state (no amax
 recorded, no scale updated), the model's buffers are restored afterwards, the RNG stream is
 restored, and ``.grad`` and the optimizer are never touched: a run with checks trains exactly as
@@ -28,6 +29,7 @@ so every rank takes the same decision.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -40,6 +42,7 @@ from torch import nn
 
 from ._torch_private import in_backward_pass
 from .autocast import replay
+from .device import bf16_matmul_is_fast
 from .linear import FP8Linear
 from .recipes import Recipe
 
@@ -315,7 +318,7 @@ def _fp8_layers(model: nn.Module) -> list[tuple[str, FP8Linear]]:
 
 def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
             compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
-            recipe: Optional[Recipe] = None,
+            recipe: Optional[Recipe] = None, reference_dtype: Optional[torch.dtype] = None,
             group: Optional["dist.ProcessGroup"] = None) -> Optional[ReferenceResult]:
     """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
 
@@ -331,6 +334,9 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
         device_type: the autocast device type.
         step: recorded in the result.
         recipe: the recipe the FP8 replay runs (None: each layer's own, as in training).
+        reference_dtype: the dtype the reference runs the FP8 layers' GEMMs in, outside torch
+            autocast (None: ``compute_dtype``, as ``nn.Linear`` would under autocast); the
+            other ops run in ``compute_dtype`` either way.
         group: process group whose ranks' figures are summed; None means the world when
             torch.distributed is initialised (every rank of it must call this together).
 
@@ -362,7 +368,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             handles = [layer.register_forward_hook(_sqnr_hook(energies[i], recipes[name]))
                        for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
             try:
-                loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None)
+                loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None,
+                                              reference_dtype)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -407,10 +414,26 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     )
 
 
+def reference_gemm_dtype(compute_dtype: torch.dtype, device_type: str) -> Optional[torch.dtype]:
+    """The dtype a reference check runs the FP8 layers' GEMMs in: float32 on a CPU whose BF16
+    matmuls are slow (no AVX512-BF16 or AMX: tens of times slower than float32, which made a
+    check cost a dozen training steps there), else None (``compute_dtype``, as in training).
+    A float32 reference is the more exact one; the other ops stay in ``compute_dtype``."""
+    if device_type != "cpu" or compute_dtype != torch.bfloat16:
+        return None
+    return None if _cpu_bf16_is_fast() else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_bf16_is_fast() -> bool:
+    return bf16_matmul_is_fast("cpu")[0]
+
+
 def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], rng_state: _RNGState, fp8: bool,
-            compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe]):
+            compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe],
+            reference_dtype: Optional[torch.dtype] = None):
     _restore_rng_state(rng_state)
-    with torch.enable_grad(), replay(fp8, recipe if fp8 else None), torch.autocast(
+    with torch.enable_grad(), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
             device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         loss = run_replay()
     if loss is None:
@@ -605,7 +628,8 @@ class ReferenceChecker:
         self._capture = None
         device_type = rng_state.device.type if rng_state.device is not None else "cpu"
         result = compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
-                         device_type=device_type, step=self.steps, group=group)
+                         device_type=device_type, step=self.steps, group=group,
+                         reference_dtype=reference_gemm_dtype(compute_dtype, device_type))
         if result is None:
             return
         self.results.append(result)

@@ -405,3 +405,25 @@ def test_replay_leaves_buffers_such_as_running_statistics_alone():
     fp.reference_check(model, batch, _loss)
     assert all(torch.equal(a, b) for a, b in zip(running, (model.norm.running_mean, model.norm.running_var,
                                                             model.norm.num_batches_tracked)))
+
+
+def test_a_float32_reference_runs_the_fp8_layers_gemms_in_float32_and_hands_on_the_autocast_dtype():
+    # Where BF16 matmuls are slow (CPUs without AVX512-BF16 / AMX) the checks' reference runs the
+
+    # bf16's unit roundoff (2^-8, relative: 8 significant bits) of the float64 product plus float32 accumulation over
+    # K terms; bf16 operands would be off by far more on a product with cancellation.
+    from fp8_plugin.autocast import replay
+
+    torch.manual_seed(0)
+    layer = fp.FP8Linear(256, 128)
+    x = torch.randn(64, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16), replay(False, reference_dtype=torch.float32):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    exact = x.double() @ layer.weight.double().t() + layer.bias.double()
+    magnitude = x.double().abs() @ layer.weight.double().abs().t() + layer.bias.double().abs()
+    bound = 2.0**-8 * exact.abs() + 256 * 2.0**-24 * magnitude
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    with torch.autocast("cpu", dtype=torch.bfloat16), replay(False):
+        in_bf16 = layer(x)  # as nn.Linear under autocast: bf16 operands
+    assert not bool(((in_bf16.double() - exact).abs() <= bound).all())
