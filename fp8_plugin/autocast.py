@@ -49,9 +49,21 @@ _local = _Local()
 _step_ids = itertools.count()  # unique across threads: a model moved between threads still updates
 
 
+# FP8 forwards run by compiled code: torch.compile replays a compiled region's changes to plain
+# objects such as this dict, but not to a threading.local (whose count would stay at zero).
+_compiled_forwards = {"count": 0}
+
+
 def note_fp8_forward() -> None:
-    """Count an FP8 forward on this thread (called by FP8 layers)."""
-    _local.fp8_forwards += 1
+    """Count an FP8 forward (called by FP8 layers): on this thread, or in compiled code."""
+    if torch.compiler.is_compiling():
+        _compiled_forwards["count"] += 1
+    else:
+        _local.fp8_forwards += 1
+
+
+def _fp8_forward_count() -> int:
+    return _local.fp8_forwards + _compiled_forwards["count"]
 
 
 _warned_no_fp8 = False
@@ -131,7 +143,7 @@ def autocast(
     outer = _local.context
     # An outermost training context that runs no FP8 layer is a mistake (an unconverted model).
     watch = enabled and not outer.enabled and torch.is_grad_enabled()
-    forwards = _local.fp8_forwards
+    forwards = _fp8_forward_count()
     if enabled and not outer.enabled:
         step = (step if step is not None else next(_step_ids)) if torch.is_grad_enabled() else None
     else:
@@ -146,7 +158,7 @@ def autocast(
         yield
     finally:
         _local.context = outer
-    if watch and _local.fp8_forwards == forwards:
+    if watch and _fp8_forward_count() == forwards:
         _warn_no_fp8_layer()
 
 

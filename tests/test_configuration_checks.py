@@ -1,6 +1,7 @@
 """Bad settings fail at start-up, before any training step, with an error that names the setting,
 the value and the valid choices; likely mistakes are warned about."""
 
+import sys
 import warnings
 
 import lightning as L
@@ -81,8 +82,7 @@ def test_pattern_error_reaches_a_lightning_run_before_any_step():
 
 
 def test_autocast_around_an_unconverted_model_warns_once():
-    import fp8_plugin.autocast as autocast_module
-
+    autocast_module = sys.modules["fp8_plugin.autocast"]  # the attribute fp8_plugin.autocast is the function
     autocast_module._warned_no_fp8 = False
     model = _mlp()
     with pytest.warns(UserWarning, match=r"no FP8 layer ran: the model runs in high precision\. Convert it first"):
