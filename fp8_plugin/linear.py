@@ -89,7 +89,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     Only tensors and constants go in: the casts (and their host-side bookkeeping) happen
     before the call, so that ``torch.compile`` traces it whole. ``x2d``, ``weight`` and ``bias``
-    carry the gradients; the FP8 copies ``x_t`` and ``w_t`` (the transposed operands the
+    carry the gradients; the FP8 copies ``xt_*`` and ``wt_*`` (the transposed operands the
     backward consumes: wgrad needs x.T, dgrad needs W.T) are what is saved for backward, at 1
     byte per value. The output is the GEMM's own tensor, not a view, so that a model may modify
     it in place.
@@ -154,7 +154,6 @@ class FP8Linear(nn.Linear):
         fp8_state: :class:`~fp8_plugin.quantizers.ScalingState` with amax history and scales.
         scaling_group: the :class:`~fp8_plugin.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
-
         cache_fp8_weights: keep the weight's FP8 copies while the weight, its delayed scale and
             the recipe are unchanged (default True): the micro-batches of gradient accumulation
             and consecutive evaluation batches cast the weight once, with identical numerics.
