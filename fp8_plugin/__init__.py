@@ -14,6 +14,7 @@ from .convert import ConversionReport, convert_model, split_fp8_state, too_small
 from .faults import FaultPolicy, FP8NonFiniteError
 from .device import DeviceReport, auto_recipe, describe_device
 from .formats import Format
+from .fsdp_fp8 import enable_fp8_all_gather
 from .distributed import amax_reducer
 from .lightning_hook import install as _install_lightning_hook
 from .linear import FP8Linear
@@ -44,6 +45,7 @@ __all__ = [
     "FP8Precision",
     "FP8FSDPPrecision",
     "amax_reducer",
+    "enable_fp8_all_gather",
     "autocast",
     "convert_model",
     "ConversionReport",

@@ -315,6 +315,10 @@ class FP8Linear(nn.Linear):
         # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while
         # nothing they depend on changes: the micro-batches of gradient accumulation and
         # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
+        fp8_operand = getattr(self.weight, "fp8_operand", None)
+        if fp8_operand is not None:  # gathered in FP8 by FSDP2 (fp8_plugin.fsdp_fp8): cast already
+            rowwise = fp8_operand(self.weight_transposed)
+            return rowwise, (rowwise.t() if columnwise else None)
         w = self.weight.t() if self.weight_transposed else self.weight
         quantizer = make_quantizer(recipe, WEIGHT, self.fp8_state, record)
         if not self.cache_fp8_weights or torch.compiler.is_compiling():

@@ -23,12 +23,19 @@ def _free_port() -> int:
 
 
 def run_worker(scenario: str, out: Path, ranks: int = 2) -> dict:
+    return run_worker_script(WORKER.name, [scenario], out, ranks)
+
+
+def run_worker_script(script: str, args: list[str], out: Path, ranks: int = 2) -> dict:
+    """Run ``tests/<script> *args out`` on ``ranks`` processes (torchrun, gloo) and load the
+    ``.pt`` files it wrote to ``out``, by file stem."""
+    worker = WORKER.with_name(script)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parent)}
     if ranks == 1:
-        cmd = [sys.executable, str(WORKER), scenario, str(out)]
+        cmd = [sys.executable, str(worker), *args, str(out)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               f"--master_port={_free_port()}", str(WORKER), scenario, str(out)]
+               f"--master_port={_free_port()}", str(worker), *args, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {p.stem: torch.load(p, weights_only=False) for p in out.glob("*.pt")}
