@@ -19,6 +19,7 @@ from .distributed import amax_reducer
 from .lightning_hook import install as _install_lightning_hook
 from .linear import FP8Linear
 from .reference_check import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
+from .statistics import FP8Statistics
 from .recipes import (
     AutoRecipe,
     DelayedScaling,
@@ -52,6 +53,7 @@ __all__ = [
     "split_fp8_state",
     "too_small_for_fp8",
     "FaultPolicy",
+    "FP8Statistics",
     "FP8NonFiniteError",
     "is_fp8_enabled",
     "ReferenceCheck",

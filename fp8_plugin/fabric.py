@@ -26,6 +26,7 @@ from .faults import resolve_fault_policy
 from .precision_strings import settings_for_loop
 from .recipes import Recipe
 from .reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from .statistics import FP8Statistics, statistics_config
 from .training import FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "precision_plugin_from_string"]
@@ -57,6 +58,9 @@ class FP8Precision(MixedPrecision):
         nonfinite, max_consecutive_skips: what ``fabric.step``-time non-finite gradients do
             (``"skip"``: ``optimizer.step`` is not run; ``"raise"``) and how many skipped steps
             in a row stop the run; see :mod:`fp8_plugin.faults`.
+        statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
+            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+            read them with :meth:`statistics_metrics` for ``fabric.log_dict``. None: off.
 
     Raises:
         TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
@@ -81,6 +85,7 @@ class FP8Precision(MixedPrecision):
         reference_check: Optional[ReferenceCheck] = None,
         nonfinite: Optional[str] = None,
         max_consecutive_skips: Optional[int] = None,
+        statistics: Union[FP8Statistics, int, None] = None,
     ) -> None:
         recipe = check_arguments("fabric.FP8Precision", recipe, compute_dtype)
         reference = resolve_reference_check(reference_every, reference_check, "fabric.FP8Precision")
@@ -89,7 +94,8 @@ class FP8Precision(MixedPrecision):
             raise ValueError(f"fabric.FP8Precision(scaler=...) needs compute_dtype=torch.float16, got {compute_dtype}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__("16-mixed" if compute_dtype == torch.float16 else "bf16-mixed", device=device, scaler=scaler)
-        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference, faults)
+        self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference, faults,
+                               statistics_config(statistics, "fabric.FP8Precision"))
         self.precision = precision  # type: ignore[assignment]
 
     @property
@@ -139,6 +145,11 @@ class FP8Precision(MixedPrecision):
         """The figures (``fp8_ref/...``) of the reference check the last optimizer step ran,
         once; empty when none ran. For ``fabric.log_dict``."""
         return self.fp8.reference.pop_metrics() if self.fp8.reference is not None else {}
+
+    def statistics_metrics(self) -> dict[str, float]:
+        """The per-layer FP8 statistics (``fp8_stats/...``) of the last sampled step, once; empty
+        when none was sampled since the last call. For ``fabric.log_dict``."""
+        return self.fp8.statistics.pop_metrics() if self.fp8.statistics is not None else {}
 
     def reference_summary(self) -> str:
         """The reference checks' text summary, after writing the report files they ask for."""

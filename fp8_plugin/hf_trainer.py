@@ -41,6 +41,7 @@ from .accelerate.settings import BASE_PRECISION
 from .files import atomic_write
 from .recipes import Recipe
 from .reference_check import ReferenceCheck
+from .statistics import FP8Statistics
 from .training import Patterns
 
 __all__ = ["FP8Trainer", "FP8_STATE_NAME"]
@@ -69,6 +70,9 @@ class FP8Trainer(Trainer):
             gradients does (``"skip"``, the default: not taken, and the Trainer's scheduler
             does not step either; ``"raise"``) and how many skipped steps in a row stop the run;
             see :mod:`fp8_plugin.faults`.
+        fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
+            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+            merged into the Trainer's logs as ``fp8_stats/...``. None: off.
 
     Attributes:
         accelerator: a :class:`fp8_plugin.accelerate.Accelerator`; ``accelerator.fp8_reports``
@@ -84,11 +88,13 @@ class FP8Trainer(Trainer):
     def __init__(self, *args: Any, fp8_recipe: Union[Recipe, str, None] = None, fp8_include: Patterns = None,
                  fp8_exclude: Patterns = None, fp8_reference_every: Optional[int] = None,
                  fp8_reference_check: Optional[ReferenceCheck] = None, fp8_nonfinite: Optional[str] = None,
-                 fp8_max_consecutive_skips: Optional[int] = None, **kwargs: Any) -> None:
+                 fp8_max_consecutive_skips: Optional[int] = None,
+                 fp8_statistics: Union[FP8Statistics, int, None] = None, **kwargs: Any) -> None:
         self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude,
                                "fp8_reference_every": fp8_reference_every,
                                "fp8_reference_check": fp8_reference_check, "fp8_nonfinite": fp8_nonfinite,
-                               "fp8_max_consecutive_skips": fp8_max_consecutive_skips}
+                               "fp8_max_consecutive_skips": fp8_max_consecutive_skips,
+                               "fp8_statistics": fp8_statistics}
         super().__init__(*args, **kwargs)
         settings = self.accelerator.fp8_settings
         if settings is not None and settings.reference_check is not None:

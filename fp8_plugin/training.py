@@ -25,6 +25,7 @@ from .quantizers import check_saved_state, is_scaling_state_key
 from .recipes import AutoRecipe, Recipe, check_recipe
 from .reference_check import ReferenceCheck, ReferenceChecker
 from .scaling_group import update_pending_scales
+from .statistics import FP8Statistics, StatisticsCollector
 
 __all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
 
@@ -60,19 +61,23 @@ class FP8Training:
         reference_check: the periodic BF16 reference checks (None: off).
         fault_policy: what a step with non-finite gradients does, and how many skipped steps
             in a row stop the run (None: ``FaultPolicy()``, skip with a warning, at most 25).
+        statistics: the per-layer FP8 statistics to sample (:mod:`fp8_plugin.statistics`;
+            None: off).
 
     Attributes:
         module: the converted model (None before :meth:`convert`).
         report: its :class:`~fp8_plugin.convert.ConversionReport`.
         reference: the :class:`~fp8_plugin.reference_check.ReferenceChecker` (None when off).
         faults: the :class:`~fp8_plugin.faults.FaultMonitor` (skipped steps, outliers reported).
+        statistics: the :class:`~fp8_plugin.statistics.StatisticsCollector` (None when off).
     """
 
     def __init__(self, recipe: Recipe, include: Patterns = None, exclude: Patterns = None,
                  compute_dtype: torch.dtype = torch.bfloat16,
                  amax_reduction_group: Optional["dist.ProcessGroup"] = None,
                  reference_check: Optional[ReferenceCheck] = None,
-                 fault_policy: Optional[FaultPolicy] = None) -> None:
+                 fault_policy: Optional[FaultPolicy] = None,
+                 statistics: Optional[FP8Statistics] = None) -> None:
         self.recipe = recipe
         self.include = include
         self.exclude = exclude
@@ -90,6 +95,7 @@ class FP8Training:
         self._layers_of: Optional[nn.Module] = None
         self.reference = ReferenceChecker(reference_check) if reference_check is not None else None
         self.faults = FaultMonitor(fault_policy if fault_policy is not None else FaultPolicy())
+        self.statistics = StatisticsCollector(statistics) if statistics is not None else None
         self.optimizer_steps = 0  # optimizer steps attempted, skipped ones included
 
     def convert(self, module: nn.Module) -> bool:
@@ -126,6 +132,8 @@ class FP8Training:
         """
         if torch.is_grad_enabled() and self._step is None:
             self._step = new_step_id()
+        if torch.is_grad_enabled() and self.statistics is not None and self.module is not None:
+            self.statistics.start_step(self.module, self.optimizer_steps + 1)
         return self._contexts(device_type, self._step)
 
     @contextlib.contextmanager
@@ -213,6 +221,16 @@ class FP8Training:
             update_pending_scales(self.module, self.amax_reducer())
         if self.reference is not None:
             self.reference.end_step()
+        if self.statistics is not None:
+            self.statistics.end_step(self.amax_reduction_group)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The figures of the reference checks (``fp8_ref/...``) and the sampled statistics
+        (``fp8_stats/...``) formed since the last call, once; empty when none were."""
+        metrics = self.reference.pop_metrics() if self.reference is not None else {}
+        if self.statistics is not None:
+            metrics.update(self.statistics.pop_metrics())
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """The settled FP8 state of the module (every rank must call it: it may reduce)."""

@@ -54,6 +54,8 @@ from torch import nn
 from ..convert import ConversionReport
 from ..recipes import Recipe
 from ..reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
+from ..statistics import METRIC_PREFIX as STATS_PREFIX
+from ..statistics import FP8Statistics, statistics_config
 from ..reference_report import with_written
 from ..training import FP8Training, Patterns
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
@@ -102,6 +104,10 @@ class Accelerator(_AccelerateAccelerator):
         fp8_max_consecutive_skips: stop when more than this many optimizer steps in a row were
             skipped (by the above or the loss scaler); 0: no limit; default 25. Also
             ``FP8Kwargs`` or the config key ``max_consecutive_skips``.
+        fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
+            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+            logged to the trackers (``accelerator.log``) as ``fp8_stats/...`` after each
+            sampled step. None: off.
         kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
             Accelerate's ``TERecipeKwargs`` or ``FP8RecipeKwargs`` (mapped field by field).
 
@@ -134,6 +140,7 @@ class Accelerator(_AccelerateAccelerator):
         fp8_reference_check: Optional[ReferenceCheck] = None,
         fp8_nonfinite: Optional[str] = None,
         fp8_max_consecutive_skips: Optional[int] = None,
+        fp8_statistics: Union[FP8Statistics, int, None] = None,
         kwargs_handlers: Optional[list] = None,
         **kwargs: Any,
     ) -> None:
@@ -147,8 +154,10 @@ class Accelerator(_AccelerateAccelerator):
             ("fp8_recipe", fp8_recipe), ("fp8_include", fp8_include), ("fp8_exclude", fp8_exclude),
             ("fp8_compute_dtype", fp8_compute_dtype), ("fp8_reference_every", fp8_reference_every),
             ("fp8_reference_check", fp8_reference_check), ("fp8_nonfinite", fp8_nonfinite),
-            ("fp8_max_consecutive_skips", fp8_max_consecutive_skips)) if value is not None}
+            ("fp8_max_consecutive_skips", fp8_max_consecutive_skips), ("fp8_statistics", fp8_statistics))
+            if value is not None}
         self.fp8_settings: Optional[FP8Settings] = None
+        self._fp8_statistics = statistics_config(fp8_statistics, "Accelerator", "fp8_statistics")
         if str(requested).lower() == "fp8":
             self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
                                                  fp8_handlers, os.environ, fp8_reference_every, fp8_reference_check,
@@ -298,14 +307,14 @@ class Accelerator(_AccelerateAccelerator):
         # After an optimizer step of ``runs``: the figures of the checks it ran, to the trackers
         # (main process only) and to fp8_reference_metrics().
         for run in runs:
-            metrics = run.reference.pop_metrics() if run.reference is not None else {}
+            metrics = run.pop_metrics()
             if not metrics:
                 continue
             if len(self.fp8_runs) > 1:
-                prefix = f"{METRIC_PREFIX}model{self.fp8_runs.index(run)}/"
-                metrics = {key.replace(METRIC_PREFIX, prefix, 1): value for key, value in metrics.items()}
+                index = self.fp8_runs.index(run)
+                metrics = {_model_key(key, index): value for key, value in metrics.items()}
             self._fp8_reference_pending.update(metrics)
-            self.log(metrics, step=run.reference.steps)
+            self.log(metrics, step=run.optimizer_steps)
 
     def _convert(self, obj: Any) -> None:
         settings = self.fp8_settings
@@ -317,7 +326,7 @@ class Accelerator(_AccelerateAccelerator):
             _check_not_sharded(settings, obj)
         run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype,
                           reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)),
-                          fault_policy=settings.fault_policy)
+                          fault_policy=settings.fault_policy, statistics=self._fp8_statistics)
         run.convert(obj)
         run.exclude_state_from_state_dict()
         self.fp8_runs.append(run)
@@ -326,6 +335,14 @@ class Accelerator(_AccelerateAccelerator):
         if self.is_main_process:
             log.info("FP8 layers:\n%s", run.report)
         _wrap_forward(obj, run, self.device.type, settings.use_autocast_during_eval)
+
+
+def _model_key(key: str, index: int) -> str:
+    # "fp8_ref/x" -> "fp8_ref/model<i>/x", "fp8_stats/x" -> "fp8_stats/model<i>/x" (several models).
+    for prefix in (METRIC_PREFIX, STATS_PREFIX):
+        if key.startswith(prefix):
+            return f"{prefix}model{index}/{key[len(prefix):]}"
+    return key
 
 
 def _indexed_reports(config: Optional[ReferenceCheck], index: int) -> Optional[ReferenceCheck]:

@@ -31,6 +31,7 @@ from ..convert import ConversionReport
 from ..faults import FaultPolicy, resolve_fault_policy
 from ..recipes import Recipe
 from ..reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from ..statistics import FP8Statistics, statistics_config
 from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
@@ -52,9 +53,10 @@ class _FP8Behaviour:
     def _init_fp8(self, recipe: Recipe, include: Patterns, exclude: Patterns, compute_dtype: torch.dtype,
                   amax_reduction_group: Optional["dist.ProcessGroup"], precision: str,
                   reference_check: Optional[ReferenceCheck] = None,
-                  fault_policy: Optional[FaultPolicy] = None) -> None:
+                  fault_policy: Optional[FaultPolicy] = None,
+                  statistics: Optional[FP8Statistics] = None) -> None:
         self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference_check,
-                               fault_policy)
+                               fault_policy, statistics)
         self._take_step = True
         self._summarised_steps = 0
         self.precision = precision  # type: ignore[assignment]
@@ -129,8 +131,7 @@ class _FP8Behaviour:
         trainer = getattr(model, "_trainer", None)
         if trainer is not None and trainer.loggers:
             metrics = self.fp8_metrics() if trainer.global_step % trainer.log_every_n_steps == 0 else {}
-            if self.fp8.reference is not None:
-                metrics.update(self.fp8.reference.pop_metrics())  # every check, whatever the interval
+            metrics.update(self.fp8.pop_metrics())  # every check and sample, whatever the interval
             if metrics and trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
@@ -310,9 +311,13 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
             :mod:`fp8_plugin.faults`.
         max_consecutive_skips: stop when more than this many optimizer steps in a row were
             skipped (by ``nonfinite="skip"`` or the loss scaler); 0: no limit; default 25.
+        statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
+            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+            logged to the Trainer's loggers as ``fp8_stats/...``. None: off.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
+        TypeError: ``recipe`` is not a Recipe, ``reference_check`` not a ReferenceCheck, or
+            ``statistics`` none of the valid types.
         ValueError: ``compute_dtype`` is not one of the valid ones, ``loss_scaling=False``
             with ``scaler``, ``reference_every`` negative or contradicting ``reference_check``,
             an unknown ``nonfinite`` or a negative ``max_consecutive_skips``.
@@ -340,8 +345,10 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         reference_check: Optional[ReferenceCheck] = None,
         nonfinite: Optional[str] = None,
         max_consecutive_skips: Optional[int] = None,
+        statistics: Union[FP8Statistics, int, None] = None,
     ) -> None:
         recipe = check_arguments("FP8Precision", recipe, compute_dtype)
+        stats = statistics_config(statistics, "FP8Precision")
         reference = resolve_reference_check(reference_every, reference_check, "FP8Precision")
         faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
         if loss_scaling is False and scaler is not None:
@@ -351,7 +358,8 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
             scaler = torch.amp.GradScaler(device=device)
         # Lightning's MixedPrecision runs the scaler ("16-mixed") or nothing ("bf16-mixed").
         super().__init__("16-mixed" if scaler is not None else "bf16-mixed", device=device, scaler=scaler)
-        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference, faults)
+        self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference, faults,
+                       stats)
 
     @override
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
