@@ -397,9 +397,8 @@ class FP8FSDPPrecision(_FP8Behaviour, FSDPPrecision):
     ``ShardedGradScaler``.
 
     Args:
-        recipe, include, exclude, compute_dtype, precision, amax_reduction_group, nonfinite,
-            max_consecutive_skips: as :class:`FP8Precision` (``compute_dtype`` float32 means no
-            autocast).
+        recipe, include, exclude, compute_dtype, precision, amax_reduction_group, nonfinite, max_consecutive_skips: as
+            :class:`FP8Precision` (``compute_dtype`` float32 means no autocast).
         scaler: a ``ShardedGradScaler``; default one for float16, none otherwise.
 
     Raises:
