@@ -11,6 +11,7 @@ from typing import Any
 
 from .autocast import autocast, is_fp8_enabled, update_pending_scales
 from .convert import ConversionReport, convert_model, split_fp8_state, too_small_for_fp8
+from .export import export
 from .faults import FaultPolicy, FP8NonFiniteError
 from .device import DeviceReport, auto_recipe, describe_device
 from .formats import Format
@@ -51,6 +52,7 @@ __all__ = [
     "convert_model",
     "ConversionReport",
     "split_fp8_state",
+    "export",
     "too_small_for_fp8",
     "FaultPolicy",
     "FP8Statistics",
