@@ -35,6 +35,8 @@ class _FP8Context:
     reduce_amax: Optional[AmaxReducer] = None
     # Unique id of the training step (outermost enabled entry with grad on); None outside one.
     step: Optional[int] = None
+    # Inside a training step (step is not None): what compiled code reads, never the id itself.
+    training: bool = False
     # Inside a high-precision replay: the dtype FP8 layers compute their GEMMs in (None: as nn.Linear).
     reference_dtype: Optional[torch.dtype] = None
 
@@ -49,21 +51,21 @@ _local = _Local()
 _step_ids = itertools.count()  # unique across threads: a model moved between threads still updates
 
 
-# FP8 forwards run by compiled code: torch.compile replays a compiled region's changes to plain
-# objects such as this dict, but not to a threading.local (whose count would stay at zero).
-_compiled_forwards = {"count": 0}
+# Set by FP8 forwards in compiled code. torch.compile replays a compiled region's writes to plain
+# objects such as this dict, but not to a threading.local; and it writes a constant, because a
+# value read in compiled code (a count) would be guarded on and recompile the graph every step.
+_compiled_forwards: dict[str, bool] = {}
+# The step id of training contexts entered in compiled code: a fresh id per step would be a new
+# constant of the graph every step. Compiled FP8 forwards never compare step ids.
+COMPILED_STEP = -1
 
 
 def note_fp8_forward() -> None:
-    """Count an FP8 forward (called by FP8 layers): on this thread, or in compiled code."""
+    """Note an FP8 forward (called by FP8 layers): counted on this thread, or flagged in compiled code."""
     if torch.compiler.is_compiling():
-        _compiled_forwards["count"] += 1
+        _compiled_forwards["ran"] = True
     else:
         _local.fp8_forwards += 1
-
-
-def _fp8_forward_count() -> int:
-    return _local.fp8_forwards + _compiled_forwards["count"]
 
 
 _warned_no_fp8 = False
@@ -141,11 +143,19 @@ def autocast(
     check_recipe(recipe, "autocast")
     recipe = resolve_recipe(recipe)
     outer = _local.context
+    compiling = torch.compiler.is_compiling()
     # An outermost training context that runs no FP8 layer is a mistake (an unconverted model).
-    watch = enabled and not outer.enabled and torch.is_grad_enabled()
-    forwards = _fp8_forward_count()
+    watch = enabled and not outer.enabled and torch.is_grad_enabled() and not compiling
+    forwards = _local.fp8_forwards
+    if watch:
+        _compiled_forwards.pop("ran", None)
     if enabled and not outer.enabled:
-        step = (step if step is not None else next(_step_ids)) if torch.is_grad_enabled() else None
+        if not torch.is_grad_enabled():
+            step = None
+        elif compiling:
+            step = COMPILED_STEP
+        elif step is None:
+            step = next(_step_ids)
     else:
         step = outer.step
     _local.context = _FP8Context(
@@ -153,12 +163,13 @@ def autocast(
         recipe=recipe if recipe is not None else (outer.recipe if enabled else None),
         reduce_amax=reduce_amax if reduce_amax is not None else outer.reduce_amax,
         step=step,
+        training=step is not None,
     )
     try:
         yield
     finally:
         _local.context = outer
-    if watch and _fp8_forward_count() == forwards:
+    if watch and _local.fp8_forwards == forwards and not _compiled_forwards.pop("ran", False):
         _warn_no_fp8_layer()
 
 

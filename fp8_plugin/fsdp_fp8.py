@@ -122,7 +122,7 @@ class FP8AllGatherWeight(torch.Tensor):
             padded[: data.shape[0]].copy_(data)
             data = padded
         context = current_context()
-        if context.enabled and context.step is not None and torch.is_grad_enabled():
+        if context.enabled and context.training and torch.is_grad_enabled():
             layer.fp8_state.observe_current(WEIGHT, amax, scale)  # statistics of a training gather
         return (data,), (divide(1.0, scale),)
 

@@ -239,7 +239,7 @@ class FP8Linear(nn.Linear):
         if torch.is_grad_enabled() and in_backward_pass() and self._forward_context is not None:
             return self._recompute(x, self._forward_context)
         context = current_context()
-        training = context.step is not None
+        training = context.training
         recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
         if recipe is None:
             self._forward_context = _ForwardContext(None, training, None)
@@ -256,9 +256,12 @@ class FP8Linear(nn.Linear):
                 "torch.autocast"
             )
         group = self.scaling_group
-        if training and group.step != context.step:
+        if training and not torch.compiler.is_compiling() and group.step != context.step:
             # First FP8 forward of a training step: last step's amaxes become scales (all the
-            # group's layers, one amax reduction), before this forward casts with them.
+            # group's layers, one amax reduction), before this forward casts with them. Not in
+            # compiled code: a decision on a step id that changes every step would recompile
+            # the graph every step; there the loop applies them after the optimizer step
+            # (fp8_plugin.update_pending_scales; the integrations do it themselves).
             group.step = context.step
             group.update(context.reduce_amax, context.recipe)
         self._forward_context = _ForwardContext(recipe, training, group.step)

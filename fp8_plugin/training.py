@@ -130,6 +130,11 @@ class FP8Training:
         Args:
             device_type: the autocast device; None means the converted module's device.
         """
+        if torch.compiler.is_compiling():
+            # Traced (a forward wrapped in this context, then compiled): no per-step value may
+            # enter the graph, or it recompiles every step. Scales are settled after each
+            # optimizer step; statistics are sampled where the context is entered eagerly.
+            return self._contexts(device_type, None)
         if torch.is_grad_enabled() and self._step is None:
             self._step = new_step_id()
         if torch.is_grad_enabled() and self.statistics is not None and self.module is not None:
