@@ -1,0 +1,104 @@
+"""What every section of the suite shares: the device, clocks, peak memory, the environment."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import fp8_plugin
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The recipes measured side by side, by the names the tables use.
+RECIPES: dict[str, Callable[[], fp8_plugin.Recipe]] = {
+    "delayed": fp8_plugin.DelayedScaling,
+    "current": fp8_plugin.Float8CurrentScaling,
+    "mxfp8": fp8_plugin.MXFP8BlockScaling,
+    "blockwise": fp8_plugin.Float8BlockScaling,
+}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what the last measurement left behind and restart the peak-memory counter."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> Optional[int]:
+    """The most memory torch held on the GPU since :func:`release_memory` (None on CPU: torch
+    counts no allocations there)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds ``fn()`` takes, the device's queued work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model (``lscpu``) with its core count and torch's threads."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    model = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def git_commit() -> str:
+    """The checkout's short commit, with ``-dirty`` when tracked files differ from it;
+    ``unknown`` outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
+def environment(device: torch.device) -> dict:
+    """Device, versions, commit, date and command line of this run."""
+    from fp8_plugin.device import bf16_matmul_is_fast
+
+    bf16_fast, bf16_why = bf16_matmul_is_fast(device.type)
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "bf16_matmul_fast": bf16_fast,
+        "bf16_matmul": bf16_why,
+    }
