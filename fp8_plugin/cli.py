@@ -25,7 +25,7 @@ import typer
 
 from .precision_strings import PRECISION_STRINGS
 
-__all__ = ["app", "main", "RECIPE_NAMES", "flop_share", "sqnr_db"]
+__all__ = ["app", "main", "RECIPE_NAMES", "flop_share"]
 
 # "--recipe" values: "auto" (the best native recipe for the device, HYBRID: what "fp8-hybrid"
 # means) and the precision strings of fp8_plugin.precision_strings.
@@ -269,15 +269,6 @@ def flop_share(layers: list) -> tuple[int, int, float]:
     return fp8, total, (fp8 / total if total else 0.0)
 
 
-def sqnr_db(signal: float, noise: float) -> float:
-    """``10 log10(signal / noise)`` in dB; ``inf`` for an exact output, ``-inf`` for a zero signal."""
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
-
-
 def _sample_inputs(path: Path, config: Any, text: Optional[str], seq_len: int, seed: int, device: Any):
     """One sequence of at most ``seq_len`` tokens: ``text`` (repeated to fill ``seq_len``) through the
     folder's tokenizer when there is one, else seeded random token ids of the config's vocabulary."""
@@ -331,25 +322,25 @@ def _quantization_errors(model: Any, inputs: dict, progress: Any) -> tuple[dict[
     import torch
 
     from .linear import FP8Linear
+    from .reference_check import sqnr_db, sqnr_hook
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear) and m.use_fp8]
-    energies = {name: [0.0, 0.0] for name, _ in layers}
+    device = next(model.parameters()).device
+    energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=device)  # signal, noise
     task = progress.add_task("quantization error per FP8 layer", total=len(layers))
     done: set[str] = set()
 
-    def hook_for(name: str):
+    def progress_for(name: str):
         def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
-            with torch.no_grad():
-                fp8_out = layer._fp8_forward(args[0].detach(), layer.recipe, record_forward=False, record_backward=False)
-                reference = output.detach().to(torch.float64)
-                energies[name][0] += float(reference.square().sum())
-                energies[name][1] += float((fp8_out.to(torch.float64) - reference).square().sum())
             if name not in done:
                 done.add(name)
                 progress.advance(task)
         return hook
 
-    handles = [layer.register_forward_hook(hook_for(name)) for name, layer in layers]
+    handles = []
+    for i, (name, layer) in enumerate(layers):
+        handles.append(layer.register_forward_hook(sqnr_hook(energies[i], layer.recipe)))
+        handles.append(layer.register_forward_hook(progress_for(name)))
     try:
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
@@ -357,7 +348,8 @@ def _quantization_errors(model: Any, inputs: dict, progress: Any) -> tuple[dict[
     finally:
         for handle in handles:
             handle.remove()
-    result = {name: sqnr_db(*energies[name]) for name, _ in layers if name in done}
+    values = energies.tolist()
+    result = {name: sqnr_db(*values[i]) for i, (name, _) in enumerate(layers) if name in done}
     return result, _warning_lines(caught)
 
 

@@ -56,6 +56,8 @@ __all__ = [
     "resolve_reference_check",
     "output_loss",
     "capture_rng_state",
+    "sqnr_hook",
+    "sqnr_db",
 ]
 
 POLICIES = ("log", "warn", "fallback", "raise")
@@ -365,7 +367,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             recipes = {name: layer._forward_context.recipe if layer._forward_context else None
                        for name, layer in layers}
             energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=loss_fp8.device)
-            handles = [layer.register_forward_hook(_sqnr_hook(energies[i], recipes[name]))
+            handles = [layer.register_forward_hook(sqnr_hook(energies[i], recipes[name]))
                        for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
             try:
                 loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None,
@@ -394,7 +396,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     sqnr = {}
     for i, (name, _) in enumerate(layers):
         if recipes[name] is not None:
-            sqnr[name] = _sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
+            sqnr[name] = sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
     totals = [0.0, 0.0, 0.0, 0.0]
     param_figures = {}
     for i, name in enumerate(names):
@@ -447,7 +449,11 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     return loss.detach().float(), grads
 
 
-def _sqnr_hook(energy: torch.Tensor, recipe: Recipe) -> Callable:
+def sqnr_hook(energy: torch.Tensor, recipe: Recipe) -> Callable:
+    """A forward hook for an FP8 layer running in high precision: adds the signal energy of its
+    output, ``sum y^2``, to ``energy[0]`` and the energy of its FP8 output's error under
+    ``recipe``, ``sum (y_fp8 - y)^2``, to ``energy[1]`` (``energy``: float64 ``[2]``, no host
+    sync). The FP8 output is computed from the same input, recording nothing."""
     def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled() and in_backward_pass():
             return  # an activation-checkpoint recomputation: this forward was counted already
@@ -479,7 +485,8 @@ def _rel_error(ref2: float, diff2: float) -> float:
     return math.sqrt(diff2 / ref2)
 
 
-def _sqnr_db(signal: float, noise: float) -> float:
+def sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)`` in dB; ``inf`` for an exact output, ``-inf`` for a zero signal."""
     if noise == 0:
         return math.inf
     if signal == 0:
