@@ -31,9 +31,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))  # fp8_plugin from this checkout
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -54,32 +53,7 @@ from fp8_plugin.data import bbc_news_path, minilm_path  # noqa: E402
 from fp8_plugin.device import recipe_name  # noqa: E402
 from fp8_plugin.lightning import FP8Precision  # noqa: E402
 from fp8_plugin.precision_strings import settings_for_loop  # noqa: E402
-
-
-def device_name(accelerator: str) -> str:
-    """The GPU's name, or the CPU model (``/proc/cpuinfo``) with its logical core count."""
-    if accelerator != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"
-
-
-def git_commit() -> str:
-    """The checkout's commit (short), with ``+changes`` when tracked files differ from it."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
-        return commit + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from fp8_suite.common import device_name, git_commit, write_report  # noqa: E402  (benchmarks/)
 
 
 class StepClock(L.Callback):
@@ -281,7 +255,7 @@ def main(argv=None) -> dict:
         repeats.append(figures(off, on, args.warmup, default_every))
         print(f"repeat {repeat + 1}: {json.dumps(repeats[-1])}", flush=True)
     report = {
-        "device": device_name(args.accelerator),
+        "device": device_name(torch.device("cuda" if args.accelerator != "cpu" and torch.cuda.is_available() else "cpu")),
         "torch": torch.__version__,
         "commit": commit,
         "date": datetime.date.today().isoformat(),
@@ -292,12 +266,7 @@ def main(argv=None) -> dict:
         "repeats": repeats,
         "runs": runs,
     }
-    table = markdown(report)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1, default=str))
-    args.output.with_suffix(".md").write_text(table)
-    print(table)
-    print(f"written: {args.output} and {args.output.with_suffix('.md')}")
+    write_report(args.output, report, markdown(report))
     return report
 
 

@@ -25,7 +25,6 @@ table (device, torch, commit, date, command line, targets), and prints the table
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,7 +41,7 @@ import transformers  # noqa: E402
 
 import fp8_plugin  # noqa: E402
 from fp8_suite import bookkeeping, layers, models, report, saved_bytes  # noqa: E402  (benchmarks/)
-from fp8_suite.common import RECIPES, environment  # noqa: E402
+from fp8_suite.common import RECIPES, environment, write_report  # noqa: E402
 
 SECTIONS = ("layer", "model", "bookkeeping", "memory")
 # Per device type: timed layer iterations and model steps, untimed ones before them, the
@@ -164,12 +163,7 @@ def main(argv=None) -> dict:
     settings = {k: v for k, v in vars(args).items() if k != "output"}
     out = {"environment": env, "settings": settings, **results}
     out["targets"] = report.targets(out, auto_variant(device))
-    table = report.markdown(out)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(out, indent=1, default=str))
-    args.output.with_suffix(".md").write_text(table)
-    print(table)
-    print(f"written: {args.output} and {args.output.with_suffix('.md')}")
+    write_report(args.output, out, report.markdown(out))
     return out
 
 

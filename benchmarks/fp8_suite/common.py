@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import platform
 import shlex
@@ -84,6 +85,16 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("-dirty" if dirty else "")
+
+
+def write_report(output: Path, data: dict, table: str) -> None:
+    """Write ``data`` as JSON to ``output`` and ``table`` (markdown) next to it as ``.md``, and
+    print the table and where both went."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(data, indent=1, default=str))
+    output.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"written: {output} and {output.with_suffix('.md')}")
 
 
 def environment(device: torch.device) -> dict:
