@@ -268,7 +268,7 @@ class FP8Training:
 
     def metrics(self) -> dict[str, float]:
         """Layer count, min/max scale and non-finite amaxes of the FP8 layers (one host sync)."""
-        layers = [m for m in (self.module.modules() if self.module else ()) if isinstance(m, FP8Linear)]
+        layers = self._fp8_layers() if self.module is not None else []
         if not layers:
             return {}
         scales = torch.stack([m.fp8_state.scale for m in layers])
