@@ -49,10 +49,10 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import fp8_plugin  # noqa: E402
 from finetune_classifier import Classifier, make_loaders  # noqa: E402  (examples/)
-from fp8_plugin.data import bbc_news_path, minilm_path  # noqa: E402
-from fp8_plugin.device import recipe_name  # noqa: E402
+from fp8_plugin.tools.data import bbc_news_path, minilm_path  # noqa: E402
+from fp8_plugin.numerics.device import recipe_name  # noqa: E402
 from fp8_plugin.lightning import FP8Precision  # noqa: E402
-from fp8_plugin.precision_strings import settings_for_loop  # noqa: E402
+from fp8_plugin.training.precision_strings import settings_for_loop  # noqa: E402
 from fp8_suite.common import device_name, git_commit, write_report  # noqa: E402  (benchmarks/)
 
 

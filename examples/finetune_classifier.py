@@ -42,9 +42,9 @@ from transformers import (  # noqa: E402
 )
 
 import fp8_plugin  # noqa: E402,F401  (registers precision="fp8-*")
-from fp8_plugin.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
-from fp8_plugin.device import bf16_matmul_is_fast  # noqa: E402
-from fp8_plugin.precision_strings import PRECISION_STRINGS, settings_for_loop  # noqa: E402
+from fp8_plugin.tools.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
+from fp8_plugin.numerics.device import bf16_matmul_is_fast  # noqa: E402
+from fp8_plugin.training.precision_strings import PRECISION_STRINGS, settings_for_loop  # noqa: E402
 
 
 class Classifier(L.LightningModule):

@@ -2,26 +2,33 @@
 
 Importing the package does not import Lightning: it arranges for the Lightning precision strings
 (``"fp8-hybrid"``, ``"fp8-e4m3"``, the recipe strings) to be registered when Lightning is
-imported (see :mod:`fp8_plugin.lightning_hook`). ``fp8_plugin.FP8Precision`` and
-``fp8_plugin.FP8FSDPPrecision`` import Lightning when first used.
+imported (see :mod:`fp8_plugin.lightning.import_hook`). ``fp8_plugin.FP8Precision`` and
+``fp8_plugin.FP8FSDPPrecision`` import Lightning when first used, and so do the loop adapters'
+packages ``fp8_plugin.lightning``, ``fp8_plugin.fabric``, ``fp8_plugin.accelerate`` and
+``fp8_plugin.hf_trainer``: each is imported on first attribute access (PEP 562).
+
+The package's folders are its layers (docs/design.md): ``numerics`` (formats, recipes, scaling,
+quantizers, GEMMs), ``modules`` (the FP8 layer, autocast, the model swap), ``training`` (the
+loop-neutral core and its services), one folder per loop adapter, ``tools``, and ``_private``
+(the private APIs of other libraries). Imports point down that list, never up.
 """
 
+import importlib
 from typing import Any
 
-
-from .autocast import autocast, is_fp8_enabled, update_pending_scales
-from .convert import ConversionReport, convert_model, split_fp8_state, too_small_for_fp8
-from .export import export
-from .faults import FaultPolicy, FP8NonFiniteError
-from .device import DeviceReport, auto_recipe, describe_device
-from .formats import Format
-from .fsdp_fp8 import enable_fp8_all_gather
-from .distributed import amax_reducer
-from .lightning_hook import install as _install_lightning_hook
-from .linear import FP8Linear
-from .reference_check import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
-from .statistics import FP8Statistics
-from .recipes import (
+from .lightning.import_hook import install as _install_lightning_hook
+from .modules.autocast import autocast, is_fp8_enabled, update_pending_scales
+from .modules.convert import ConversionReport, convert_model, split_fp8_state, too_small_for_fp8
+from .modules.fsdp_fp8 import enable_fp8_all_gather
+from .modules.linear import FP8Linear
+from .numerics.device import DeviceReport, auto_recipe, describe_device
+from .numerics.formats import Format
+from .tools.export import export
+from .training.distributed import amax_reducer
+from .training.faults import FaultPolicy, FP8NonFiniteError
+from .training.reference_check import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
+from .training.statistics import FP8Statistics
+from .numerics.recipes import (
     AutoRecipe,
     DelayedScaling,
     Float8BlockScaling,
@@ -67,8 +74,10 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# The Lightning names, imported on first use (PEP 562).
+# The Lightning names and the loop adapters' packages, imported on first use (PEP 562): each
+# imports its training library, which `import fp8_plugin` must not.
 _LIGHTNING_NAMES = ("FP8Precision", "FP8FSDPPrecision", "register_precision_strings")
+_ADAPTER_PACKAGES = ("lightning", "fabric", "accelerate", "hf_trainer")
 
 
 def __getattr__(name: str) -> Any:
@@ -76,11 +85,13 @@ def __getattr__(name: str) -> Any:
         from . import lightning
 
         return getattr(lightning, name)
+    if name in _ADAPTER_PACKAGES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fp8_plugin' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LIGHTNING_NAMES))
+    return sorted(set(globals()) | set(_LIGHTNING_NAMES) | set(_ADAPTER_PACKAGES))
 
 
 _install_lightning_hook()

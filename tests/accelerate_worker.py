@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import fp8_plugin.linear
+import fp8_plugin.modules.linear
 from amax_reductions import MAX_ALL_REDUCES  # counts every amax all-reduce
 from fp8_plugin.accelerate import Accelerator
-from fp8_plugin.linear import FP8Linear
+from fp8_plugin.modules.linear import FP8Linear
 
 FP8_GEMMS = [0]
-_fp8_gemm = fp8_plugin.linear.fp8_gemm
+_fp8_gemm = fp8_plugin.modules.linear.fp8_gemm
 
 
 def _counting_gemm(*args, **kwargs):
@@ -28,7 +28,7 @@ def _counting_gemm(*args, **kwargs):
     return _fp8_gemm(*args, **kwargs)
 
 
-fp8_plugin.linear.fp8_gemm = _counting_gemm
+fp8_plugin.modules.linear.fp8_gemm = _counting_gemm
 
 
 class Net(nn.Sequential):

@@ -16,8 +16,8 @@ import torch.distributed as dist  # noqa: E402
 
 import fp8_plugin  # noqa: E402
 from fp8_plugin import FP8Linear, FP8Statistics  # noqa: E402
-from fp8_plugin.autocast import new_step_id  # noqa: E402
-from fp8_plugin.statistics import StatisticsCollector  # noqa: E402
+from fp8_plugin.modules.autocast import new_step_id  # noqa: E402
+from fp8_plugin.training.statistics import StatisticsCollector  # noqa: E402
 
 
 def main(out: Path) -> None:
@@ -28,7 +28,7 @@ def main(out: Path) -> None:
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 + rank)) * (1 + 3 * rank)
     collector = StatisticsCollector(FP8Statistics(every=1))
     collector.start_step(layer, 1)
-    with fp8_plugin.autocast(step=new_step_id()):
+    with fp8_plugin.modules.autocast(step=new_step_id()):
         layer(x).sum().backward()
     collector.end_step()
     torch.save({"metrics": collector.pop_metrics(), "x": x}, out / f"rank{rank}.pt")

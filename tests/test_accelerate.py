@@ -18,7 +18,7 @@ from torch import nn
 
 import fp8_plugin as fp
 from fp8_plugin.accelerate import Accelerator, FP8Kwargs
-from fp8_plugin.linear import FP8Linear
+from fp8_plugin.modules.linear import FP8Linear
 from reference import count_fp8_gemms
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
@@ -378,7 +378,7 @@ def test_before_step_hooks_run_once_per_optimizer_step_with_its_gradients_and_we
         assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, want))
 
 
-# BF16 reference checks (fp8_plugin.reference_check) through the Accelerator.
+# BF16 reference checks (fp8_plugin.training.reference_check) through the Accelerator.
 
 
 def tiny_gpt2():

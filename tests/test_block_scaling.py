@@ -1,4 +1,4 @@
-"""fp8_plugin/block_scaling.py and the block recipes against references written from the specs."""
+"""fp8_plugin/numerics/block_scaling.py and the block recipes against references written from the specs."""
 
 import copy
 import math
@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fp8_plugin as fp
-from fp8_plugin.quantizers import INPUT, BlockQuantizer, ScalingState
-from fp8_plugin.recipes import Float8BlockScaling, MXFP8BlockScaling, QParams
+from fp8_plugin.numerics.quantizers import INPUT, BlockQuantizer, ScalingState
+from fp8_plugin.numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, QParams
 from reference import DEVICES, MAX, train_losses
 
 E4M3 = torch.float8_e4m3fn

@@ -1,4 +1,4 @@
-"""The ``fp8-plugin`` command line (fp8_plugin/cli.py): inspect, devices, export, user errors."""
+"""The ``fp8-plugin`` command line (fp8_plugin/tools/cli.py): inspect, devices, export, user errors."""
 
 import importlib.util
 import json
@@ -13,9 +13,9 @@ import torch
 from typer.testing import CliRunner
 
 from fp8_plugin import convert_model
-from fp8_plugin.cli import app
-from fp8_plugin.data import minilm_path
-from fp8_plugin.recipes import AutoRecipe
+from fp8_plugin.tools.cli import app
+from fp8_plugin.tools.data import minilm_path
+from fp8_plugin.numerics.recipes import AutoRecipe
 
 runner = CliRunner()
 
@@ -77,7 +77,7 @@ def _check_sqnr(out: dict) -> list[float]:
 
 def test_entry_point_runs():
     script = Path(sys.executable).with_name("fp8-plugin")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "fp8_plugin.cli"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "fp8_plugin.tools.cli"]
     done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for name in ("inspect", "devices", "export"):
@@ -176,15 +176,15 @@ def tiny_bert(tmp_path_factory) -> Path:
     return path
 
 
-_EXPORT_MISSING = importlib.util.find_spec("fp8_plugin.export") is None
-needs_export = pytest.mark.skipif(_EXPORT_MISSING, reason="fp8_plugin/export.py (fp8_plugin.export.export) is not "
+_EXPORT_MISSING = importlib.util.find_spec("fp8_plugin.tools.export") is None
+needs_export = pytest.mark.skipif(_EXPORT_MISSING, reason="fp8_plugin/tools/export.py (fp8_plugin.tools.export.export) is not "
                                   "in this checkout")
 
 
 @needs_export
 @pytest.mark.parametrize("fmt, model", [("hf", "gpt2"), ("hf", "bert"), ("hf-fp8", "bert")])
 def test_export(tiny_gpt2, tiny_bert, tmp_path, fmt, model):
-    # Loading the checkpoints back is tested with fp8_plugin.export itself; here: the command ran.
+    # Loading the checkpoints back is tested with fp8_plugin.tools.export itself; here: the command ran.
     out_dir = tmp_path / fmt
     result = _run("export", tiny_gpt2 if model == "gpt2" else tiny_bert, out_dir, "--format", fmt)
     assert result.exit_code == 0, result.output

@@ -35,7 +35,7 @@ def _fresh_dynamo():
 
 def _train_step(layer: torch.nn.Module, recipe):
     def step(x: torch.Tensor) -> torch.Tensor:
-        with fp8_plugin.autocast(recipe=recipe):
+        with fp8_plugin.modules.autocast(recipe=recipe):
             y = layer(x)
         return (y.float() ** 2).mean()
 
@@ -78,7 +78,7 @@ def test_fp8_linear_evaluation_compiles_whole(recipe):
     layer = FP8Linear(128, 64, recipe=recipe)
 
     def evaluate(x):
-        with fp8_plugin.autocast(recipe=recipe):
+        with fp8_plugin.modules.autocast(recipe=recipe):
             return layer(x)
 
     x = torch.randn(32, 128)
@@ -104,7 +104,7 @@ def test_a_converted_transformers_model_compiles_whole_forward_and_backward():
     assert report is not None
 
     def step(input_ids):
-        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.modules.autocast():
             return model(input_ids=input_ids, labels=input_ids).loss
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
@@ -144,7 +144,7 @@ def test_lightning_trains_a_fullgraph_compiled_module_in_fp8():
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     torch._dynamo.utils.counters.clear()
-    sys.modules["fp8_plugin.autocast"]._warned_no_fp8 = False
+    sys.modules["fp8_plugin.modules.autocast"]._warned_no_fp8 = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(compiled, DataLoader(TensorDataset(torch.randn(160, 32)), batch_size=16))

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fp8_plugin as fp
 from fp8_plugin.lightning import FP8Precision
-from fp8_plugin.recipes import MAX_AMAX_HISTORY_LEN, MAX_MARGIN
+from fp8_plugin.numerics.recipes import MAX_AMAX_HISTORY_LEN, MAX_MARGIN
 from lightning_modules import CountingMLP
 
 
@@ -82,7 +82,7 @@ def test_pattern_error_reaches_a_lightning_run_before_any_step():
 
 
 def test_autocast_around_an_unconverted_model_warns_once():
-    autocast_module = sys.modules["fp8_plugin.autocast"]  # the attribute fp8_plugin.autocast is the function
+    autocast_module = sys.modules["fp8_plugin.modules.autocast"]  # the attribute fp8_plugin.modules.autocast is the function
     autocast_module._warned_no_fp8 = False
     model = _mlp()
     with pytest.warns(UserWarning, match=r"no FP8 layer ran: the model runs in high precision\. Convert it first"):

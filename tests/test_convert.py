@@ -1,4 +1,4 @@
-"""fp8_plugin/convert.py: the Hugging Face layer swap on BERT, GPT-2 and Llama configs."""
+"""fp8_plugin/modules/convert.py: the Hugging Face layer swap on BERT, GPT-2 and Llama configs."""
 
 import copy
 from collections import OrderedDict

@@ -1,4 +1,4 @@
-"""fp8_plugin/export.py: vanilla and fine-grained FP8 Hugging Face checkpoints, loaded back by transformers."""
+"""fp8_plugin/tools/export.py: vanilla and fine-grained FP8 Hugging Face checkpoints, loaded back by transformers."""
 
 import contextlib
 import json
@@ -26,8 +26,8 @@ from transformers import (
 
 import fp8_plugin as fp
 from fp8_plugin import FP8Linear
-from fp8_plugin.data import minilm_path
-from fp8_plugin.export import export
+from fp8_plugin.tools.data import minilm_path
+from fp8_plugin.tools.export import export
 
 VOCAB = 128
 E4M3_MAX = 448.0
@@ -71,7 +71,7 @@ def train_in_fp8(model, steps=2):
 
 
 def outputs(model, data):
-    """High-precision outputs (outside fp8_plugin.autocast), in eval mode."""
+    """High-precision outputs (outside fp8_plugin.modules.autocast), in eval mode."""
     model.eval()
     with torch.no_grad():
         out = model(input_ids=data["input_ids"])

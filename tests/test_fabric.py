@@ -1,4 +1,4 @@
-"""fp8_plugin/fabric.py: Lightning Fabric with FP8, single process, real Fabric on CPU."""
+"""fp8_plugin/fabric/precision.py: Lightning Fabric with FP8, single process, real Fabric on CPU."""
 
 import lightning as L
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fp8_plugin as fp
-from fp8_plugin.convert import fp8_state_dict
+from fp8_plugin.modules.convert import fp8_state_dict
 from fp8_plugin.fabric import FP8Precision
 from reference import count_fp8_gemms
 
@@ -45,7 +45,7 @@ def test_fabric_precision_string_trains_in_fp8_like_the_plain_pytorch_loop():
     # layer's: its input needs none) and wgrad, every step.
     assert gemms.count == STEPS * (3 + 2)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    # The same step written by hand: BF16 autocast, fp8_plugin.autocast, settle after the step.
+    # The same step written by hand: BF16 autocast, fp8_plugin.modules.autocast, settle after the step.
     ref = _mlp()
     fp.convert_model(ref)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)

@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import fp8_plugin as fp
 import fp8_plugin.fabric  # noqa: F401  (fp.fabric)
 from fp8_plugin import FP8Linear
-from fp8_plugin.faults import FaultPolicy, FP8NonFiniteError
+from fp8_plugin.training.faults import FaultPolicy, FP8NonFiniteError
 from fp8_plugin.lightning import FP8Precision
-from fp8_plugin.quantizers import GRAD_OUTPUT, INPUT
+from fp8_plugin.numerics.quantizers import GRAD_OUTPUT, INPUT
 from reference import count_fp8_gemms
 
 TRAINER = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -408,7 +408,7 @@ def test_fabric_skips_the_step_on_non_finite_gradients():
 def test_finite_gradients_whose_sum_overflows_are_not_mistaken_for_bad_ones():
     # The per-step test sums each gradient (cheap); 4 x 1e38 overflows float32 although every
     # value is finite, so a flagged step is confirmed element by element before it is skipped.
-    from fp8_plugin.faults import FaultMonitor
+    from fp8_plugin.training.faults import FaultMonitor
 
     model = nn.Sequential(nn.Linear(16, 16))
     fp.convert_model(model)

@@ -1,4 +1,4 @@
-"""FP8 all-gather of FSDP2-sharded weights (fp8_plugin.fsdp_fp8).
+"""FP8 all-gather of FSDP2-sharded weights (fp8_plugin.modules.fsdp_fp8).
 
 The 2-rank test runs tests/fsdp_fp8_worker.py under torchrun (gloo, CPU). Under current scaling
 a weight's scale comes from the whole weight's amax either way, so gathering the FP8 cast of each
@@ -12,7 +12,7 @@ from torch import nn
 
 import fp8_plugin
 from fp8_plugin import FP8Linear
-from fp8_plugin.fsdp_fp8 import FP8GatheredWeight
+from fp8_plugin.modules.fsdp_fp8 import FP8GatheredWeight
 from test_distributed import run_worker_script
 
 
@@ -44,10 +44,10 @@ def test_an_fp8_gathered_weight_is_the_gemm_operand_and_dequantizes_for_other_op
     expected_weight = data.float() * scale_inv
     assert torch.equal(gathered + 0, expected_weight)  # any other op sees data * scale_inv
     x = torch.randn(16, 64)
-    with fp8_plugin.autocast():
+    with fp8_plugin.modules.autocast():
         reference = layer(x)  # casts its own weight with the same scale
     layer.weight = nn.Parameter(gathered)
-    with fp8_plugin.autocast():
+    with fp8_plugin.modules.autocast():
         got = layer(x.clone().requires_grad_())
     assert torch.equal(got.detach(), reference.detach())
     got.sum().backward()

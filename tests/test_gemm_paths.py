@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fp8_plugin as fp
-from fp8_plugin.autocast import get_fp8_recipe
-from fp8_plugin import gemm
-from fp8_plugin.device import _CPU_PAIRINGS, recipe_gemm_kind, resolve_recipe
-from fp8_plugin.gemm import (
+from fp8_plugin.modules.autocast import get_fp8_recipe
+from fp8_plugin.numerics import gemm
+from fp8_plugin.numerics.device import _CPU_PAIRINGS, recipe_gemm_kind, resolve_recipe
+from fp8_plugin.numerics.gemm import (
     NATIVE_SPEEDUP_REQUIRED,
     choose_native,
     force_path,
@@ -21,8 +21,8 @@ from fp8_plugin.gemm import (
     scaled_mm_supported,
     tensorwise_choice,
 )
-from fp8_plugin.quantizers import INPUT, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
-from fp8_plugin.scale_layouts import (
+from fp8_plugin.numerics.quantizers import INPUT, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
+from fp8_plugin.numerics.scale_layouts import (
     blockwise_1x128_gemm_scale,
     blockwise_128x128_gemm_scale,
     e8m0_bits,

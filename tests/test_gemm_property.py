@@ -1,4 +1,4 @@
-"""fp8_plugin/gemm.py, property-based: the two CPU paths agree bit for bit and stay within the bound.
+"""fp8_plugin/numerics/gemm.py, property-based: the two CPU paths agree bit for bit and stay within the bound.
 
 Over random shapes (any M, N; K any multiple of 8 and some odd ones), the operand pairings of a
 training step, power-of-two and arbitrary float32 scales, with and without bias, float32 and
@@ -21,8 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8_plugin.gemm import force_path, fp8_gemm, native_gemm
-from fp8_plugin.quantizers import QuantizedTensor
+from fp8_plugin.numerics.gemm import force_path, fp8_gemm, native_gemm
+from fp8_plugin.numerics.quantizers import QuantizedTensor
 from reference import assert_within_bound, cpu_scaled_mm_uses_onednn, gemm_error_bound, scaled_gemm_error_bound
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -6,7 +6,7 @@ import torch
 
 import fp8_plugin as fp
 from fp8_plugin.hf_trainer import FP8Trainer
-from fp8_plugin.linear import FP8Linear
+from fp8_plugin.modules.linear import FP8Linear
 from reference import count_fp8_gemms
 
 
@@ -70,7 +70,7 @@ def test_fp8_trainer_settings_errors_come_at_construction(tmp_path):
 
 
 def test_transformers_still_builds_the_trainer_accelerator_from_the_patched_name():
-    # fp8_plugin/_transformers_private.py relies on this; a transformers release that changes it fails here.
+    # fp8_plugin/_private/transformers_api.py relies on this; a transformers release that changes it fails here.
     import accelerate
     import transformers.trainer
 

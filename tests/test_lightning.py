@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fp8_plugin as fp
 from fp8_plugin import FP8Linear
-from fp8_plugin.convert import fp8_state_dict
+from fp8_plugin.modules.convert import fp8_state_dict
 from fp8_plugin.lightning import FP8Precision, precision_plugin_from_string
-from fp8_plugin.quantizers import ROLES
+from fp8_plugin.numerics.quantizers import ROLES
 from reference import count_fp8_gemms
 
 TRAINER_DEFAULTS = dict(

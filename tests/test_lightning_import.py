@@ -1,4 +1,4 @@
-"""fp8_plugin/lightning_hook.py: ``import fp8_plugin`` does not import Lightning, and the
+"""fp8_plugin/lightning/import_hook.py: ``import fp8_plugin`` does not import Lightning, and the
 ``"fp8-*"`` strings still reach Lightning's Trainer in either import order (fresh interpreters)."""
 
 import inspect
@@ -65,7 +65,7 @@ def test_the_wrapped_private_lightning_method_is_as_expected():
     # The one private Lightning API used: fail loudly if its name or parameters change.
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    from fp8_plugin.lightning_hook import WRAPPED_METHOD, WRAPPED_PARAMETERS
+    from fp8_plugin.lightning.import_hook import WRAPPED_METHOD, WRAPPED_PARAMETERS
 
     method = getattr(_AcceleratorConnector, WRAPPED_METHOD)
     params = list(inspect.signature(inspect.unwrap(method)).parameters)
@@ -86,7 +86,7 @@ def test_fabric_precision_strings_work_after_import_fp8_plugin():
 def test_the_wrapped_private_fabric_method_is_as_expected():
     from lightning.fabric.connector import _Connector
 
-    from fp8_plugin.lightning_hook import WRAPPED_METHOD
+    from fp8_plugin.lightning.import_hook import WRAPPED_METHOD
 
     params = list(inspect.signature(inspect.unwrap(getattr(_Connector, WRAPPED_METHOD))).parameters)
     assert params == ["self", "strategy", "accelerator", "precision", "plugins"]
@@ -96,7 +96,7 @@ def test_a_changed_private_method_warns_and_import_lightning_still_works():
     # A Lightning that renamed the method: the strings are not registered, Lightning is not broken.
     out = _run("""
         import warnings, fp8_plugin
-        from fp8_plugin import lightning_hook
+        from fp8_plugin.lightning import import_hook as lightning_hook
         lightning_hook.WRAPPED_METHOD = "_renamed_by_a_future_lightning"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -110,7 +110,7 @@ def test_a_changed_private_method_warns_and_import_lightning_still_works():
 def test_the_hook_is_installed_once_and_removed_after_it_fired():
     out = _run("""
         import sys, fp8_plugin
-        from fp8_plugin import lightning_hook
+        from fp8_plugin.lightning import import_hook as lightning_hook
         lightning_hook.install()
         count = lambda: sum(isinstance(f, lightning_hook._ConnectorFinder) for f in sys.meta_path)
         before = count()
@@ -123,7 +123,7 @@ def test_the_hook_is_installed_once_and_removed_after_it_fired():
 def test_a_failed_connector_import_leaves_the_hook_for_the_retry():
     out = _run("""
         import importlib.machinery, sys, fp8_plugin
-        from fp8_plugin.lightning_hook import CONNECTOR_MODULE
+        from fp8_plugin.lightning.import_hook import CONNECTOR_MODULE
 
         class FailsOnce:  # a loader whose first exec fails (say, a broken optional dependency)
             failed = False

@@ -1,4 +1,4 @@
-"""fp8_plugin/_lightning_private.py: the private Lightning detail behaves as the package assumes,
+"""fp8_plugin/_private/lightning_api.py: the private Lightning detail behaves as the package assumes,
 and the FP8 plugin says at start-up that a spawned strategy does not hand back the FP8 state."""
 
 import lightning as L
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8_plugin._lightning_private import spawns_workers
+from fp8_plugin._private.lightning_api import spawns_workers
 from fp8_plugin.lightning import FP8Precision
 
 

@@ -1,4 +1,4 @@
-"""fp8_plugin/linear.py: FP8Linear forward, dgrad and wgrad against float64 references."""
+"""fp8_plugin/modules/linear.py: FP8Linear forward, dgrad and wgrad against float64 references."""
 
 import copy
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fp8_plugin as fp
-from fp8_plugin.gemm import force_path
+from fp8_plugin.numerics.gemm import force_path
 from fp8_plugin import DelayedScaling, Float8CurrentScaling, Format
 from reference import assert_within_bound, fp8_operand, gemm_error_bound, te_scale
 

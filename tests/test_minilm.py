@@ -7,7 +7,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 
 import fp8_plugin  # noqa: F401
 from fp8_plugin import FP8Linear
-from fp8_plugin.data import bbc_news_path, load_text_folders, minilm_path
+from fp8_plugin.tools.data import bbc_news_path, load_text_folders, minilm_path
 from reference import count_fp8_gemms
 
 

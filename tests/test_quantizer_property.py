@@ -36,9 +36,9 @@ import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from fp8_plugin.formats import Format
-from fp8_plugin.quantizers import GRAD_OUTPUT, ScalingState, make_quantizer, update_delayed_scaling
-from fp8_plugin.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams
+from fp8_plugin.numerics.formats import Format
+from fp8_plugin.numerics.quantizers import GRAD_OUTPUT, ScalingState, make_quantizer, update_delayed_scaling
+from fp8_plugin.numerics.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams
 from reference import MANTISSA_BITS, MAX, MIN_NORMAL_EXP
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

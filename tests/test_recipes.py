@@ -1,11 +1,11 @@
-"""fp8_plugin/recipes.py: argument checks and delayed scaling against a hand-computed history."""
+"""fp8_plugin/numerics/recipes.py: argument checks and delayed scaling against a hand-computed history."""
 
 import pytest
 import torch
 
 import fp8_plugin as fp
 from fp8_plugin import DelayedScaling, Float8CurrentScaling, Format
-from fp8_plugin.quantizers import INPUT
+from fp8_plugin.numerics.quantizers import INPUT
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""BF16 reference checks (fp8_plugin/reference_check.py): figures, policies, and that a check
+"""BF16 reference checks (fp8_plugin/training/reference_check.py): figures, policies, and that a check
 changes nothing in the run it checks. Plain PyTorch, real Lightning Trainers and Fabric, CPU."""
 
 import json
@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fp8_plugin as fp
-from fp8_plugin.convert import fp8_state_dict
+from fp8_plugin.modules.convert import fp8_state_dict
 from fp8_plugin.lightning import FP8Precision
-from fp8_plugin.reference_check import ReferenceCheck, capture_rng_state, output_loss, resolve_reference_check
+from fp8_plugin.training.reference_check import ReferenceCheck, capture_rng_state, output_loss, resolve_reference_check
 
 # Expected output SQNR of a healthy E4M3 x E4M3 GEMM. Round-to-nearest with 3 mantissa bits
 # errs uniformly within half an ulp, ulp = 2^(e-3) for |x| in [2^e, 2^(e+1)); for mantissas
@@ -412,7 +412,7 @@ def test_a_float32_reference_runs_the_fp8_layers_gemms_in_float32_and_hands_on_t
 
     # bf16's unit roundoff (2^-8, relative: 8 significant bits) of the float64 product plus float32 accumulation over
     # K terms; bf16 operands would be off by far more on a product with cancellation.
-    from fp8_plugin.autocast import replay
+    from fp8_plugin.modules.autocast import replay
 
     torch.manual_seed(0)
     layer = fp.FP8Linear(256, 128)

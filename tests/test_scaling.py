@@ -1,4 +1,4 @@
-"""fp8_plugin/scaling.py and formats.py: casts against the OCP OFP8 error bounds."""
+"""fp8_plugin/numerics/scaling.py and formats.py: casts against the OCP OFP8 error bounds."""
 
 import math
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8_plugin.formats import Format, fp8_max, parse_format
-from fp8_plugin.scaling import amax, dequantize, quantize, scale_from_amax
+from fp8_plugin.numerics.formats import Format, fp8_max, parse_format
+from fp8_plugin.numerics.scaling import amax, dequantize, quantize, scale_from_amax
 from reference import MANTISSA_BITS, MAX, MIN_NORMAL_EXP
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

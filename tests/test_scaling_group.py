@@ -1,4 +1,4 @@
-"""fp8_plugin/scaling_group.py: delayed-scaling updates belong to the model, once per step."""
+"""fp8_plugin/modules/scaling_group.py: delayed-scaling updates belong to the model, once per step."""
 
 import copy
 import gc
@@ -11,8 +11,8 @@ from torch import nn
 
 import fp8_plugin as fp
 from fp8_plugin import DelayedScaling, Float8CurrentScaling
-from fp8_plugin.convert import fp8_state_dict
-from fp8_plugin.quantizers import INPUT
+from fp8_plugin.modules.convert import fp8_state_dict
+from fp8_plugin.numerics.quantizers import INPUT
 
 
 def _mlp():

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fp8_plugin as fp
 from fp8_plugin.lightning import FP8Precision
-from fp8_plugin.quantizers import INPUT, STATE_VERSION
-from fp8_plugin.files import atomic_write
-from fp8_plugin.training import FP8Training
+from fp8_plugin.numerics.quantizers import INPUT, STATE_VERSION
+from fp8_plugin.training.files import atomic_write
+from fp8_plugin.training.core import FP8Training
 from lightning_modules import CountingMLP
 
 KEY = "0.fp8_state._extra_state"

@@ -1,4 +1,4 @@
-"""Per-layer FP8 statistics (fp8_plugin.statistics) against values computed here, independently.
+"""Per-layer FP8 statistics (fp8_plugin.training.statistics) against values computed here, independently.
 
 The expected figures come from the tensors the test builds and from the formats' definitions
 (OCP OFP8: E4M3 max 448, smallest subnormal 2^-9, so a scaled magnitude below 2^-10 rounds to
@@ -16,14 +16,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fp8_plugin
 from fp8_plugin import DelayedScaling, Float8CurrentScaling, FP8Linear, FP8Statistics, MXFP8BlockScaling
-from fp8_plugin.autocast import new_step_id
-from fp8_plugin.statistics import StatisticsCollector
+from fp8_plugin.modules.autocast import new_step_id
+from fp8_plugin.training.statistics import StatisticsCollector
 
 
 def _sampled_step(layer: nn.Module, x: torch.Tensor, every: int = 1) -> dict[str, float]:
     collector = StatisticsCollector(FP8Statistics(every=every))
     collector.start_step(layer, 1)
-    with fp8_plugin.autocast(step=new_step_id()):
+    with fp8_plugin.modules.autocast(step=new_step_id()):
         y = layer(x)
     y.float().sum().backward()
     collector.end_step()
@@ -68,7 +68,7 @@ def test_saturation_mse_and_sqnr_match_an_independent_cast():
     assert metrics["fp8_stats/input/mse"] == pytest.approx(err2 / x.numel(), rel=1e-9)
     assert metrics["fp8_stats/input/sqnr_db"] == pytest.approx(10 * math.log10(x.double().square().sum().item() / err2), rel=1e-9)
     for role in ("input", "weight", "grad_output"):
-        assert all(f"fp8_stats/{role}/{name}" in metrics for name in fp8_plugin.statistics.STAT_NAMES)
+        assert all(f"fp8_stats/{role}/{name}" in metrics for name in fp8_plugin.training.statistics.STAT_NAMES)
 
 
 def test_block_recipes_report_the_range_of_their_block_scales():
@@ -87,7 +87,7 @@ def test_statistics_are_sampled_every_n_steps_only_for_matching_layers():
     model = nn.Sequential(FP8Linear(16, 16), nn.ReLU(), FP8Linear(16, 16))
     for step in (1, 2, 3):
         collector.start_step(model, step)
-        with fp8_plugin.autocast(step=new_step_id()):
+        with fp8_plugin.modules.autocast(step=new_step_id()):
             model(torch.randn(4, 16)).sum().backward()
         collector.end_step()
         metrics = collector.pop_metrics()
@@ -134,7 +134,7 @@ def test_lightning_logs_the_sampled_statistics_to_the_trainers_logger():
     for _, metrics in sampled:
         keys = {k for k in metrics if k.startswith("fp8_stats/")}
         assert keys == {f"fp8_stats/net.2/{role}/{name}" for role in ("input", "weight", "grad_output")
-                        for name in fp8_plugin.statistics.STAT_NAMES}
+                        for name in fp8_plugin.training.statistics.STAT_NAMES}
         assert metrics["fp8_stats/net.2/weight/amax"] > 0
 
 

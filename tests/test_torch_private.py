@@ -1,9 +1,9 @@
-"""fp8_plugin/_torch_private.py: the private torch API behaves as the package assumes."""
+"""fp8_plugin/_private/torch_api.py: the private torch API behaves as the package assumes."""
 
 import torch
 import torch.utils.checkpoint
 
-from fp8_plugin._torch_private import in_backward_pass
+from fp8_plugin._private.torch_api import in_backward_pass
 
 
 def test_in_backward_pass_is_false_in_forward_and_true_in_a_checkpoint_recompute():

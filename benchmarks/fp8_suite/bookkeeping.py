@@ -3,11 +3,11 @@
 A Lightning ``FP8Precision`` run is timed with the project's per-step methods wrapped by timers
 (device synchronised on entry and exit, a nested timed call counted once, in the inner one):
 
-- the delayed-scaling scale updates, ``fp8_plugin.scaling_group.ScalingGroup.update`` (its amax
+- the delayed-scaling scale updates, ``fp8_plugin.modules.scaling_group.ScalingGroup.update`` (its amax
   reduction excluded);
 - the amax reduction, the reducer ``FP8Training`` gets from ``amax_reducer`` (an all-reduce; on
   one process there is none, so it costs nothing);
-- the per-step fault check, ``fp8_plugin.faults.FaultMonitor.check``;
+- the per-step fault check, ``fp8_plugin.training.faults.FaultMonitor.check``;
 - the statistics, ``FP8Training.metrics``: called every step here (a logger with
   ``log_every_n_steps=1``), counted at Lightning's default logging interval (50 steps);
 - the BF16 reference checks, run every ``check_every`` steps, their own timing
@@ -37,10 +37,10 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from torch.utils.data import DataLoader
 
 import fp8_plugin
-import fp8_plugin.training as fp8_training
-from fp8_plugin.faults import FaultMonitor
-from fp8_plugin.scaling_group import ScalingGroup
-from fp8_plugin.training import FP8Training
+import fp8_plugin.training.core as fp8_training
+from fp8_plugin.training.faults import FaultMonitor
+from fp8_plugin.modules.scaling_group import ScalingGroup
+from fp8_plugin.training.core import FP8Training
 
 from . import models
 from .common import ROOT, synchronize
@@ -205,7 +205,7 @@ def _minilm(batch_size: int, seq_len: int, steps: int):
     from finetune_classifier import Classifier, make_loaders  # examples/
     from transformers import AutoTokenizer
 
-    from fp8_plugin.data import bbc_news_path, minilm_path
+    from fp8_plugin.tools.data import bbc_news_path, minilm_path
 
     args = argparse.Namespace(data_path=bbc_news_path(), seed=0, test_fraction=0.2, seq_len=seq_len,
                               batch_size=batch_size)
@@ -217,7 +217,7 @@ def _minilm(batch_size: int, seq_len: int, steps: int):
 
 def minilm_available() -> Optional[str]:
     """None when the MiniLM checkpoint and BBC News are installed (the ``data`` extra), else why not."""
-    from fp8_plugin.data import bbc_news_path, minilm_path
+    from fp8_plugin.tools.data import bbc_news_path, minilm_path
 
     try:
         minilm_path(), bbc_news_path()

@@ -99,7 +99,7 @@ def write_report(output: Path, data: dict, table: str) -> None:
 
 def environment(device: torch.device) -> dict:
     """Device, versions, commit, date and command line of this run."""
-    from fp8_plugin.device import bf16_matmul_is_fast
+    from fp8_plugin.numerics.device import bf16_matmul_is_fast
 
     bf16_fast, bf16_why = bf16_matmul_is_fast(device.type)
     return {

@@ -166,7 +166,7 @@ def bookkeeping_section(section: dict) -> list[str]:
 
 def memory_section(section: dict) -> list[str]:
     lines = ["## 4. Saved for backward: the FP8 layers against the same layers under BF16", "",
-             "One training forward under BF16 autocast, alone and with `fp8_plugin.autocast` around the model "
+             "One training forward under BF16 autocast, alone and with `fp8_plugin.modules.autocast` around the model "
              "converted with each recipe; every tensor packed for backward counted once by storage, attributed to "
              "the linear layer whose forward packed it.", "",
              "| model | precision | FP8 layers | their saved bytes | same layers under BF16 | ratio | whole model | "

@@ -7,7 +7,7 @@
 ``Accelerator(fp8_reference_check=...)`` and ``FP8Kwargs(reference_check=...)``.
 """
 
-from ..reference_check import ReferenceCheck
+from ..training.reference_check import ReferenceCheck
 from .accelerator import Accelerator
 from .settings import FP8Kwargs, FP8Settings, resolve_settings
 

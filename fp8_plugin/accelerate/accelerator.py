@@ -1,6 +1,6 @@
 """``fp8_plugin.accelerate.Accelerator``: Accelerate's ``Accelerator`` with this project's FP8.
 
-A thin adapter of :class:`~fp8_plugin.training.FP8Training` onto Accelerate. With
+A thin adapter of :class:`~fp8_plugin.training.core.FP8Training` onto Accelerate. With
 ``mixed_precision="fp8"`` (an argument, or ``accelerate launch`` with a config file that says
 so) it starts Accelerate with the base precision of the non-FP8 ops instead (``"bf16"``,
 ``"fp16"`` or ``"no"``), so none of Accelerate's own FP8 backends (Transformer Engine, MS-AMP,
@@ -9,7 +9,7 @@ torchao) is asked for or run, and then:
 - ``prepare()`` converts every model it is given before Accelerate wraps or shards it (DDP,
   FSDP2), keeping the Parameter objects (optimizers made before stay valid; FP32 master
   weights), and makes each forward run inside the FP8 context (torch autocast for the non-FP8
-  ops and :func:`fp8_plugin.autocast` with the amax all-reduce across processes);
+  ops and :func:`fp8_plugin.modules.autocast` with the amax all-reduce across processes);
 - every prepared optimizer tells the FP8 state of its models about each optimizer step, a step
   the loss scaler skips included: the micro-batches of ``accelerator.accumulate()`` share one
   scale update and one amax reduction;
@@ -18,7 +18,7 @@ torchao) is asked for or run, and then:
   so ``unwrap_model(model).save_pretrained()`` and safetensors checkpoints work unchanged;
 - with ``fp8_reference_every`` (or a ``ReferenceCheck``, an ``FP8Kwargs`` field, the config
   file's ``reference_every`` / ``reference_policy``) the BF16 reference checks of
-  :mod:`fp8_plugin.reference_check` run: each training forward of a prepared model is offered for
+  :mod:`fp8_plugin.training.reference_check` run: each training forward of a prepared model is offered for
   replay, the check runs in the optimizer step (one process or DDP), its figures go to
   ``accelerator.log`` (the trackers), the summary and report files come with ``end_training()``,
   and the checks' history travels in ``save_state``.
@@ -51,13 +51,13 @@ from accelerate.utils import (
 from accelerate.utils.dataclasses import FP8BackendType
 from torch import nn
 
-from ..convert import ConversionReport
-from ..recipes import Recipe
-from ..reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
-from ..statistics import METRIC_PREFIX as STATS_PREFIX
-from ..statistics import FP8Statistics, statistics_config
-from ..reference_report import with_written
-from ..training import FP8Training, Patterns
+from ..modules.convert import ConversionReport
+from ..numerics.recipes import Recipe
+from ..training.core import FP8Training, Patterns
+from ..training.reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
+from ..training.reference_report import with_written
+from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
+from ..training.statistics import FP8Statistics, statistics_config
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
 
 __all__ = ["Accelerator"]
@@ -80,7 +80,7 @@ class Accelerator(_AccelerateAccelerator):
     Args:
         mixed_precision: as in Accelerate; ``"fp8"`` turns FP8 on. None reads
             ``ACCELERATE_MIXED_PRECISION`` (set by ``accelerate launch``), as Accelerate does.
-        fp8_recipe: a :class:`~fp8_plugin.recipes.Recipe` or an ``"fp8-*"`` precision string
+        fp8_recipe: a :class:`~fp8_plugin.numerics.recipes.Recipe` or an ``"fp8-*"`` precision string
             (``"fp8-hybrid"``, ``"fp8-current"``, ``"fp8-mxfp8"``, ...). Default: from the kwargs
             handler or the config file, else ``AutoRecipe()`` (HYBRID).
         fp8_include, fp8_exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
@@ -88,10 +88,10 @@ class Accelerator(_AccelerateAccelerator):
             ``torch.float16`` (dynamic loss scaling through Accelerate's own ``GradScaler``) or
             ``torch.float32`` (no autocast). It sets Accelerate's base mixed precision.
         fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
-            off); see :mod:`fp8_plugin.reference_check`. The model's output must hold its loss
+            off); see :mod:`fp8_plugin.training.reference_check`. The model's output must hold its loss
             (``output.loss``, ``output["loss"]`` or a 0-dim tensor), else pass
             ``ReferenceCheck(output_loss=...)``. One process or DDP (refused under FSDP).
-        fp8_reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
+        fp8_reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (interval,
             policy, thresholds, report files); its ``every`` and ``policy`` count as given here.
             Both also come from :class:`FP8Kwargs` or the config file's ``fp8_config``
             (``reference_every``, ``reference_policy``).
@@ -99,13 +99,13 @@ class Accelerator(_AccelerateAccelerator):
             scaling: ``"skip"`` (default: ``optimizer.step()`` does nothing and
             ``accelerator.optimizer_step_was_skipped`` is True, so prepared schedulers do not
             step either; a warning names the first FP8 layer that saw a non-finite value) or
-            ``"raise"`` (:class:`~fp8_plugin.faults.FP8NonFiniteError` before the step). Also
+            ``"raise"`` (:class:`~fp8_plugin.training.faults.FP8NonFiniteError` before the step). Also
             ``FP8Kwargs(nonfinite=...)`` or the config key ``nonfinite``.
         fp8_max_consecutive_skips: stop when more than this many optimizer steps in a row were
             skipped (by the above or the loss scaler); 0: no limit; default 25. Also
             ``FP8Kwargs`` or the config key ``max_consecutive_skips``.
-        fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
-            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+        fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
+            :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             logged to the trackers (``accelerator.log``) as ``fp8_stats/...`` after each
             sampled step. None: off.
         kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
@@ -114,7 +114,7 @@ class Accelerator(_AccelerateAccelerator):
     Attributes:
         fp8_settings: the resolved :class:`~fp8_plugin.accelerate.settings.FP8Settings`
             (None without FP8), with ``sources`` saying where each setting came from.
-        fp8_runs: one :class:`~fp8_plugin.training.FP8Training` per prepared model (its
+        fp8_runs: one :class:`~fp8_plugin.training.core.FP8Training` per prepared model (its
             ``reference`` holds the reference checks' results).
 
     Raises:
@@ -412,7 +412,7 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
     With reference checks on, a training forward (``module.training``, grad enabled) is first
     offered to them (``FP8Training.capture_replay``, kept on due steps only, with the RNG state of
     this moment): the replay calls the unwrapped forward with the same arguments and reads the
-    loss with ``ReferenceCheck.output_loss`` (default :func:`~fp8_plugin.reference_check.output_loss`).
+    loss with ``ReferenceCheck.output_loss`` (default :func:`~fp8_plugin.training.reference_check.output_loss`).
 
     The wrapper is a method with ``__wrapped__``, as Accelerate's own autocast wrapper is, so
     ``unwrap_model(model, keep_fp32_wrapper=False)`` removes it with Accelerate's.

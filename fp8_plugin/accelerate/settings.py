@@ -16,7 +16,7 @@ an option's name that holds the option's default counts as unset (``accelerate l
 the defaults whether or not they were asked for). This project's own keys: ``recipe``,
 ``include``, ``exclude``, ``compute_dtype``, for the BF16 reference checks
 ``reference_every`` and ``reference_policy``, and for steps with non-finite gradients
-``nonfinite`` (``skip`` / ``raise``) and ``max_consecutive_skips`` (see :mod:`fp8_plugin.faults`).
+``nonfinite`` (``skip`` / ``raise``) and ``max_consecutive_skips`` (see :mod:`fp8_plugin.training.faults`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..faults import NONFINITE_POLICIES, FaultPolicy
-from ..formats import Format, parse_format
-from ..precision_strings import PRECISION_STRINGS, parse_precision_string
-from ..recipes import AutoRecipe, DelayedScaling, MXFP8BlockScaling, Recipe
-from ..reference_check import POLICIES, ReferenceCheck, resolve_reference_check
-from ..training import COMPUTE_DTYPES, Patterns
+from ..numerics.formats import Format, parse_format
+from ..numerics.recipes import AutoRecipe, DelayedScaling, MXFP8BlockScaling, Recipe
+from ..training.core import COMPUTE_DTYPES, Patterns
+from ..training.faults import NONFINITE_POLICIES, FaultPolicy
+from ..training.precision_strings import PRECISION_STRINGS, parse_precision_string
+from ..training.reference_check import POLICIES, ReferenceCheck, resolve_reference_check
 
 __all__ = ["FP8Kwargs", "FP8Settings", "resolve_settings", "ENV_PREFIX", "BASE_PRECISION"]
 
@@ -62,7 +62,7 @@ class FP8Kwargs:
     """fp8-plugin's kwargs handler: ``Accelerator(kwargs_handlers=[FP8Kwargs(...)])``.
 
     Args:
-        recipe: a :class:`~fp8_plugin.recipes.Recipe` or an ``"fp8-*"`` precision string
+        recipe: a :class:`~fp8_plugin.numerics.recipes.Recipe` or an ``"fp8-*"`` precision string
             (``"fp8-hybrid"``, ``"fp8-current"``, ...); None leaves it to lower settings.
         include, exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
         compute_dtype: dtype of the non-FP8 ops (``torch.bfloat16``, ``torch.float16`` with
@@ -70,13 +70,13 @@ class FP8Kwargs:
         use_autocast_during_eval: run FP8 GEMMs in evaluation forwards too (Accelerate's
             Transformer Engine option of that name; default False: evaluation in high precision).
         reference_every: run a BF16 reference check every this many optimizer steps (0: off);
-            see :mod:`fp8_plugin.reference_check`.
+            see :mod:`fp8_plugin.training.reference_check`.
         reference_policy: what a failed check does: one of ``"log"``, ``"warn"``,
             ``"fallback"``, ``"raise"``.
-        reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (thresholds,
+        reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (thresholds,
             ``output_loss``, report files); its ``every`` and ``policy`` count as given here.
         nonfinite: what an optimizer step with non-finite gradients does without loss scaling:
-            ``"skip"`` (default) or ``"raise"``; see :mod:`fp8_plugin.faults`.
+            ``"skip"`` (default) or ``"raise"``; see :mod:`fp8_plugin.training.faults`.
         max_consecutive_skips: stop when more than this many optimizer steps in a row were
             skipped (0: no limit; default 25).
 
@@ -433,7 +433,7 @@ def resolve_settings(
     The BF16 reference checks are on when any level gives ``reference_every`` (> 0),
     ``reference_policy`` or a ``ReferenceCheck``: each of ``every`` and ``policy`` comes from
     the highest level giving it, the other settings from the highest ``ReferenceCheck`` given
-    (else the :class:`~fp8_plugin.reference_check.ReferenceCheck` defaults: every 200 steps,
+    (else the :class:`~fp8_plugin.training.reference_check.ReferenceCheck` defaults: every 200 steps,
     policy ``"warn"``); ``reference_every`` 0 turns them off.
 
     Args:

@@ -5,9 +5,9 @@
 - :class:`FP8FSDPPrecision` for ``FSDPStrategy``, which accepts ``FSDPPrecision`` plugins only;
   built on Lightning's ``FSDPPrecision`` (``ShardedGradScaler``).
 
-Both map Lightning's hooks onto the loop-neutral :class:`~fp8_plugin.training.FP8Training`
+Both map Lightning's hooks onto the loop-neutral :class:`~fp8_plugin.training.core.FP8Training`
 (:class:`_FP8Behaviour`): ``convert_module`` swaps the linear layers; ``forward_context`` enters
-torch autocast (BF16 or FP16 for the non-FP8 ops) and :func:`fp8_plugin.autocast` with a MAX
+torch autocast (BF16 or FP16 for the non-FP8 ops) and :func:`fp8_plugin.modules.autocast` with a MAX
 all-reduce of the step's amaxes when several ranks train; the amaxes are settled after each
 optimizer step; FP8 state (and the loss scaler's) travels in checkpoints.
 """
@@ -25,14 +25,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from .._lightning_private import spawns_workers
-from ..autocast import AmaxReducer
-from ..convert import ConversionReport
-from ..faults import FaultPolicy, resolve_fault_policy
-from ..recipes import Recipe
-from ..reference_check import ReferenceCheck, output_loss, resolve_reference_check
-from ..statistics import FP8Statistics, statistics_config
-from ..training import COMPUTE_DTYPES, FP8Training, check_arguments
+from .._private.lightning_api import spawns_workers
+from ..modules.autocast import AmaxReducer
+from ..modules.convert import ConversionReport
+from ..numerics.recipes import Recipe
+from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
+from ..training.faults import FaultPolicy, resolve_fault_policy
+from ..training.reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from ..training.statistics import FP8Statistics, statistics_config
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 
@@ -248,7 +248,7 @@ def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(
             "FP8Precision(reference_every / reference_check) needs automatic optimization; this LightningModule "
-            "sets automatic_optimization=False: call fp8_plugin.reference_check(...) in its training_step instead"
+            "sets automatic_optimization=False: call fp8_plugin.training.reference_check(...) in its training_step instead"
         )
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -301,18 +301,18 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         device: device type of the loss scaler; None means "cuda" when CUDA is available, else
             "cpu".
         reference_every: run a BF16 reference check every this many optimizer steps (0 or
-            None: off); see :mod:`fp8_plugin.reference_check`. Needs automatic optimization;
+            None: off); see :mod:`fp8_plugin.training.reference_check`. Needs automatic optimization;
             single device or DDP.
-        reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` with the
+        reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` with the
             interval, thresholds, policy and report files.
         nonfinite: without loss scaling, what a step with non-finite gradients does:
             ``"skip"`` (default: no optimizer step, a warning naming the first FP8 layer that
             saw a non-finite value) or ``"raise"`` (stop before the step); see
-            :mod:`fp8_plugin.faults`.
+            :mod:`fp8_plugin.training.faults`.
         max_consecutive_skips: stop when more than this many optimizer steps in a row were
             skipped (by ``nonfinite="skip"`` or the loss scaler); 0: no limit; default 25.
-        statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
-            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+        statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
+            :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             logged to the Trainer's loggers as ``fp8_stats/...``. None: off.
 
     Raises:

@@ -1,7 +1,7 @@
 """``Trainer(precision="fp8-hybrid")``: FP8 precision strings for Lightning.
 
 Lightning has no registry for precision strings: its accelerator connector accepts a fixed list.
-:mod:`fp8_plugin.lightning_hook` extends it in one place, when Lightning's connector is imported:
+:mod:`fp8_plugin.lightning.import_hook` extends it in one place, when Lightning's connector is imported:
 an ``"fp8-*"`` string becomes the plugin :func:`precision_plugin_from_string` builds (as if
 passed in ``plugins=[...]``) before Lightning validates the flag, and only on the Lightning
 versions the wrap was written for.
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Union
 
-from ..lightning_hook import SUPPORTED_LIGHTNING, register
-from ..precision_strings import PRECISION_STRINGS, settings_for_loop
+from ..training.precision_strings import PRECISION_STRINGS, settings_for_loop
 from .precision import FP8FSDPPrecision, FP8Precision
 
-__all__ = ["PRECISION_STRINGS", "precision_plugin_from_string", "register_precision_strings", "SUPPORTED_LIGHTNING"]
+__all__ = ["PRECISION_STRINGS", "precision_plugin_from_string"]
 
 
 def precision_plugin_from_string(
@@ -36,17 +35,3 @@ def precision_plugin_from_string(
     if settings.strategy.startswith("fsdp"):
         return FP8FSDPPrecision(recipe, compute_dtype=settings.compute_dtype, precision=name)
     return FP8Precision(recipe, compute_dtype=settings.compute_dtype, precision=name, device=settings.device)
-
-def register_precision_strings() -> bool:
-    """Teach ``lightning.pytorch.Trainer`` the ``"fp8-*"`` precision strings now. Idempotent.
-
-    ``import fp8_plugin`` already arranges this for when Lightning is imported
-    (:mod:`fp8_plugin.lightning_hook`); calling it imports Lightning's accelerator connector.
-
-    Returns:
-        True when the strings are registered; False (with a warning) on a Lightning version
-        outside ``SUPPORTED_LIGHTNING``, where ``plugins=[FP8Precision()]`` still works.
-    """
-    from lightning.pytorch.trainer.connectors import accelerator_connector
-
-    return register(accelerator_connector)

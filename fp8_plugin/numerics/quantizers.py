@@ -384,8 +384,8 @@ class PerTensorQuantizer(Quantizer):
     """One scale for the whole tensor, from the recipe: delayed (history) or current (this tensor).
 
     Args:
-        recipe: a :class:`~fp8_plugin.recipes.DelayedScaling` or
-            :class:`~fp8_plugin.recipes.Float8CurrentScaling`.
+        recipe: a :class:`~fp8_plugin.numerics.recipes.DelayedScaling` or
+            :class:`~fp8_plugin.numerics.recipes.Float8CurrentScaling`.
         role: row of ``state``: 0 input, 1 weight, 2 grad_output.
         state: the layer's :class:`ScalingState`.
         record: True for training casts: the amax enters the state (delayed scaling: the
@@ -436,8 +436,8 @@ class BlockQuantizer(Quantizer):
     The tensor's overall amax and non-finite events still go to ``state`` for statistics.
 
     Args:
-        recipe: :class:`~fp8_plugin.recipes.MXFP8BlockScaling` or
-            :class:`~fp8_plugin.recipes.Float8BlockScaling`.
+        recipe: :class:`~fp8_plugin.numerics.recipes.MXFP8BlockScaling` or
+            :class:`~fp8_plugin.numerics.recipes.Float8BlockScaling`.
         role: 0 input, 1 weight, 2 grad_output.
         state: the layer's :class:`ScalingState`.
         record, host: as in :class:`PerTensorQuantizer` (here only statistics are recorded).

@@ -1,7 +1,7 @@
 """Delayed-scaling updates: the FP8 layers of one model turn their amaxes into scales together.
 
 Amaxes recorded during a training step (forward and backward) wait in each layer's
-:class:`~fp8_plugin.quantizers.ScalingState` (``pending``). The first FP8 forward of the next
+:class:`~fp8_plugin.numerics.quantizers.ScalingState` (``pending``). The first FP8 forward of the next
 training step updates every pending layer of its :class:`ScalingGroup` at once: one flat tensor
 of amaxes, one amax reduction across ranks, a fixed number of batched kernels per (recipe, role).
 The group belongs to the model (``convert_model`` makes one per call), not to the process: a
@@ -15,8 +15,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .quantizers import ScalingState, update_delayed_scaling
-from .recipes import DelayedScaling, Recipe
+from ..numerics.quantizers import ScalingState, update_delayed_scaling
+from ..numerics.recipes import DelayedScaling, Recipe
 
 __all__ = ["ScalingGroup", "AmaxReducer", "update_pending_scales", "scaling_groups"]
 
@@ -28,7 +28,7 @@ class ScalingGroup:
 
     Attributes:
         layers: the FP8 layers, in conversion order (the order every rank reduces them in).
-        step: id of the :func:`fp8_plugin.autocast` training step in which the group last
+        step: id of the :func:`fp8_plugin.modules.autocast` training step in which the group last
             updated; a forward in another step updates first.
     """
 

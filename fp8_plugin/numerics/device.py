@@ -30,7 +30,7 @@ _RECIPES = {
 
 
 def recipe_gemm_kind(recipe: Recipe) -> str:
-    """GEMM kind (``fp8_plugin.gemm.GEMM_KINDS``) a concrete recipe's layers run.
+    """GEMM kind (``fp8_plugin.numerics.gemm.GEMM_KINDS``) a concrete recipe's layers run.
 
     Raises:
         TypeError: an :class:`AutoRecipe` (resolve it first) or an unknown recipe class.
@@ -128,9 +128,9 @@ def describe_device(device: Device = None) -> DeviceReport:
     """Which recipes run their GEMMs natively on ``device`` and which are emulated, and why.
 
     The block-scaled kinds are probed once per device with a small GEMM (see
-    :func:`fp8_plugin.gemm.native_gemm`), so the first call on a GPU takes a moment. On CPU the
+    :func:`fp8_plugin.numerics.gemm.native_gemm`), so the first call on a GPU takes a moment. On CPU the
     tensorwise GEMM path is timed per operand pairing of a training step
-    (:func:`fp8_plugin.gemm.tensorwise_choice`, a few milliseconds each, cached for the process),
+    (:func:`fp8_plugin.numerics.gemm.tensorwise_choice`, a few milliseconds each, cached for the process),
     and the report lists both times and the path chosen; a tensorwise recipe counts as native
     when at least one pairing runs ``torch._scaled_mm``.
 

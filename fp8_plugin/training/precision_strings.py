@@ -9,8 +9,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .formats import Format
-from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from ..numerics.formats import Format
+from ..numerics.recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["PRECISION_STRINGS", "parse_precision_string", "StringSettings", "settings_for_loop"]
 

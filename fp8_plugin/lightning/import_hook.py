@@ -27,7 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
-__all__ = ["CONNECTOR_MODULE", "FABRIC_CONNECTOR_MODULE", "WRAPPED_METHOD", "WRAPPED_PARAMETERS", "SUPPORTED_LIGHTNING", "install", "register"]
+__all__ = ["CONNECTOR_MODULE", "FABRIC_CONNECTOR_MODULE", "WRAPPED_METHOD", "WRAPPED_PARAMETERS", "SUPPORTED_LIGHTNING", "install", "register", "register_precision_strings"]
 
 CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.accelerator_connector"
 FABRIC_CONNECTOR_MODULE = "lightning.fabric.connector"
@@ -129,11 +129,11 @@ def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: A
     if fabric:
         from lightning.fabric.plugins.precision import Precision
 
-        from .fabric import precision_plugin_from_string
+        from ..fabric.precision import precision_plugin_from_string
     else:
         from lightning.pytorch.plugins.precision import Precision
 
-        from .lightning.precision_strings import precision_plugin_from_string
+        from .precision_strings import precision_plugin_from_string
 
     plugin = precision_plugin_from_string(precision, strategy, accelerator)
     if plugins is None:
@@ -210,3 +210,18 @@ def _install_finder(module: str) -> None:
     with _lock:
         if not any(isinstance(f, _ConnectorFinder) and f.module == module for f in sys.meta_path):
             sys.meta_path.insert(0, _ConnectorFinder(module))
+
+
+def register_precision_strings() -> bool:
+    """Teach ``lightning.pytorch.Trainer`` the ``"fp8-*"`` precision strings now. Idempotent.
+
+    ``import fp8_plugin`` already arranges this for when Lightning is imported
+    (:mod:`fp8_plugin.lightning.import_hook`); calling it imports Lightning's accelerator connector.
+
+    Returns:
+        True when the strings are registered; False (with a warning) on a Lightning version
+        outside ``SUPPORTED_LIGHTNING``, where ``plugins=[FP8Precision()]`` still works.
+    """
+    from lightning.pytorch.trainer.connectors import accelerator_connector
+
+    return register(accelerator_connector)

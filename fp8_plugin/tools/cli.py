@@ -5,7 +5,7 @@
 others would not), the FP8 share of the linear layers' GEMM FLOPs, and each FP8 layer's
 quantization error (SQNR) on one sample batch. ``fp8-plugin devices`` prints which recipes run
 natively here. ``fp8-plugin export MODEL_PATH OUT_DIR`` writes a checkpoint with
-:func:`fp8_plugin.export.export`. ``python -m fp8_plugin.cli`` runs the same commands.
+:func:`fp8_plugin.tools.export.export`. ``python -m fp8_plugin.tools.cli`` runs the same commands.
 
 Only the local folder is read (``local_files_only=True``): nothing is downloaded.
 """
@@ -23,12 +23,12 @@ from typing import Any, Iterator, Optional
 
 import typer
 
-from .precision_strings import PRECISION_STRINGS
+from ..training.precision_strings import PRECISION_STRINGS
 
 __all__ = ["app", "main", "RECIPE_NAMES", "flop_share"]
 
 # "--recipe" values: "auto" (the best native recipe for the device, HYBRID: what "fp8-hybrid"
-# means) and the precision strings of fp8_plugin.precision_strings.
+# means) and the precision strings of fp8_plugin.training.precision_strings.
 RECIPE_NAMES = ("auto", *PRECISION_STRINGS)
 
 # Files one of which a folder with a tokenizer holds.
@@ -111,7 +111,7 @@ def _check_model_path(path: Path) -> Path:
 
 def _make_recipe(name: Any):
     # Reuses the precision strings' recipe factories; "auto" is AutoRecipe(HYBRID), as fp8-hybrid.
-    from .precision_strings import parse_precision_string
+    from ..training.precision_strings import parse_precision_string
 
     name = name.value if isinstance(name, Enum) else str(name)
     key = name.lower()
@@ -131,7 +131,7 @@ def _skip_small_value(value: SkipSmall) -> Any:
 def _check_device(device: Optional[str]):
     import torch
 
-    from .device import default_device
+    from ..numerics.device import default_device
 
     if device is not None:
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -243,7 +243,7 @@ def _load_model(path: Path, dtype: Any):
 
 def _convert(model: Any, recipe_name: Any, include: Optional[list[str]], exclude: Optional[list[str]],
              skip_small: SkipSmall, device: Any):
-    from .convert import convert_model
+    from ..modules.convert import convert_model
 
     recipe = _make_recipe(recipe_name)
     try:
@@ -321,8 +321,8 @@ def _quantization_errors(model: Any, inputs: dict, progress: Any) -> tuple[dict[
     figure is its own quantization error, not one inherited from the layers before it."""
     import torch
 
-    from .linear import FP8Linear
-    from .reference_check import sqnr_db, sqnr_hook
+    from ..modules.linear import FP8Linear
+    from ..training.reference_check import sqnr_db, sqnr_hook
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear) and m.use_fp8]
     device = next(model.parameters()).device
@@ -434,7 +434,7 @@ def inspect(
     """
     import torch
 
-    from .device import recipe_name
+    from ..numerics.device import recipe_name
 
     _check_model_path(model_path)
     _make_recipe(recipe)  # an unknown name fails before the model loads
@@ -501,7 +501,7 @@ def devices(
 
     import torch
 
-    from .device import describe_device
+    from ..numerics.device import describe_device
 
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     targets = ["cpu"] + [f"cuda:{i}" for i in range(cuda)]
@@ -520,7 +520,7 @@ def devices(
 @app.command(help=(
     "Convert a checkpoint under a recipe and write it as a Hugging Face checkpoint.\n\n"
     "The model is converted on the CPU with convert_model (--recipe, --include, --exclude and --skip-small "
-    "choose its FP8 layers, as in inspect) and written by fp8_plugin.export.export. hf: a vanilla checkpoint "
+    "choose its FP8 layers, as in inspect) and written by fp8_plugin.tools.export.export. hf: a vanilla checkpoint "
     "that plain transformers loads (the FP8 layers written as the layers they replaced). hf-fp8: transformers' "
     "fine-grained FP8 checkpoint: the weight of each FP8 nn.Linear in E4M3 with one scale per 128x128 block "
     "(whatever the recipe), everything else in the checkpoint's dtype."))
@@ -538,7 +538,7 @@ def export(
     exclude: Optional[list[str]] = ExcludeOption,
     skip_small: SkipSmall = SkipSmallOption,
 ) -> None:
-    """Convert a checkpoint under a recipe and write it with :func:`fp8_plugin.export.export`.
+    """Convert a checkpoint under a recipe and write it with :func:`fp8_plugin.tools.export.export`.
 
     The conversion targets the CPU, as ``export`` itself does for an unconverted model, so that
     the checkpoint does not depend on the machine that writes it (``--skip-small auto`` leaves
@@ -578,7 +578,7 @@ def export(
 
 
 def _recipe_label(report: Any) -> str:
-    from .device import recipe_name
+    from ..numerics.device import recipe_name
 
     return recipe_name(report.recipe) if report.recipe is not None else "no recipe"
 

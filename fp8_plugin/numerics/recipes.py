@@ -221,7 +221,7 @@ class MXFP8BlockScaling(Recipe):
     """MXFP8: one E8M0 (power-of-two) scale per 32 consecutive values along the GEMM reduction dim.
 
     Scales follow the OCP Microscaling (MX) spec v1.0, section 6.3 (shared exponent
-    ``floor(log2(amax)) - emax_elem``); see :mod:`fp8_plugin.block_scaling`. Tensors are cast
+    ``floor(log2(amax)) - emax_elem``); see :mod:`fp8_plugin.numerics.block_scaling`. Tensors are cast
     twice, rowwise (1x32 blocks) and columnwise (32x1), because a block-scaled tensor cannot be
     transposed without re-quantization (TE does the same). Native on Blackwell (sm100); emulated
     elsewhere with identical quantization numerics.
@@ -315,7 +315,7 @@ class Float8BlockScaling(Recipe):
 class AutoRecipe(Recipe):
     """"The best recipe this device runs natively", resolved when a model is converted.
 
-    :func:`fp8_plugin.device.resolve_recipe` turns it into a concrete recipe for a device:
+    :func:`fp8_plugin.numerics.device.resolve_recipe` turns it into a concrete recipe for a device:
     ``MXFP8BlockScaling(fp8_format)`` where MXFP8 GEMMs are native (Blackwell),
     ``DelayedScaling(fp8_format)`` elsewhere (Hopper, Ada, CPU: per-tensor GEMMs are native).
     The default of the Lightning precision strings that name a format but no recipe.

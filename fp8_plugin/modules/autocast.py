@@ -1,10 +1,10 @@
-"""``fp8_plugin.autocast``: the context inside which FP8 layers run their GEMMs in FP8.
+"""``fp8_plugin.modules.autocast``: the context inside which FP8 layers run their GEMMs in FP8.
 
 Modelled on Transformer Engine's ``te.autocast`` (formerly ``fp8_autocast``). Outside the
 context, FP8 layers compute exactly as the layers they replaced. An outermost enabled context
 entered with grad enabled is a training step: its forwards record amaxes, and the first FP8
 forward in it turns the previous step's amaxes into scales (one batched update and one amax
-reduction per step, see :mod:`fp8_plugin.scaling_group`). A context entered without grad
+reduction per step, see :mod:`fp8_plugin.modules.scaling_group`). A context entered without grad
 (evaluation, prediction) runs FP8 with the current scales and changes no state: as in
 Transformer Engine, evaluation never moves training numerics and never issues a collective.
 """
@@ -20,8 +20,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from .device import resolve_recipe
-from .recipes import Recipe, check_recipe
+from ..numerics.device import resolve_recipe
+from ..numerics.recipes import Recipe, check_recipe
 from .scaling_group import AmaxReducer, update_pending_scales
 
 __all__ = ["autocast", "replay", "is_fp8_enabled", "get_fp8_recipe", "new_step_id", "update_pending_scales",
@@ -76,7 +76,7 @@ def _warn_no_fp8_layer() -> None:
     if not _warned_no_fp8:
         _warned_no_fp8 = True
         warnings.warn(
-            "fp8_plugin.autocast() was entered for a training step in which no FP8 layer ran: the model runs in "
+            "fp8_plugin.modules.autocast() was entered for a training step in which no FP8 layer ran: the model runs in "
             "high precision. Convert it first (fp8_plugin.convert_model(model); its report says which layers "
             "were swapped and why the others were not)",
             stacklevel=3,
@@ -126,7 +126,7 @@ def autocast(
             their amaxes combine (max). None: each outermost entry with grad is a step of its own.
 
     Raises:
-        TypeError: ``recipe`` is not a :class:`~fp8_plugin.recipes.Recipe`, or ``enabled`` not a bool.
+        TypeError: ``recipe`` is not a :class:`~fp8_plugin.numerics.recipes.Recipe`, or ``enabled`` not a bool.
 
     Warns:
         UserWarning: (once per process) an outermost context entered with grad enabled in which

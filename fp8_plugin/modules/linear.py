@@ -1,4 +1,4 @@
-"""``FP8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 inside :func:`fp8_plugin.autocast`.
+"""``FP8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 inside :func:`fp8_plugin.modules.autocast`.
 
 Forward: input and weight are cast to the recipe's forward format (E4M3) with the recipe's
 scales and multiplied by an FP8 GEMM with FP32 accumulation; the bias is added in high
@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._torch_private import in_backward_pass
+from .._private.torch_api import in_backward_pass
+from ..numerics.gemm import fp8_gemm
 from .autocast import current_context, note_fp8_forward
-from .gemm import fp8_gemm
-from .quantizers import (
+from ..numerics.quantizers import (
     GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded, recipe_key,
 )  # fmt: skip
-from .recipes import DelayedScaling, Recipe
+from ..numerics.recipes import DelayedScaling, Recipe
 from .scaling_group import ScalingGroup
 
 __all__ = ["FP8Linear"]
@@ -136,7 +136,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 
 class FP8Linear(nn.Linear):
-    """Drop-in ``nn.Linear`` with FP8 GEMMs inside :func:`fp8_plugin.autocast`.
+    """Drop-in ``nn.Linear`` with FP8 GEMMs inside :func:`fp8_plugin.modules.autocast`.
 
     Outside the autocast, or with ``use_fp8 = False``, it computes exactly as the layer it
     replaced (``F.linear``, or ``addmm`` for GPT-2's Conv1D layout).
@@ -151,8 +151,8 @@ class FP8Linear(nn.Linear):
             Parameter and layout, so checkpoints keep theirs).
         use_fp8: per-layer switch; False runs this layer in high precision even inside the
             autocast (the BF16 reference checks' fallback sets it); saved in checkpoints.
-        fp8_state: :class:`~fp8_plugin.quantizers.ScalingState` with amax history and scales.
-        scaling_group: the :class:`~fp8_plugin.scaling_group.ScalingGroup` whose layers update
+        fp8_state: :class:`~fp8_plugin.numerics.quantizers.ScalingState` with amax history and scales.
+        scaling_group: the :class:`~fp8_plugin.modules.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
         cache_fp8_weights: keep the weight's FP8 copies while the weight, its delayed scale and
             the recipe are unchanged (default True): the micro-batches of gradient accumulation
@@ -319,7 +319,7 @@ class FP8Linear(nn.Linear):
         # nothing they depend on changes: the micro-batches of gradient accumulation and
         # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
         fp8_operand = getattr(self.weight, "fp8_operand", None)
-        if fp8_operand is not None:  # gathered in FP8 by FSDP2 (fp8_plugin.fsdp_fp8): cast already
+        if fp8_operand is not None:  # gathered in FP8 by FSDP2 (fp8_plugin.modules.fsdp_fp8): cast already
             rowwise = fp8_operand(self.weight_transposed)
             return rowwise, (rowwise.t() if columnwise else None)
         w = self.weight.t() if self.weight_transposed else self.weight

@@ -11,17 +11,28 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .files import atomic_write
 
-if TYPE_CHECKING:
-    from .reference_check import ReferenceChecker
-
-__all__ = ["summary_text", "report_data", "write_json", "write_plot", "write_reports", "with_written"]
+__all__ = ["CheckHistory", "summary_text", "report_data", "write_json", "write_plot", "write_reports", "with_written"]
 
 
-def summary_text(checker: "ReferenceChecker") -> str:
+class CheckHistory(Protocol):
+    """What the reports read of a run's checks: a
+    :class:`~fp8_plugin.training.reference_check.ReferenceChecker` is one. Declared here so that
+    the reports need not import the checks, which import the reports."""
+
+    config: Any  # ReferenceCheck: thresholds and the report paths
+    results: list  # ReferenceResult of each check, in step order
+    steps: int
+    check_seconds: float
+    train_seconds: float
+
+    def fallback_layers(self) -> list[tuple[int, str]]: ...
+
+
+def summary_text(checker: CheckHistory) -> str:
     """A few lines: checks run and failed, the layers with the lowest SQNR, fallbacks, overhead."""
     results = checker.results
     config = checker.config
@@ -58,7 +69,7 @@ def summary_text(checker: "ReferenceChecker") -> str:
     return "\n".join(lines)
 
 
-def report_data(checker: "ReferenceChecker") -> dict[str, Any]:
+def report_data(checker: CheckHistory) -> dict[str, Any]:
     """Everything the JSON file holds: settings, timing and every check's figures."""
     config = checker.config
     return {
@@ -72,13 +83,13 @@ def report_data(checker: "ReferenceChecker") -> dict[str, Any]:
     }
 
 
-def write_json(checker: "ReferenceChecker", path: str) -> None:
+def write_json(checker: CheckHistory, path: str) -> None:
     """Write :func:`report_data` to ``path`` (infinite SQNR as null)."""
     data = report_data(checker)
     atomic_write(path, lambda f: json.dump(data, f, indent=1, allow_nan=False))
 
 
-def write_plot(checker: "ReferenceChecker", path: str) -> None:
+def write_plot(checker: CheckHistory, path: str) -> None:
     """Write the PNG described in the module docstring to ``path``.
 
     Raises:
@@ -132,7 +143,7 @@ def write_plot(checker: "ReferenceChecker", path: str) -> None:
     plt.close(fig)
 
 
-def write_reports(checker: "ReferenceChecker") -> list[str]:
+def write_reports(checker: CheckHistory) -> list[str]:
     """Write the files ``checker.config`` names (``json_path``, ``plot_path``); their paths."""
     written = []
     if checker.config.json_path:

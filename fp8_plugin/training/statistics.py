@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .formats import fp8_max
-from .quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
+from ..numerics.formats import fp8_max
+from ..numerics.quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 
 __all__ = ["FP8Statistics", "StatisticsCollector", "cast_statistics", "statistics_config", "METRIC_PREFIX", "STAT_NAMES"]
 
@@ -123,7 +123,7 @@ class StatisticsCollector:
         """Attach the hooks if optimizer step ``step`` (1-based) is sampled (once per step)."""
         if self._handles or step % self.config.every:
             return
-        from .linear import FP8Linear  # the layer module imports this one's package peers
+        from ..modules.linear import FP8Linear  # the layer module imports this one's package peers
 
         for name, layer in model.named_modules():
             if isinstance(layer, FP8Linear) and self.config.selects(name):

@@ -36,13 +36,13 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..numerics.formats import fp8_dtype, fp8_max
+from ..numerics.quantizers import WEIGHT, QuantizedTensor
+from ..numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
+from ..numerics.scaling import amax as tensor_amax
+from ..numerics.scaling import divide, quantize, scale_from_amax
 from .autocast import current_context
-from .formats import fp8_dtype, fp8_max
 from .linear import FP8Linear
-from .quantizers import WEIGHT, QuantizedTensor
-from .recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
-from .scaling import amax as tensor_amax
-from .scaling import divide, quantize, scale_from_amax
 
 __all__ = ["enable_fp8_all_gather", "FP8AllGatherWeight", "FP8GatheredWeight"]
 

@@ -1,6 +1,6 @@
 """Non-finite steps and amax outliers: what a training loop does when its numbers go bad.
 
-Loop-neutral, used by :class:`~fp8_plugin.training.FP8Training`. Once per optimizer step, right
+Loop-neutral, used by :class:`~fp8_plugin.training.core.FP8Training`. Once per optimizer step, right
 before it, :meth:`FaultMonitor.check` reads in one host synchronisation whether the step's
 gradients are finite (unless a loss scaler checks them already: the sum of each gradient, which
 any NaN or inf reaches; a step whose sums are not finite is then checked element by element, so
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .quantizers import GRAD_OUTPUT, ROLES, ScalingState
+from ..numerics.quantizers import GRAD_OUTPUT, ROLES, ScalingState
 
 __all__ = ["FaultPolicy", "FaultMonitor", "FP8NonFiniteError", "NONFINITE_POLICIES", "resolve_fault_policy"]
 

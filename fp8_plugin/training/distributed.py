@@ -2,7 +2,7 @@
 
 Transformer Engine reduces all amaxes of a step with one all-reduce over a global buffer, in a
 configurable group (``amax_reduction_group``). Here the step's amaxes are already gathered into
-one flat float32 tensor by :func:`fp8_plugin.quantizers.update_delayed_scaling`; the reducer
+one flat float32 tensor by :func:`fp8_plugin.numerics.quantizers.update_delayed_scaling`; the reducer
 built below all-reduces that tensor with MAX, once per step. On GPUs the collective is enqueued
 on the stream like any other kernel: no host synchronisation.
 """
@@ -14,13 +14,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .autocast import AmaxReducer
+from ..modules.autocast import AmaxReducer
 
 __all__ = ["amax_reducer"]
 
 
 def amax_reducer(group: Optional["dist.ProcessGroup"] = None) -> Optional[AmaxReducer]:
-    """An in-place MAX all-reduce over ``group`` for :func:`fp8_plugin.autocast`'s ``reduce_amax``.
+    """An in-place MAX all-reduce over ``group`` for :func:`fp8_plugin.modules.autocast`'s ``reduce_amax``.
 
     Args:
         group: process group of the ranks that must share scales; None means the default

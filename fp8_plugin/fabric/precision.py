@@ -1,9 +1,9 @@
 """Lightning Fabric: ``Fabric(precision="fp8-hybrid")`` or ``Fabric(plugins=[FP8Precision()])``.
 
-A thin adapter of :class:`~fp8_plugin.training.FP8Training` onto Fabric's precision hooks, built
+A thin adapter of :class:`~fp8_plugin.training.core.FP8Training` onto Fabric's precision hooks, built
 on Fabric's ``MixedPrecision`` (its ``GradScaler`` steps for float16). ``fabric.setup(model)``
 converts the model; each forward of the set-up model runs in torch autocast plus
-:func:`fp8_plugin.autocast` (with the amax all-reduce when several ranks train);
+:func:`fp8_plugin.modules.autocast` (with the amax all-reduce when several ranks train);
 ``fabric.backward`` and the optimizer step are Fabric's, and each step's amaxes become scales
 right after the step. FP8 state is part of the model's own ``state_dict()`` (each FP8 layer's
 ``fp8_state._extra_state``), so ``fabric.save(path, {"model": model, ...})`` and
@@ -21,13 +21,13 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 from typing_extensions import override
 
-from .convert import ConversionReport
-from .faults import resolve_fault_policy
-from .precision_strings import settings_for_loop
-from .recipes import Recipe
-from .reference_check import ReferenceCheck, output_loss, resolve_reference_check
-from .statistics import FP8Statistics, statistics_config
-from .training import FP8Training, check_arguments
+from ..modules.convert import ConversionReport
+from ..numerics.recipes import Recipe
+from ..training.core import FP8Training, check_arguments
+from ..training.faults import resolve_fault_policy
+from ..training.precision_strings import settings_for_loop
+from ..training.reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from ..training.statistics import FP8Statistics, statistics_config
 
 __all__ = ["FP8Precision", "precision_plugin_from_string"]
 
@@ -52,14 +52,14 @@ class FP8Precision(MixedPrecision):
         reference_every: run a BF16 reference check every this many optimizer steps (0 or
             None: off): the last forward of the set-up model before ``optimizer.step()`` is
             replayed, its loss read by ``ReferenceCheck.output_loss``. Single device or DDP.
-        reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
+        reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (interval,
             thresholds, policy, report files). Figures: :meth:`reference_metrics` after each
             step (for ``fabric.log_dict``), :meth:`reference_summary` at the end.
         nonfinite, max_consecutive_skips: what ``fabric.step``-time non-finite gradients do
             (``"skip"``: ``optimizer.step`` is not run; ``"raise"``) and how many skipped steps
-            in a row stop the run; see :mod:`fp8_plugin.faults`.
-        statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
-            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+            in a row stop the run; see :mod:`fp8_plugin.training.faults`.
+        statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
+            :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             read them with :meth:`statistics_metrics` for ``fabric.log_dict``. None: off.
 
     Raises:

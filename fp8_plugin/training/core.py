@@ -2,7 +2,7 @@
 
 Lightning's Trainer and Fabric plugins (and later Accelerate and the transformers Trainer) are
 thin adapters over :class:`FP8Training`: convert the model once, enter the forward context
-(torch autocast for the non-FP8 ops plus :func:`fp8_plugin.autocast` with the amax reducer),
+(torch autocast for the non-FP8 ops plus :func:`fp8_plugin.modules.autocast` with the amax reducer),
 settle each step's amaxes after the optimizer step, save and restore FP8 state, report figures.
 Loss scaling stays with each loop's own mixed-precision machinery (torch's ``GradScaler``).
 """
@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .autocast import AmaxReducer, autocast, new_step_id
-from .convert import ConversionReport, convert_model, fp8_state_dict
+from ..modules.autocast import AmaxReducer, autocast, new_step_id
+from ..modules.convert import ConversionReport, convert_model, fp8_state_dict
+from ..modules.linear import FP8Linear
+from ..modules.scaling_group import update_pending_scales
+from ..numerics.quantizers import check_saved_state, is_scaling_state_key
+from ..numerics.recipes import AutoRecipe, Recipe, check_recipe
 from .distributed import amax_reducer
 from .faults import FaultMonitor, FaultPolicy
-from .linear import FP8Linear
-from .quantizers import check_saved_state, is_scaling_state_key
-from .recipes import AutoRecipe, Recipe, check_recipe
 from .reference_check import ReferenceCheck, ReferenceChecker
-from .scaling_group import update_pending_scales
 from .statistics import FP8Statistics, StatisticsCollector
 
 __all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
@@ -61,15 +61,15 @@ class FP8Training:
         reference_check: the periodic BF16 reference checks (None: off).
         fault_policy: what a step with non-finite gradients does, and how many skipped steps
             in a row stop the run (None: ``FaultPolicy()``, skip with a warning, at most 25).
-        statistics: the per-layer FP8 statistics to sample (:mod:`fp8_plugin.statistics`;
+        statistics: the per-layer FP8 statistics to sample (:mod:`fp8_plugin.training.statistics`;
             None: off).
 
     Attributes:
         module: the converted model (None before :meth:`convert`).
-        report: its :class:`~fp8_plugin.convert.ConversionReport`.
-        reference: the :class:`~fp8_plugin.reference_check.ReferenceChecker` (None when off).
-        faults: the :class:`~fp8_plugin.faults.FaultMonitor` (skipped steps, outliers reported).
-        statistics: the :class:`~fp8_plugin.statistics.StatisticsCollector` (None when off).
+        report: its :class:`~fp8_plugin.modules.convert.ConversionReport`.
+        reference: the :class:`~fp8_plugin.training.reference_check.ReferenceChecker` (None when off).
+        faults: the :class:`~fp8_plugin.training.faults.FaultMonitor` (skipped steps, outliers reported).
+        statistics: the :class:`~fp8_plugin.training.statistics.StatisticsCollector` (None when off).
     """
 
     def __init__(self, recipe: Recipe, include: Patterns = None, exclude: Patterns = None,
@@ -171,7 +171,7 @@ class FP8Training:
             self.reference.capture(run_replay, self._device())
 
     def before_optimizer_step(self, loss_scaled: bool = False) -> bool:
-        """Check the step for non-finite gradients and amax outliers (:mod:`fp8_plugin.faults`),
+        """Check the step for non-finite gradients and amax outliers (:mod:`fp8_plugin.training.faults`),
         run the reference check due on this step, then ``before_step_hooks`` (each called with
         this object): the point where a step's gradients are complete and the weights are still
         the ones its forwards used. Loops call it right before the optimizer step.

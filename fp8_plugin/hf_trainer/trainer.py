@@ -10,7 +10,7 @@ micro-batches), evaluation runs in high precision, ``save_model`` writes a vanil
 ``fp8_config`` keys apply as in :mod:`fp8_plugin.accelerate.settings`.
 
 With ``fp8_reference_every`` (or ``fp8_reference_check``, or the config file's
-``reference_every``) the BF16 reference checks of :mod:`fp8_plugin.reference_check` run on the
+``reference_every``) the BF16 reference checks of :mod:`fp8_plugin.training.reference_check` run on the
 Trainer's micro-batches: each optimizer step that ran a check is logged (``control.should_log``)
 with its ``fp8_ref/...`` figures merged into the Trainer's log, so they reach
 ``trainer.state.log_history`` and the ``report_to`` integrations; ``train()`` ends by printing
@@ -35,14 +35,14 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
-from ._transformers_private import trainer_accelerator_class
-from .accelerate import Accelerator
-from .accelerate.settings import BASE_PRECISION
-from .files import atomic_write
-from .recipes import Recipe
-from .reference_check import ReferenceCheck
-from .statistics import FP8Statistics
-from .training import Patterns
+from .._private.transformers_api import trainer_accelerator_class
+from ..accelerate import Accelerator
+from ..accelerate.settings import BASE_PRECISION
+from ..numerics.recipes import Recipe
+from ..training.core import Patterns
+from ..training.files import atomic_write
+from ..training.reference_check import ReferenceCheck
+from ..training.statistics import FP8Statistics
 
 __all__ = ["FP8Trainer", "FP8_STATE_NAME"]
 
@@ -57,21 +57,21 @@ class FP8Trainer(Trainer):
 
     Args:
         *args, **kwargs: those of ``transformers.Trainer``.
-        fp8_recipe: a :class:`~fp8_plugin.recipes.Recipe` or an ``"fp8-*"`` precision string;
+        fp8_recipe: a :class:`~fp8_plugin.numerics.recipes.Recipe` or an ``"fp8-*"`` precision string;
             default: the config file's, else ``AutoRecipe()`` (HYBRID).
         fp8_include, fp8_exclude: module-name glob patterns for :func:`fp8_plugin.convert_model`.
         fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
             off); the model's output must hold the loss (the Trainer's default ``compute_loss``
             with labels in the batch), else pass ``ReferenceCheck(output_loss=...)``. One
             process or DDP.
-        fp8_reference_check: a :class:`~fp8_plugin.reference_check.ReferenceCheck` (interval,
+        fp8_reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (interval,
             policy, thresholds, report files).
         fp8_nonfinite, fp8_max_consecutive_skips: what an optimizer step with non-finite
             gradients does (``"skip"``, the default: not taken, and the Trainer's scheduler
             does not step either; ``"raise"``) and how many skipped steps in a row stop the run;
-            see :mod:`fp8_plugin.faults`.
-        fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.statistics`): an
-            :class:`~fp8_plugin.statistics.FP8Statistics` or an interval in optimizer steps;
+            see :mod:`fp8_plugin.training.faults`.
+        fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
+            :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             merged into the Trainer's logs as ``fp8_stats/...``. None: off.
 
     Attributes:

@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..numerics.device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
+from ..numerics.gemm import native_gemm
+from ..numerics.quantizers import ScalingState, is_scaling_state_key
+from ..numerics.recipes import DelayedScaling, Recipe, check_recipe
 from .backends import get_backend
-from .device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
-from .gemm import native_gemm
-from .quantizers import ScalingState, is_scaling_state_key
-from .recipes import DelayedScaling, Recipe, check_recipe
 from .scaling_group import ScalingGroup
 
 __all__ = ["convert_model", "too_small_for_fp8", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
@@ -270,7 +270,7 @@ def too_small_for_fp8(in_features: int, out_features: int, recipe: Optional[Reci
     to beat BF16 on an H100-class GPU under ``recipe`` (default ``DelayedScaling()``).
 
     Source: torchao's H100 measurements (see the comment above this function in
-    ``fp8_plugin/convert.py``). Token count is not a criterion: it varies per batch, and the
+    ``fp8_plugin/modules/convert.py``). Token count is not a criterion: it varies per batch, and the
     layers of a model keep one precision.
     """
     k, n = in_features, out_features
@@ -312,8 +312,8 @@ def convert_model(
 
     Args:
         model: any ``nn.Module``; ``transformers`` models get head detection.
-        recipe: the layers' default recipe (:func:`fp8_plugin.autocast` may override it);
-            None means ``DelayedScaling()``; an :class:`~fp8_plugin.recipes.AutoRecipe` is
+        recipe: the layers' default recipe (:func:`fp8_plugin.modules.autocast` may override it);
+            None means ``DelayedScaling()``; an :class:`~fp8_plugin.numerics.recipes.AutoRecipe` is
             resolved here for ``device``.
         include: glob patterns over module names (the full dotted name or one component); when
             given, only matching layers are candidates, and a match overrides the head rule.

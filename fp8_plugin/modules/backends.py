@@ -1,6 +1,6 @@
 """Backends that build FP8 layers: the one seam between the model swap and a layer library.
 
-``native`` is this project's :class:`~fp8_plugin.linear.FP8Linear` (torch._scaled_mm, exact
+``native`` is this project's :class:`~fp8_plugin.modules.linear.FP8Linear` (torch._scaled_mm, exact
 emulation where no FP8 GEMM exists). A Transformer Engine backend registers here later.
 """
 
@@ -11,8 +11,8 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from ..numerics.recipes import Recipe
 from .linear import FP8Linear
-from .recipes import Recipe
 
 __all__ = ["Backend", "get_backend", "BACKENDS"]
 

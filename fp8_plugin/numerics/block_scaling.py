@@ -88,7 +88,7 @@ def blockwise_scale(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool,
 
 def quantize_blocks(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Saturating cast of ``x * scale[block]`` (float32 product) to ``dtype``, of ``x``'s shape;
-    infinities of ``x`` are kept, as in :func:`fp8_plugin.scaling.quantize`, except in a block
+    infinities of ``x`` are kept, as in :func:`fp8_plugin.numerics.scaling.quantize`, except in a block
     whose scale is NaN (MX, a block holding an inf or NaN): its data is NaN throughout.
 
     ``scale`` is ``[ceil(R / block[0]), ceil(C / block[1])]``: the blockwise scale, or ``1 / X``
@@ -104,7 +104,7 @@ def quantize_blocks(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype = torch.float32, saturate: bool = True) -> torch.Tensor:
     """``data * scale_inv`` broadcast over blocks, in ``dtype`` (float32 by default), of
-    ``data``'s shape; finite data reads back finite, as in :func:`fp8_plugin.scaling.dequantize`."""
+    ``data``'s shape; finite data reads back finite, as in :func:`fp8_plugin.numerics.scaling.dequantize`."""
     rows, cols = data.shape
     full = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
     return dequantize(data, full, dtype, saturate)

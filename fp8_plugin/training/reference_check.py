@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._torch_private import in_backward_pass
-from .autocast import replay
-from .device import bf16_matmul_is_fast
-from .linear import FP8Linear
-from .recipes import Recipe
+from .._private.torch_api import in_backward_pass
+from ..modules.autocast import replay
+from ..modules.linear import FP8Linear
+from ..numerics.device import bf16_matmul_is_fast
+from ..numerics.recipes import Recipe
+from .reference_report import summary_text, with_written, write_reports
 
 __all__ = [
     "ReferenceCheck",
@@ -590,7 +591,7 @@ def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, 
 class ReferenceChecker:
     """Runs the checks of one training run: when, on which micro-batch, and what they found.
 
-    Loops feed it through :class:`~fp8_plugin.training.FP8Training`: ``capture`` at each
+    Loops feed it through :class:`~fp8_plugin.training.core.FP8Training`: ``capture`` at each
     training forward (kept only on a step that is due), ``run`` before the optimizer step,
     ``end_step`` after it.
 
@@ -664,20 +665,14 @@ class ReferenceChecker:
 
     def summary(self) -> str:
         """A short text: checks run and failed, worst layers, fallbacks, overhead."""
-        from .reference_report import summary_text
-
         return summary_text(self)
 
     def finish(self) -> str:
         """Write the report files, then return the summary with a line per file written."""
-        from .reference_report import with_written
-
         return with_written(self.summary(), self.write_reports())
 
     def write_reports(self) -> list[str]:
         """Write the JSON and PNG files the config asks for; returns their paths."""
-        from .reference_report import write_reports
-
         return write_reports(self)
 
     def state_dict(self) -> dict[str, Any]:
