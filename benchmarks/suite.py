@@ -119,7 +119,7 @@ def quiet() -> None:
     """Messages that the tables already say (emulated GEMMs) or that this set-up causes on
     purpose (compiled layers look like no FP8 layer ran), and transformers' loading chatter."""
     warnings.filterwarnings("ignore", message="FP8 GEMM emulated in float32")
-    warnings.filterwarnings("ignore", message=r"fp8_plugin.modules.autocast\(\) was entered for a training step in which no")
+    warnings.filterwarnings("ignore", message=r"fp8_plugin.autocast\(\) was entered for a training step in which no")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 

@@ -49,7 +49,7 @@ def train(recipe, fp8_all_gather: bool) -> dict:
     losses = []
     for _ in range(STEPS):
         x, target = torch.randn(8, 32, generator=gen), torch.randn(8, 16, generator=gen)
-        with fp8_plugin.modules.autocast(reduce_amax=reducer):
+        with fp8_plugin.autocast(reduce_amax=reducer):
             loss = nn.functional.mse_loss(model(x).float(), target)
         loss.backward()
         optimizer.step()

@@ -150,3 +150,18 @@ class count_fp8_gemms:
     def __exit__(self, *exc):
         self._linear.fp8_gemm = self._original
         return False
+
+
+def accumulator_scaled_mm(a, b, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """``a @ b.T`` computed as oneDNN's CPU ``_scaled_mm`` (AMX CPUs) orders it: the FP8 values
+    multiplied and summed unscaled in float32, then ``scale_a * scale_b`` applied to the
+    accumulator, the bias (rounded to a low-precision ``out_dtype``) added, one final rounding.
+
+    A kernel that computes otherwise than the emulation (which scales each operand first), for
+    tests of the GEMM path choice on machines without AMX; same signature as
+    ``fp8_plugin.numerics.gemm._scaled_mm_tensorwise``.
+    """
+    out = (a.data.float() @ b.data.float().t()) * (a.scale_inv * b.scale_inv)
+    if bias is not None:
+        out = out + bias.to(out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32).float()
+    return out.to(out_dtype)

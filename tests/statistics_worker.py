@@ -28,7 +28,7 @@ def main(out: Path) -> None:
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 + rank)) * (1 + 3 * rank)
     collector = StatisticsCollector(FP8Statistics(every=1))
     collector.start_step(layer, 1)
-    with fp8_plugin.modules.autocast(step=new_step_id()):
+    with fp8_plugin.autocast(step=new_step_id()):
         layer(x).sum().backward()
     collector.end_step()
     torch.save({"metrics": collector.pop_metrics(), "x": x}, out / f"rank{rank}.pt")

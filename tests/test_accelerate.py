@@ -165,7 +165,7 @@ def test_save_state_load_state_resumes_bit_for_bit(tmp_path):
     acc, model, opt, sched = fresh()
     full = run(acc, model, opt, sched, data)
     full_state = {k: v.clone() for k, v in model.state_dict().items()}
-    full_fp8 = fp.convert.fp8_state_dict(model)
+    full_fp8 = fp.modules.convert.fp8_state_dict(model)
 
     acc, model, opt, sched = fresh()
     first = run(acc, model, opt, sched, data[:3])
@@ -176,7 +176,7 @@ def test_save_state_load_state_resumes_bit_for_bit(tmp_path):
 
     assert first + rest == full
     assert all(torch.equal(full_state[k], v) for k, v in model.state_dict().items())
-    resumed_fp8 = fp.convert.fp8_state_dict(model)
+    resumed_fp8 = fp.modules.convert.fp8_state_dict(model)
     for key, value in full_fp8.items():
         for name, tensor in value.items():
             assert torch.equal(resumed_fp8[key][name], tensor), (key, name)
@@ -209,9 +209,10 @@ def test_te_recipe_kwargs_map_field_by_field(monkeypatch):
     assert accelerator.fp8_settings.recipe == fp.DelayedScaling(
         margin=2, fp8_format=fp.Format.E4M3, amax_history_len=8, amax_compute_algo="most_recent")
     AcceleratorState._reset_state(True)
-    with pytest.raises(ValueError, match="override_linear_precision"):
-        Accelerator(mixed_precision="fp8",
-                    kwargs_handlers=[TERecipeKwargs(override_linear_precision=(False, True, False))])
+    accelerator = Accelerator(mixed_precision="fp8",
+                              kwargs_handlers=[TERecipeKwargs(override_linear_precision=(False, True, False))])
+    assert accelerator.fp8_settings.recipe.override_linear_precision == (False, True, False)
+    AcceleratorState._reset_state(True)
     with pytest.raises(ValueError, match="FP8Kwargs and TERecipeKwargs"):
         Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(recipe="fp8-current"), TERecipeKwargs()])
 
@@ -457,7 +458,7 @@ def test_training_with_reference_checks_equals_training_without_bit_for_bit():
         losses = train_lm(accelerator, model, optimizer, data)
         unwrapped = accelerator.unwrap_model(model)
         return (losses, {k: v.clone() for k, v in unwrapped.state_dict().items()}, optimizer.state_dict(),
-                fp.convert.fp8_state_dict(unwrapped), torch.rand(16), accelerator.fp8_runs[0].reference)
+                fp.modules.convert.fp8_state_dict(unwrapped), torch.rand(16), accelerator.fp8_runs[0].reference)
 
     checked, plain = run(1), run(0)
     assert len(checked[5].results) == 4 and plain[5] is None

@@ -59,7 +59,7 @@ def test_checkpointed_steps_equal_the_same_fp8_steps_without_checkpointing(mode,
         assert torch.equal(losses[0], losses[1])
         for a, b in zip(*grads):
             assert torch.equal(a, b)
-        for (name, a), b in zip(fp.convert.fp8_state_dict(plain).items(), fp.convert.fp8_state_dict(ckpt).values()):
+        for (name, a), b in zip(fp.modules.convert.fp8_state_dict(plain).items(), fp.modules.convert.fp8_state_dict(ckpt).values()):
             for key in a:
                 assert torch.equal(a[key], b[key]), (name, key)
 

@@ -60,9 +60,10 @@ def tiny_gpt2(tmp_path_factory) -> Path:
 
 
 def _expected_share(layers) -> float:
-    # From the layer shapes alone: per token a linear layer costs in * out multiply-adds.
-    macs = {d.name: d.in_features * d.out_features for d in layers}
-    return sum(macs[d.name] for d in layers if d.swapped) / sum(macs.values())
+    # From the layer shapes alone: a linear layer costs in * out multiply-adds per token, and every
+    # layer but the heads (excepted from the share) runs on every token.
+    macs = {d.name: d.in_features * d.out_features for d in layers if "head" not in d.reason}
+    return sum(macs[d.name] for d in layers if d.swapped and d.name in macs) / sum(macs.values())
 
 
 def _check_sqnr(out: dict) -> list[float]:
@@ -95,11 +96,17 @@ def test_inspect_minilm_json():
     assert (out["swapped"], out["skipped"]) == (len(report.swapped), len(report.skipped)) == (36, 1)
     assert [(d["name"], d["swapped"], d["reason"]) for d in out["layers"]] == [
         (d.name, d.swapped, d.reason) for d in report.layers]
-    assert out["fp8_flop_share"] == pytest.approx(_expected_share(report.layers), rel=1e-12)
-    # 6 blocks x (4 x 384 x 384 + 2 x 384 x 1536) in FP8, the 384 x 384 pooler not.
-    assert out["flops_per_token"] == {"fp8": 6 * (4 * 384 * 384 + 2 * 384 * 1536),
-                                      "total": 6 * (4 * 384 * 384 + 2 * 384 * 1536) + 384 * 384}
-    assert "per token" in out["flop_note"] and "attention score" in out["flop_note"]
+    assert out["fp8_flop_share"] == pytest.approx(_expected_share(report.layers), rel=1e-12) == 1.0
+    # One forward of 64 tokens, 2 FLOPs per multiply-add: 6 blocks x (4 x 384 x 384 + 2 x 384 x
+    # 1536) per token in FP8; the 384 x 384 pooler (a head) on the first token only; Q K^T and
+    # scores x V: 12 heads of 32, 64 x 64 scores, in each block.
+    layers = 2 * 64 * 6 * (4 * 384 * 384 + 2 * 384 * 1536)
+    flops = out["gemm_flops"]
+    assert (flops["tokens"], flops["fp8"], flops["counted"]) == (64, layers, layers)
+    assert flops["by_role"] == {"layer": layers, "expert": 0, "head": 2 * 384 * 384, "router": 0,
+                                "other": 6 * 2 * 12 * 64 * 64 * (32 + 32)}
+    assert flops["share_of_all"] == pytest.approx(layers / sum(flops["by_role"].values()), rel=1e-12)
+    assert "excepted: output heads, MoE routers, attention score" in out["flop_note"]
     assert out["sample"]["source"] == "tokenizer" and out["sample"]["tokens"] == 64
     values = _check_sqnr(out)
     assert 25.0 < sorted(values)[len(values) // 2] < 35.0  # the median: E4M3 rounding, about 29 dB
@@ -115,9 +122,9 @@ def test_inspect_minilm_table_with_options():
     assert "24 of 37 linear layers in FP8" in text
     assert text.count("matched by exclude") == 12
     assert "output head ('pooler')" in text
-    share = 6 * (3 * 384 * 384 + 384 * 1536) / (6 * (4 * 384 * 384 + 2 * 384 * 1536) + 384 * 384)
+    share = (3 * 384 * 384 + 384 * 1536) / (4 * 384 * 384 + 2 * 384 * 1536)  # the pooler excepted
     assert f"FP8 share of GEMM FLOPs: {share:.1%}" in text
-    assert "per token" in text and "attention score matmuls" in text
+    assert "in one forward of 32 tokens" in text and "attention score matmuls" in text
     assert "Quantization error on a sample batch (32 tokens: the sample text through MODEL_PATH's tokenizer)" in text
     rows = re.findall(r"^(encoder\.\S+)\s+\d+\s+\d+\s+([\d.]+)$", text, flags=re.M)
     assert len(rows) == 24

@@ -35,7 +35,7 @@ def _fresh_dynamo():
 
 def _train_step(layer: torch.nn.Module, recipe):
     def step(x: torch.Tensor) -> torch.Tensor:
-        with fp8_plugin.modules.autocast(recipe=recipe):
+        with fp8_plugin.autocast(recipe=recipe):
             y = layer(x)
         return (y.float() ** 2).mean()
 
@@ -78,7 +78,7 @@ def test_fp8_linear_evaluation_compiles_whole(recipe):
     layer = FP8Linear(128, 64, recipe=recipe)
 
     def evaluate(x):
-        with fp8_plugin.modules.autocast(recipe=recipe):
+        with fp8_plugin.autocast(recipe=recipe):
             return layer(x)
 
     x = torch.randn(32, 128)
@@ -104,7 +104,7 @@ def test_a_converted_transformers_model_compiles_whole_forward_and_backward():
     assert report is not None
 
     def step(input_ids):
-        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.modules.autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.autocast():
             return model(input_ids=input_ids, labels=input_ids).loss
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")

@@ -45,7 +45,7 @@ def test_fabric_precision_string_trains_in_fp8_like_the_plain_pytorch_loop():
     # layer's: its input needs none) and wgrad, every step.
     assert gemms.count == STEPS * (3 + 2)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    # The same step written by hand: BF16 autocast, fp8_plugin.modules.autocast, settle after the step.
+    # The same step written by hand: BF16 autocast, fp8_plugin.autocast, settle after the step.
     ref = _mlp()
     fp.convert_model(ref)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -103,3 +103,13 @@ def test_fabric_plugin_object_and_bad_strings():
         L.Fabric(precision="fp8-hybrid", plugins=[FP8Precision()], accelerator="cpu")
     with pytest.raises(ValueError, match="compute_dtype=torch.int8"):
         FP8Precision(compute_dtype=torch.int8)
+
+
+def test_each_loop_refuses_the_other_loops_fp8_plugin_when_built():
+    """The Trainer's plugin is a Fabric Precision too: Fabric used to accept it and fail at the
+    first backward inside Lightning. Both loops now refuse the other's plugin at construction,
+    naming the class to use."""
+    with pytest.raises(TypeError, match=r"fp8_plugin\.fabric\.FP8Precision"):
+        L.Fabric(accelerator="cpu", devices=1, plugins=[fp.FP8Precision()])
+    with pytest.raises(TypeError, match=r"fp8_plugin\.FP8Precision"):
+        L.Trainer(accelerator="cpu", devices=1, plugins=FP8Precision(), logger=False, enable_checkpointing=False)

@@ -44,10 +44,10 @@ def test_an_fp8_gathered_weight_is_the_gemm_operand_and_dequantizes_for_other_op
     expected_weight = data.float() * scale_inv
     assert torch.equal(gathered + 0, expected_weight)  # any other op sees data * scale_inv
     x = torch.randn(16, 64)
-    with fp8_plugin.modules.autocast():
+    with fp8_plugin.autocast():
         reference = layer(x)  # casts its own weight with the same scale
     layer.weight = nn.Parameter(gathered)
-    with fp8_plugin.modules.autocast():
+    with fp8_plugin.autocast():
         got = layer(x.clone().requires_grad_())
     assert torch.equal(got.detach(), reference.detach())
     got.sum().backward()

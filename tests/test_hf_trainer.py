@@ -151,7 +151,7 @@ def test_fp8_trainer_checkpoints_carry_the_fp8_state_and_resume_exactly(tmp_path
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
-    full_fp8, resumed_fp8 = fp.convert.fp8_state_dict(full.model), fp.convert.fp8_state_dict(resumed.model)
+    full_fp8, resumed_fp8 = fp.modules.convert.fp8_state_dict(full.model), fp.modules.convert.fp8_state_dict(resumed.model)
     for key, value in full_fp8.items():
         for entry, tensor in value.items():
             assert torch.equal(tensor, resumed_fp8[key][entry]), (key, entry)
@@ -160,3 +160,26 @@ def test_fp8_trainer_checkpoints_carry_the_fp8_state_and_resume_exactly(tmp_path
     (checkpoint / "fp8_state.pt").unlink()
     with pytest.warns(UserWarning, match="holds no fp8_state.pt: the FP8 scales start afresh"):
         plain.train(resume_from_checkpoint=str(checkpoint))
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+def test_fp8_figures_reach_the_log_history_but_not_the_console_unless_asked(tmp_path, capsys, disable_tqdm):
+    # The Trainer prints every log on the console (PrinterCallback, or ProgressCallback's bar):
+    # the per-layer statistics of a 12-layer model are hundreds of keys per sampled step.
+    from transformers import TrainingArguments
+
+    printed = {}
+    for print_figures in (False, True):
+        args = TrainingArguments(output_dir=str(tmp_path / str(print_figures)), max_steps=2, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+                                 disable_tqdm=disable_tqdm)
+        trainer = FP8Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(16), fp8_statistics=1,
+                             fp8_print_figures=print_figures)
+        capsys.readouterr()
+        trainer.train()
+        printed[print_figures] = capsys.readouterr()
+        logged = [key for entry in trainer.state.log_history for key in entry if key.startswith("fp8_stats/")]
+        assert logged, "the statistics must still reach log_history (and so the report_to integrations)"
+    quiet, loud = (printed[False].out + printed[False].err), (printed[True].out + printed[True].err)
+    assert "'loss'" in quiet and "fp8_stats/" not in quiet
+    assert "fp8_stats/" in loud

@@ -301,3 +301,24 @@ def test_accumulated_micro_batches_share_one_scale_update_per_optimizer_step():
     assert model.scales[0] == model.scales[1]
     amax = max(xs[0].abs().max().item(), xs[1].abs().max().item())
     assert model.scales[2] == model.scales[3] == torch.tensor(448.0 / amax, dtype=torch.float32).item()
+
+
+def test_the_console_gets_the_fp8_layer_counts_and_the_debug_log_the_table(caplog):
+    # The table has a row per layer (hundreds in a MoE model): kept off the console (Lightning's
+    # INFO messages) unless the user turns on debug logging; the plugin's `report` holds it either way.
+    import logging
+
+    def fit(level):
+        caplog.clear()
+        module = TinyClassifier()
+        trainer = L.Trainer(precision="fp8-hybrid", accelerator="cpu", max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with caplog.at_level(level, logger="lightning.pytorch"):  # the logger Lightning sets to INFO
+            trainer.fit(module, loader())
+        return trainer.precision_plugin.report, "\n".join(r.getMessage() for r in caplog.records if r.levelno >= level)
+
+    report, info = fit(logging.INFO)
+    assert f"{len(report.swapped)} of {len(report.layers)} linear layers in FP8" in info
+    assert not any(layer.name in info for layer in report.layers)  # no table row
+    report, debug = fit(logging.DEBUG)
+    assert all(layer.name in debug for layer in report.layers)

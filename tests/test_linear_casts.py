@@ -46,14 +46,14 @@ def _layer(recipe, seed: int = 0, bias: bool = True) -> FP8Linear:
     # A throwaway forward and backward first: the process's one-off choice of GEMM path times
     # probe GEMMs of its own (fp8_plugin.numerics.gemm.tensorwise_choice), which are not this layer's work.
     warm = FP8Linear(256, 128, recipe=recipe)
-    with fp8_plugin.modules.autocast():
+    with fp8_plugin.autocast():
         warm(torch.randn(64, 256, requires_grad=True)).float().sum().backward()
     torch.manual_seed(seed)
     return FP8Linear(256, 128, bias=bias, recipe=recipe)
 
 
 def _forward_copies(layer: FP8Linear, x: torch.Tensor, **autocast) -> tuple[int, torch.Tensor]:
-    with fp8_plugin.modules.autocast(**autocast), FP8Copies() as mode:
+    with fp8_plugin.autocast(**autocast), FP8Copies() as mode:
         y = layer(x)
     return mode.count, y
 
@@ -145,7 +145,7 @@ def test_an_evaluation_cast_is_not_taken_for_a_training_cast_that_must_record_th
     layer = _layer(DelayedScaling())
     with torch.no_grad():
         layer(torch.randn(8, 256))  # outside the autocast: high precision, nothing cached
-        with fp8_plugin.modules.autocast():
+        with fp8_plugin.autocast():
             layer(torch.randn(8, 256))  # evaluation: cached, not recorded
     count, _ = _forward_copies(layer, torch.randn(8, 256, requires_grad=True))
     assert count == 4
@@ -162,7 +162,7 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor, fp8: bool) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.modules.autocast(enabled=fp8):
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.autocast(enabled=fp8):
             model(x)
     return sum(storages.values())
 

@@ -23,7 +23,7 @@ from fp8_plugin.training.statistics import StatisticsCollector
 def _sampled_step(layer: nn.Module, x: torch.Tensor, every: int = 1) -> dict[str, float]:
     collector = StatisticsCollector(FP8Statistics(every=every))
     collector.start_step(layer, 1)
-    with fp8_plugin.modules.autocast(step=new_step_id()):
+    with fp8_plugin.autocast(step=new_step_id()):
         y = layer(x)
     y.float().sum().backward()
     collector.end_step()
@@ -87,7 +87,7 @@ def test_statistics_are_sampled_every_n_steps_only_for_matching_layers():
     model = nn.Sequential(FP8Linear(16, 16), nn.ReLU(), FP8Linear(16, 16))
     for step in (1, 2, 3):
         collector.start_step(model, step)
-        with fp8_plugin.modules.autocast(step=new_step_id()):
+        with fp8_plugin.autocast(step=new_step_id()):
             model(torch.randn(4, 16)).sum().backward()
         collector.end_step()
         metrics = collector.pop_metrics()

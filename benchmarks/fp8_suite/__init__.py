@@ -6,4 +6,10 @@
 - :mod:`.bookkeeping`: the per-step cost of the FP8 state outside the GEMMs and casts;
 - :mod:`.saved_bytes`: bytes the linear layers save for backward;
 - :mod:`.report`: the markdown tables and the targets.
+
+And of ``benchmarks/cost_model.py``, the projected (not measured) H100 / H200 cost model:
+
+- :mod:`.op_costs`: every aten op of a step counted with its bytes and FLOPs, each bounded on a
+  GPU's published peak figures, eager or ideally fused;
+- :mod:`.workloads`: the steps it traces on fake tensors (an FP8 / BF16 linear layer, a Llama block).
 """

@@ -1,7 +1,7 @@
 """Layer level: one linear layer's forward + backward, FP8 against BF16, over LLM shapes.
 
 Each variant runs a training iteration as the integrations run it: the forward under
-``torch.autocast(bfloat16)`` (and, for ``FP8Linear``, :func:`fp8_plugin.modules.autocast` with the
+``torch.autocast(bfloat16)`` (and, for ``FP8Linear``, :func:`fp8_plugin.autocast` with the
 recipe nested inside it), the backward after it, the gradients dropped. FP32 master weights,
 a BF16 input that needs its gradient, no bias (as in Llama). Every iteration is a training step of
 its own: delayed scaling updates its scales at each, and ``FP8Linear``'s cached FP8 weight copies
@@ -83,12 +83,12 @@ def _make_layer(variant: str, k: int, n: int, device: torch.device) -> nn.Module
 
 def _iteration(layer: nn.Module, run: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
     """One training iteration of ``run`` (``layer`` itself or its compiled form); an FP8Linear
-    runs inside ``fp8_plugin.modules.autocast`` with its recipe."""
+    runs inside ``fp8_plugin.autocast`` with its recipe."""
     device_type = x.device.type
     fp8 = isinstance(layer, fp8_plugin.FP8Linear)
 
     def step() -> None:
-        context = fp8_plugin.modules.autocast(recipe=layer.recipe) if fp8 else contextlib.nullcontext()
+        context = fp8_plugin.autocast(recipe=layer.recipe) if fp8 else contextlib.nullcontext()
         with torch.autocast(device_type, dtype=torch.bfloat16), context:
             out = run(x)
         out.backward(grad)

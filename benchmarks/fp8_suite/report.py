@@ -111,7 +111,7 @@ def layer_section(section: dict) -> list[str]:
         lines += _layer_matrix(section["results"], True, _layer_cell)
     lines += ["", "FP8 GEMM paths:", ""] + _gemm_paths(section)
     if section["gemm_paths_cpu"]:
-        lines += ["", "Tensorwise GEMM path per operand pairing (timed once per process):", ""]
+        lines += ["", "Tensorwise GEMM path per operand pairing (decided once per process):", ""]
         lines += [f"- {path}" for path in section["gemm_paths_cpu"]]
     return lines + _errors(section["results"], lambda r: f"{r['m']}x{r['k']}x{r['n']} {r['variant']}"
                            + (" compiled" if r["compiled"] else ""))
@@ -166,7 +166,7 @@ def bookkeeping_section(section: dict) -> list[str]:
 
 def memory_section(section: dict) -> list[str]:
     lines = ["## 4. Saved for backward: the FP8 layers against the same layers under BF16", "",
-             "One training forward under BF16 autocast, alone and with `fp8_plugin.modules.autocast` around the model "
+             "One training forward under BF16 autocast, alone and with `fp8_plugin.autocast` around the model "
              "converted with each recipe; every tensor packed for backward counted once by storage, attributed to "
              "the linear layer whose forward packed it.", "",
              "| model | precision | FP8 layers | their saved bytes | same layers under BF16 | ratio | whole model | "

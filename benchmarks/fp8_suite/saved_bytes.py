@@ -1,7 +1,7 @@
 """Saved-for-backward bytes: what the linear layers keep for the backward, FP8 against BF16.
 
 One training forward of a model under each precision (BF16 autocast alone; BF16 autocast with
-:func:`fp8_plugin.modules.autocast` around the model converted with each recipe), inside
+:func:`fp8_plugin.autocast` around the model converted with each recipe), inside
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor packed for backward is counted once
 by its storage (its storage's bytes), for the whole model and, separately, for what is packed
 while a linear layer's forward runs (``nn.Linear`` / ``FP8Linear`` forward pre- and post-hooks).
@@ -117,7 +117,7 @@ def _forward(model: nn.Module, batch: dict, precision: str) -> Callable[[], obje
     device_type = next(model.parameters()).device.type
 
     def forward():
-        fp8 = fp8_plugin.modules.autocast(recipe=RECIPES[precision]()) if precision in RECIPES else contextlib.nullcontext()
+        fp8 = fp8_plugin.autocast(recipe=RECIPES[precision]()) if precision in RECIPES else contextlib.nullcontext()
         with torch.autocast(device_type, dtype=torch.bfloat16), fp8:
             return model(**batch).loss
 

@@ -5,6 +5,8 @@
 :class:`~fp8_plugin.accelerate.accelerator.Accelerator` and docs/accelerate.md.
 ``ReferenceCheck`` (the BF16 reference checks' settings) is re-exported here for
 ``Accelerator(fp8_reference_check=...)`` and ``FP8Kwargs(reference_check=...)``.
+
+May import: :mod:`fp8_plugin.training` and below, Accelerate.
 """
 
 from ..training.reference_check import ReferenceCheck

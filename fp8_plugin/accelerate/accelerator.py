@@ -9,7 +9,7 @@ torchao) is asked for or run, and then:
 - ``prepare()`` converts every model it is given before Accelerate wraps or shards it (DDP,
   FSDP2), keeping the Parameter objects (optimizers made before stay valid; FP32 master
   weights), and makes each forward run inside the FP8 context (torch autocast for the non-FP8
-  ops and :func:`fp8_plugin.modules.autocast` with the amax all-reduce across processes);
+  ops and :func:`fp8_plugin.autocast` with the amax all-reduce across processes);
 - every prepared optimizer tells the FP8 state of its models about each optimizer step, a step
   the loss scaler skips included: the micro-batches of ``accelerator.accumulate()`` share one
   scale update and one amax reduction;
@@ -52,6 +52,7 @@ from accelerate.utils.dataclasses import FP8BackendType
 from torch import nn
 
 from ..modules.convert import ConversionReport
+from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns
 from ..training.reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
@@ -334,7 +335,7 @@ class Accelerator(_AccelerateAccelerator):
             _load_one(run, self._fp8_state_to_load, len(self.fp8_runs) - 1)
         if self.is_main_process:
             log.info("FP8 layers:\n%s", run.report)
-        _wrap_forward(obj, run, self.device.type, settings.use_autocast_during_eval)
+        _wrap_forward(obj, run, device_kind(self.device), settings.use_autocast_during_eval)
 
 
 def _model_key(key: str, index: int) -> str:

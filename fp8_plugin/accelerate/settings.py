@@ -278,12 +278,15 @@ def _te_fields(level: _Level, values: Mapping[str, Any], owner: str,
             "are updated every step); valid: 1"
         )
     override = values.get("override_linear_precision")
-    if override is not None and any(bool(x) for x in override):
-        raise ValueError(
-            f"{label('override_linear_precision')}: override_linear_precision={tuple(override)!r} is not "
-            "supported: fp8-plugin runs all three GEMMs of an FP8 layer in FP8; keep whole layers in high "
-            "precision with fp8_exclude. valid: (False, False, False)"
-        )
+    if override is not None:
+        flags = tuple(override) if isinstance(override, (tuple, list)) else ()
+        if len(flags) != 3 or not all(isinstance(f, bool) for f in flags):
+            raise ValueError(
+                f"{label('override_linear_precision')}: override_linear_precision={override!r} is invalid; valid: "
+                "three bools (fprop, dgrad, wgrad), True running that GEMM in high precision"
+            )
+        if any(flags):  # all False is every recipe's default: it asks for nothing
+            level.set("override_linear_precision", flags, label("override_linear_precision"))
     if values.get("fp8_format") is not None:
         level.set("fp8_format", parse_format(str(values["fp8_format"]).upper()), label("fp8_format"))
     if values.get("margin") is not None:
@@ -375,7 +378,9 @@ def _env_level(env: Mapping[str, str]) -> _Level:
 def _level_recipe(level: _Level) -> tuple[Optional[Recipe], Optional[str], Optional[torch.dtype]]:
     """The recipe one level describes (None if it sets none), where, and a precision string's dtype."""
     values = level.values
-    fields = {k: values[k] for k in ("fp8_format", *_DELAYED_FIELDS) if k in values}
+    fields = {k: values[k] for k in ("fp8_format", *_DELAYED_FIELDS, "override_linear_precision") if k in values}
+    override = {"override_linear_precision": fields["override_linear_precision"][0]} \
+        if "override_linear_precision" in fields else {}
     mxfp8 = values.get("use_mxfp8_block_scaling")
     string_dtype = None
     if "recipe" in values:
@@ -391,7 +396,9 @@ def _level_recipe(level: _Level) -> tuple[Optional[Recipe], Optional[str], Optio
         if mxfp8 and not isinstance(recipe, MXFP8BlockScaling):
             raise ValueError(f"Contradictory FP8 settings: {where}={values['recipe'][0]!r} and {mxfp8[1]}=True")
         if isinstance(recipe, AutoRecipe) and any(k in fields for k in _DELAYED_FIELDS):
-            recipe = DelayedScaling(fp8_format=recipe.fp8_format)  # options of delayed scaling ask for it
+            # Options of delayed scaling ask for it.
+            recipe = DelayedScaling(fp8_format=recipe.fp8_format,
+                                    override_linear_precision=recipe.override_linear_precision)
         init_fields = {f.name for f in dataclasses.fields(recipe) if f.init}
         recipe = dataclasses.replace(recipe, **{k: v for k, (v, _) in fields.items() if k in init_fields})
         for key, (value, key_where) in fields.items():
@@ -407,12 +414,13 @@ def _level_recipe(level: _Level) -> tuple[Optional[Recipe], Optional[str], Optio
             raise ValueError(f"Contradictory FP8 settings: {mxfp8[1]}=True and {fields[key][1]}={fields[key][0]!r} "
                              "(MXFP8 has no amax history or margin)")
         fmt = fields.get("fp8_format", (Format.E4M3, ""))[0]
-        return MXFP8BlockScaling(fp8_format=fmt), mxfp8[1], None
+        return MXFP8BlockScaling(fp8_format=fmt, **override), mxfp8[1], None
     if any(k in fields for k in _DELAYED_FIELDS):
         wheres = ", ".join(w for _, w in fields.values())
         return DelayedScaling(**{k: v for k, (v, _) in fields.items()}), wheres, None
-    if "fp8_format" in fields:
-        return AutoRecipe(fp8_format=fields["fp8_format"][0]), fields["fp8_format"][1], None
+    if "fp8_format" in fields or override:
+        fmt, where = fields.get("fp8_format", (Format.HYBRID, None))
+        return AutoRecipe(fp8_format=fmt, **override), where or fields["override_linear_precision"][1], None
     return None, None, None
 
 

@@ -3,7 +3,7 @@
 A thin adapter of :class:`~fp8_plugin.training.core.FP8Training` onto Fabric's precision hooks, built
 on Fabric's ``MixedPrecision`` (its ``GradScaler`` steps for float16). ``fabric.setup(model)``
 converts the model; each forward of the set-up model runs in torch autocast plus
-:func:`fp8_plugin.modules.autocast` (with the amax all-reduce when several ranks train);
+:func:`fp8_plugin.autocast` (with the amax all-reduce when several ranks train);
 ``fabric.backward`` and the optimizer step are Fabric's, and each step's amaxes become scales
 right after the step. FP8 state is part of the model's own ``state_dict()`` (each FP8 layer's
 ``fp8_state._extra_state``), so ``fabric.save(path, {"model": model, ...})`` and

@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
 
 from .._private.transformers_api import trainer_accelerator_class
@@ -41,7 +42,9 @@ from ..accelerate.settings import BASE_PRECISION
 from ..numerics.recipes import Recipe
 from ..training.core import Patterns
 from ..training.files import atomic_write
+from ..training.reference_check import METRIC_PREFIX as REFERENCE_PREFIX
 from ..training.reference_check import ReferenceCheck
+from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
 from ..training.statistics import FP8Statistics
 
 __all__ = ["FP8Trainer", "FP8_STATE_NAME"]
@@ -73,6 +76,10 @@ class FP8Trainer(Trainer):
         fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             merged into the Trainer's logs as ``fp8_stats/...``. None: off.
+        fp8_print_figures: also print the FP8 figures (``fp8_stats/...``, ``fp8_ref/...``) on
+            the console with the Trainer's other logs. Default False: they reach
+            ``trainer.state.log_history`` and the ``report_to`` integrations only (a 12-layer
+            model has hundreds of statistics per sampled step).
 
     Attributes:
         accelerator: a :class:`fp8_plugin.accelerate.Accelerator`; ``accelerator.fp8_reports``
@@ -89,7 +96,8 @@ class FP8Trainer(Trainer):
                  fp8_exclude: Patterns = None, fp8_reference_every: Optional[int] = None,
                  fp8_reference_check: Optional[ReferenceCheck] = None, fp8_nonfinite: Optional[str] = None,
                  fp8_max_consecutive_skips: Optional[int] = None,
-                 fp8_statistics: Union[FP8Statistics, int, None] = None, **kwargs: Any) -> None:
+                 fp8_statistics: Union[FP8Statistics, int, None] = None, fp8_print_figures: bool = False,
+                 **kwargs: Any) -> None:
         self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude,
                                "fp8_reference_every": fp8_reference_every,
                                "fp8_reference_check": fp8_reference_check, "fp8_nonfinite": fp8_nonfinite,
@@ -99,6 +107,10 @@ class FP8Trainer(Trainer):
         settings = self.accelerator.fp8_settings
         if settings is not None and settings.reference_check is not None:
             self.add_callback(_LogReferenceChecks(self.accelerator))
+        if not fp8_print_figures:
+            for console, quiet in _QUIET_CONSOLE.items():
+                if self.callback_handler.pop_callback(console) is not None:
+                    self.add_callback(quiet)
 
     def create_accelerator_and_postprocess(self) -> None:
         factory = functools.partial(_fp8_accelerator, **self._fp8_arguments)
@@ -158,6 +170,31 @@ class _LogReferenceChecks(TrainerCallback):
         if self.accelerator._fp8_reference_pending and args.logging_strategy != IntervalStrategy.NO:
             control.should_log = True
         return control
+
+
+def _without_fp8_figures(logs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    if not logs:
+        return logs
+    return {key: value for key, value in logs.items() if not key.startswith((STATS_PREFIX, REFERENCE_PREFIX))}
+
+
+class _QuietProgressCallback(ProgressCallback):
+    """The Trainer's progress bar, printing its logs without the FP8 figures."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> Any:
+        return super().on_log(args, state, control, logs=_without_fp8_figures(logs), **kwargs)
+
+
+class _QuietPrinterCallback(PrinterCallback):
+    """The Trainer's log printer (``disable_tqdm=True``), without the FP8 figures."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> Any:
+        return super().on_log(args, state, control, logs=_without_fp8_figures(logs), **kwargs)
+
+
+# The Trainer's console callbacks and their quiet twins: only these print the logs; the
+# report_to integrations and log_history still get every figure.
+_QUIET_CONSOLE = {ProgressCallback: _QuietProgressCallback, PrinterCallback: _QuietPrinterCallback}
 
 
 def _fp8_accelerator(mixed_precision: Optional[str] = None, **kwargs: Any) -> Accelerator:

@@ -103,6 +103,7 @@ def register(connector: ModuleType) -> bool:
 
             @functools.wraps(original)
             def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins):
+                _refuse_other_loops_plugin(plugins, fabric=True)
                 if _is_fp8_string(precision):
                     plugins = _with_fp8_plugin(precision, strategy, accelerator, plugins, fabric=True)
                     precision = None
@@ -112,6 +113,7 @@ def register(connector: ModuleType) -> bool:
 
             @functools.wraps(original)
             def _check_config_and_set_final_flags(self, strategy, accelerator, precision, plugins, sync_batchnorm):
+                _refuse_other_loops_plugin(plugins, fabric=False)
                 if _is_fp8_string(precision):
                     plugins = _with_fp8_plugin(precision, strategy, accelerator, plugins, fabric=False)
                     precision = None
@@ -122,10 +124,44 @@ def register(connector: ModuleType) -> bool:
         return True
 
 
-def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: Any, fabric: bool) -> list:
-    # Imported here: Lightning is fully imported by the time a Trainer or Fabric is built.
+def _as_list(plugins: Any) -> list:
     import torch
 
+    if plugins is None:
+        return []
+    if not isinstance(plugins, Iterable) or isinstance(plugins, (str, torch.nn.Module)):
+        return [plugins]
+    return list(plugins)
+
+
+def _refuse_other_loops_plugin(plugins: Any, fabric: bool) -> None:
+    """Refuse, when the Trainer or Fabric is built, the FP8 plugin written for the other loop.
+
+    The Trainer's plugin is a Fabric ``Precision`` too, so Fabric would accept it and fail at the
+    first backward (it reaches for a Trainer); the Trainer refuses Fabric's with a message that
+    does not say which class to use.
+
+    Raises:
+        TypeError: naming the class that loop takes.
+    """
+    # Imported here: Lightning is fully imported by the time a Trainer or Fabric is built.
+    if fabric:
+        from .precision import FP8FSDPPrecision, FP8Precision
+
+        wrong, right = (FP8Precision, FP8FSDPPrecision), "fp8_plugin.fabric.FP8Precision (or precision='fp8-hybrid')"
+    else:
+        from ..fabric.precision import FP8Precision
+
+        wrong, right = (FP8Precision,), "fp8_plugin.FP8Precision, or FP8FSDPPrecision under FSDP (or precision='fp8-hybrid')"
+    for plugin in _as_list(plugins):
+        if isinstance(plugin, wrong):
+            loop = "Fabric" if fabric else "the Trainer"
+            raise TypeError(f"plugins=[{type(plugin).__module__}.{type(plugin).__name__}(...)] is the FP8 plugin of "
+                            f"{'the Trainer' if fabric else 'Fabric'}; {loop} takes {right}")
+
+
+def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: Any, fabric: bool) -> list:
+    # Imported here: Lightning is fully imported by the time a Trainer or Fabric is built.
     if fabric:
         from lightning.fabric.plugins.precision import Precision
 
@@ -136,11 +172,7 @@ def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: A
         from .precision_strings import precision_plugin_from_string
 
     plugin = precision_plugin_from_string(precision, strategy, accelerator)
-    if plugins is None:
-        plugins = []
-    elif not isinstance(plugins, Iterable) or isinstance(plugins, (str, torch.nn.Module)):
-        plugins = [plugins]
-    plugins = list(plugins)
+    plugins = _as_list(plugins)
     if any(isinstance(p, Precision) for p in plugins):
         raise ValueError(f"Received both precision={precision!r} and a precision plugin in plugins={plugins}; choose one")
     plugins.append(plugin)

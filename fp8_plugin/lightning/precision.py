@@ -7,7 +7,7 @@
 
 Both map Lightning's hooks onto the loop-neutral :class:`~fp8_plugin.training.core.FP8Training`
 (:class:`_FP8Behaviour`): ``convert_module`` swaps the linear layers; ``forward_context`` enters
-torch autocast (BF16 or FP16 for the non-FP8 ops) and :func:`fp8_plugin.modules.autocast` with a MAX
+torch autocast (BF16 or FP16 for the non-FP8 ops) and :func:`fp8_plugin.autocast` with a MAX
 all-reduce of the step's amaxes when several ranks train; the amaxes are settled after each
 optimizer step; FP8 state (and the loss scaler's) travels in checkpoints.
 """
@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from .._private.lightning_api import spawns_workers
 from ..modules.autocast import AmaxReducer
 from ..modules.convert import ConversionReport
+from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
 from ..training.faults import FaultPolicy, resolve_fault_policy
@@ -82,7 +83,10 @@ class _FP8Behaviour:
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.fp8.convert(module):  # fit then test/validate/predict: converted once
-            rank_zero_info(f"FP8 layers:\n{self.report}")
+            # Quiet by default: the counts on the console, the table (a row per layer: hundreds
+            # in a MoE model) at debug level and in `trainer.precision_plugin.report`.
+            rank_zero_info(f"FP8 layers: {self.report.summary()}\n(the layer table: trainer.precision_plugin.report)")
+            rank_zero_debug(f"FP8 layers:\n{self.report}")
             # Every checkpoint Lightning writes takes the module's state from module.state_dict(),
             # weights-only ones too (which skip on_save_checkpoint): keep it vanilla, so that
             # load_from_checkpoint into a plain module works; FP8 state travels under this plugin's
@@ -97,7 +101,7 @@ class _FP8Behaviour:
         # Called after the model is on its device: that is the device torch autocast must target.
         param = next(model.parameters(), None)
         if param is not None:
-            self._device_type = param.device.type
+            self._device_type = device_kind(param.device)
         return super().connect(model, optimizers, lr_schedulers)  # type: ignore[misc]
 
     def amax_reducer(self) -> Optional[AmaxReducer]:
@@ -248,7 +252,7 @@ def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(
             "FP8Precision(reference_every / reference_check) needs automatic optimization; this LightningModule "
-            "sets automatic_optimization=False: call fp8_plugin.training.reference_check(...) in its training_step instead"
+            "sets automatic_optimization=False: call fp8_plugin.reference_check(...) in its training_step instead"
         )
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 

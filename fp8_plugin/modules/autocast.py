@@ -1,4 +1,4 @@
-"""``fp8_plugin.modules.autocast``: the context inside which FP8 layers run their GEMMs in FP8.
+"""``fp8_plugin.autocast``: the context inside which FP8 layers run their GEMMs in FP8.
 
 Modelled on Transformer Engine's ``te.autocast`` (formerly ``fp8_autocast``). Outside the
 context, FP8 layers compute exactly as the layers they replaced. An outermost enabled context
@@ -76,7 +76,7 @@ def _warn_no_fp8_layer() -> None:
     if not _warned_no_fp8:
         _warned_no_fp8 = True
         warnings.warn(
-            "fp8_plugin.modules.autocast() was entered for a training step in which no FP8 layer ran: the model runs in "
+            "fp8_plugin.autocast() was entered for a training step in which no FP8 layer ran: the model runs in "
             "high precision. Convert it first (fp8_plugin.convert_model(model); its report says which layers "
             "were swapped and why the others were not)",
             stacklevel=3,

@@ -7,10 +7,12 @@ and layers whose dims are not multiples of 16 (FP8 tensor cores need them). Embe
 are not linear layers and are never swapped. The returned :class:`ConversionReport` says which
 layers were swapped and why the others were not.
 
-Only layers whose swap cannot change what the model computes are swapped: exact ``nn.Linear``
-and exact ``transformers.pytorch_utils.Conv1D``. The other linear layers stay, each with its
-reason in the report: subclasses with a ``forward`` of their own (transformers' ``FalconLinear``,
-bitsandbytes layers) or state of their own; lazy layers; ``nn.MultiheadAttention``'s
+Only layers whose swap cannot change what the model computes are swapped: exact ``nn.Linear``,
+exact ``transformers.pytorch_utils.Conv1D``, and the classes on the known-equivalent list of
+:mod:`fp8_plugin.modules.equivalents` (transformers' ``FalconLinear`` without a bias), whose own
+``forward`` computes exactly as ``nn.Linear``. The other linear layers stay, each with its
+reason in the report: subclasses with a ``forward`` of their own (bitsandbytes layers, a biased
+``FalconLinear``) or state of their own; lazy layers; ``nn.MultiheadAttention``'s
 ``out_proj`` (MHA reads its weight directly, its ``forward`` never runs); layers with hooks or an
 instance ``forward`` (Accelerate's ``_hf_hook``) that the new layer would drop; and PEFT adapters
 (``lora_A`` / ``lora_B``, ``modules_to_save``; the wrapped ``base_layer`` is swapped).
@@ -31,17 +33,20 @@ import torch
 from torch import nn
 
 from ..numerics.device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
+from ..numerics.device_kind import device_kind
 from ..numerics.gemm import native_gemm
 from ..numerics.quantizers import ScalingState, is_scaling_state_key
 from ..numerics.recipes import DelayedScaling, Recipe, check_recipe
 from .backends import get_backend
+from .coverage import GemmCoverage, measure_gemm_coverage
+from .equivalents import equivalent_linear_reason
+from .heads import HEAD_NAMES, head_reason, output_embedding_ids, tied_weight_ids
+from .experts import FP8ExpertGEMM, plan_experts
 from .scaling_group import ScalingGroup
 
 __all__ = ["convert_model", "too_small_for_fp8", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
            "HEAD_NAMES"]
 
-# Module-name components that mark an output head (transformers' naming).
-HEAD_NAMES = frozenset({"lm_head", "classifier", "score", "qa_outputs", "pooler", "cls", "head", "heads"})
 
 # FP8 GEMMs on GPUs need every dim a multiple of 16 (cuBLASLt FP8 requirement).
 DIM_MULTIPLE = 16
@@ -69,13 +74,23 @@ class ConversionReport:
     """Every candidate layer of a model, swapped or skipped, with the reason. ``str()`` is a table.
 
     ``recipe`` is the layers' recipe (an ``AutoRecipe`` resolved for ``device``); ``gemm`` says
-    whether its GEMMs run natively on ``device`` or are emulated, and why.
+    whether its GEMMs run natively on ``device`` or are emulated, and why. ``coverage`` is the
+    FP8 share of the model's GEMM FLOPs once :meth:`gemm_coverage` has measured it.
     """
 
     layers: list[LayerDecision] = field(default_factory=list)
     recipe: Optional[Recipe] = None
     device: str = ""
     gemm: str = ""
+    coverage: Optional[GemmCoverage] = None
+
+    def gemm_coverage(self, model: nn.Module, seq_len: int = 512, *, inputs: Optional[dict[str, Any]] = None) -> GemmCoverage:
+        """Measure the FP8 share of ``model``'s GEMM FLOPs in one forward at batch 1 and ``seq_len``
+        tokens (heads, routers and attention's score products excepted), keep it as
+        ``coverage`` (printed with the table) and return it.
+        :func:`fp8_plugin.modules.coverage.measure_gemm_coverage` says what counts and raises."""
+        self.coverage = measure_gemm_coverage(model, seq_len, inputs=inputs)
+        return self.coverage
 
     @property
     def swapped(self) -> list[LayerDecision]:
@@ -99,12 +114,19 @@ class ConversionReport:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"{len(self.swapped)} of {len(self.layers)} linear layers in FP8")
+        return "\n".join(lines + [self.summary()])
+
+    def summary(self) -> str:
+        """The report without its table: the FP8 layer count, skipped layer types, the recipe and
+        its GEMM path, the FP8 share of GEMM FLOPs (when measured); a few lines."""
+        lines = [f"{len(self.swapped)} of {len(self.layers)} linear layers in FP8"]
         if self.skipped_types:
             types = ", ".join(f"{kind} ({n})" for kind, n in sorted(self.skipped_types.items()))
             lines.append(f"skipped layer types: {types}")
         if self.recipe is not None:
             lines.append(f"recipe {recipe_name(self.recipe)} on {self.device}: {self.gemm}")
+        if self.coverage is not None:
+            lines.append(str(self.coverage))
         return "\n".join(lines)
 
 
@@ -194,7 +216,12 @@ def _subclass_reason(module: nn.Module, allow_subclasses: bool) -> str:
             return f"{cls.__module__}.{cls.__qualname__} is not transformers' Conv1D"
     if cls is base:
         return ""
-    if any(getattr(cls, m) is not getattr(base, m) for m in _CALL_METHODS):
+    # A class on the known-equivalent list (equivalents.py, checked bit for bit against nn.Linear)
+    # is swapped like nn.Linear, its own forward notwithstanding, where the instance qualifies.
+    known = equivalent_linear_reason(module) if base is nn.Linear else None
+    if known:
+        return f"subclass {cls.__name__} of {base_name} with its own forward ({known})"
+    if known is None and any(getattr(cls, m) is not getattr(base, m) for m in _CALL_METHODS):
         return f"subclass {cls.__name__} of {base_name} with its own forward"
     if base is not nn.Linear:
         return f"subclass {cls.__name__} of {base_name} (only the exact Conv1D is swapped)"
@@ -202,7 +229,7 @@ def _subclass_reason(module: nn.Module, allow_subclasses: bool) -> str:
     own = (own - {"weight", "bias"}) | {n for n, _ in module.named_children()}
     if own:
         return f"subclass {cls.__name__} of {base_name} with state of its own ({', '.join(sorted(own))})"
-    if not allow_subclasses:
+    if known is None and not allow_subclasses:
         return f"subclass {cls.__name__} of {base_name} (allow_subclasses=True swaps it)"
     return ""
 
@@ -231,29 +258,11 @@ def _peft_adapter_of(path: str, by_name: dict[str, nn.Module]) -> str:
     return ""
 
 
-def _output_embedding_ids(model: nn.Module) -> set[int]:
-    ids = set()
-    for module in model.modules():
-        getter = getattr(module, "get_output_embeddings", None)
-        if callable(getter):
-            try:
-                out = getter()
-            except (NotImplementedError, AttributeError):
-                out = None
-            if isinstance(out, nn.Module):
-                ids.add(id(out))
-    return ids
-
-
 def _skip_reason(name: str, module: nn.Module, in_f: int, out_f: int, heads: set[int], tied: set[int], explicit: bool) -> str:
     if not explicit:
-        if id(module) in heads:
-            return "output head (get_output_embeddings)"
-        if id(module.weight) in tied:
-            return "weight tied to an embedding"
-        head = next((c for c in name.split(".") if c in HEAD_NAMES), None)
-        if head is not None:
-            return f"output head ({head!r})"
+        head = head_reason(name, module, heads, tied)
+        if head:
+            return head
     if in_f % DIM_MULTIPLE or out_f % DIM_MULTIPLE:
         return f"dims not multiples of {DIM_MULTIPLE}"
     return ""
@@ -283,7 +292,7 @@ def _size_rule(skip_small: Any, recipe: Recipe, target: torch.device) -> Optiona
     if callable(skip_small):
         return skip_small
     if isinstance(skip_small, bool) or skip_small == "auto":
-        if skip_small is False or (skip_small == "auto" and target.type == "cpu"):
+        if skip_small is False or (skip_small == "auto" and device_kind(target) == "cpu"):
             return None
         return lambda k, n: too_small_for_fp8(k, n, recipe)
     raise TypeError(
@@ -312,7 +321,7 @@ def convert_model(
 
     Args:
         model: any ``nn.Module``; ``transformers`` models get head detection.
-        recipe: the layers' default recipe (:func:`fp8_plugin.modules.autocast` may override it);
+        recipe: the layers' default recipe (:func:`fp8_plugin.autocast` may override it);
             None means ``DelayedScaling()``; an :class:`~fp8_plugin.numerics.recipes.AutoRecipe` is
             resolved here for ``device``.
         include: glob patterns over module names (the full dotted name or one component); when
@@ -322,7 +331,8 @@ def convert_model(
         allow_subclasses: also swap the subclasses of ``nn.Linear`` that provably compute as
             ``nn.Linear``: ``forward`` (and ``__call__``) not overridden, not lazy, no
             parameters, buffers or submodules beyond ``weight`` and ``bias``. Off by default:
-            only exact ``nn.Linear`` and transformers' ``Conv1D`` are swapped. Subclasses of
+            only exact ``nn.Linear``, transformers' ``Conv1D`` and the known-equivalent classes
+            (:mod:`fp8_plugin.modules.equivalents`, always swapped) are. Subclasses of
             ``Conv1D``, layers with hooks, MultiheadAttention's ``out_proj`` and PEFT adapters
             are never swapped.
         device: the device training will run on, for which "auto" is resolved and the GEMM
@@ -358,8 +368,7 @@ def convert_model(
     recipe = resolve_recipe(recipe, target)
     too_small = _size_rule(skip_small, recipe or DelayedScaling(), target)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude")
-    heads = _output_embedding_ids(model)
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads, tied = output_embedding_ids(model), tied_weight_ids(model)
 
     report = ConversionReport()
     replacements: dict[int, nn.Module] = {}
@@ -369,6 +378,9 @@ def convert_model(
     for path, module in model.named_modules(remove_duplicate=False):
         by_name[path] = module
         paths.setdefault(id(module), []).append(path)
+    # MoE experts (3-D weights, fp8_plugin.modules.experts) convert in place; routers stay high precision.
+    experts = plan_experts(model, recipe, lambda n: "not matched by include" if include_p is not None and not _matches(
+        n, include_p) else "matched by exclude" if exclude_p is not None and _matches(n, exclude_p) else "")
     for name, module in list(model.named_modules()):
         if isinstance(module, chosen.fp8_types):
             report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
@@ -388,13 +400,15 @@ def convert_model(
         elif exclude_p is not None and _matches(name, exclude_p):
             reason = "matched by exclude"
         else:
-            reason = _skip_reason(name, module, in_f, out_f, heads, tied, explicit)
+            reason = ("" if explicit else experts.router_reason(module)) or _skip_reason(
+                name, module, in_f, out_f, heads, tied, explicit)
             if not reason and not explicit and too_small is not None and too_small(in_f, out_f):
                 reason = f"too small for FP8 to be faster on {target.type} (skip_small)"
         if not reason and id(module) not in replacements:
             replacements[id(module)] = chosen.make_linear(module, recipe)
         report.layers.append(LayerDecision(name, kind, in_f, out_f, not reason, reason))
 
+    report.layers.extend(LayerDecision(*d) for d in experts.decisions)
     candidates = [d.name for d in report.layers]
     _check_patterns_match(include_p, "include", candidates)
     _check_patterns_match(exclude_p, "exclude", candidates)
@@ -403,13 +417,14 @@ def convert_model(
             if id(child) in replacements:
                 setattr(parent, child_name, replacements[id(child)])
 
-    _join_one_scaling_group(model, chosen.fp8_types)
+    experts.apply()
+    _join_one_scaling_group(model, (*chosen.fp8_types, FP8ExpertGEMM))
     _ignore_fp8_state_on_save(model)
     report.recipe, report.device = recipe or DelayedScaling(), str(target)
     kind = recipe_gemm_kind(report.recipe)
     support = native_gemm(kind, target)
     if support.native and kind == "tensorwise" and target.type == "cpu":
-        report.gemm = "tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation, whichever is timed faster here (python -m fp8_plugin)"
+        report.gemm = "tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation per operand pairing, as python -m fp8_plugin reports"
     else:
         report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
     if not report.swapped:
@@ -445,7 +460,7 @@ def _target_device(model: nn.Module, device: Union[str, torch.device, None]) -> 
     if device is not None:
         return default_device(device)
     param = next(model.parameters(), None)
-    if param is not None and param.device.type != "cpu":
+    if param is not None and device_kind(param.device) != "cpu":
         return param.device
     return default_device(None)
 
@@ -453,8 +468,10 @@ def _target_device(model: nn.Module, device: Union[str, torch.device, None]) -> 
 def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The FP8 scaling state of ``model`` alone, under its ``model.state_dict()`` keys.
 
-    Reads the buffers as they are: call :func:`fp8_plugin.update_pending_scales` first for the
-    state a full ``state_dict()`` would hold.
+    One ``<layer>.fp8_state._extra_state`` entry per FP8 layer: the layer's
+    :class:`~fp8_plugin.numerics.quantizers.ScalingState` as the module's extra state (scale,
+    amax history, flags; not buffers, see ``ScalingState``), amaxes not yet applied included as
+    pending roles, exactly as a full ``state_dict()`` holds them.
     """
     state = {}
     for name, module in model.named_modules():

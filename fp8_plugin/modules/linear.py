@@ -1,10 +1,15 @@
-"""``FP8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 inside :func:`fp8_plugin.modules.autocast`.
+"""``FP8Linear``: an ``nn.Linear`` whose GEMMs run in FP8 inside :func:`fp8_plugin.autocast`.
 
 Forward: input and weight are cast to the recipe's forward format (E4M3) with the recipe's
 scales and multiplied by an FP8 GEMM with FP32 accumulation; the bias is added in high
 precision. Backward: grad_output is cast to the backward format (E5M2 under HYBRID), and dgrad
 (``grad_output @ W``) and wgrad (``grad_output.T @ x``) are FP8 GEMMs on the FP8 copies of input
 and weight saved by the forward. Master weights stay in their own dtype (FP32).
+
+Any of the three GEMMs (fprop, dgrad, wgrad) can run in high precision instead, as
+``nn.Linear`` runs it, on the unquantised operands: for every layer through the recipe's
+``override_linear_precision`` (Transformer Engine's field), for one layer through
+``FP8Linear.fp8_gemms``.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._private.torch_api import in_backward_pass
+from ..numerics.device_kind import device_kind
 from ..numerics.gemm import fp8_gemm
 from .autocast import current_context, note_fp8_forward
 from ..numerics.quantizers import (
     GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded, recipe_key,
 )  # fmt: skip
-from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags
 from .scaling_group import ScalingGroup
 
 __all__ = ["FP8Linear"]
@@ -36,6 +42,7 @@ class _ForwardContext:
     recipe: Optional[Recipe]
     training: bool
     group_step: Optional[int]
+    gemms: tuple[bool, bool, bool] = (True, True, True)  # which GEMMs ran in FP8 (fprop, dgrad, wgrad)
 
 
 class _WeightCache:
@@ -75,12 +82,28 @@ class _Backward:
     x_block: Optional[tuple[int, int]]
     w_block: Optional[tuple[int, int]]
     weight_transposed: bool
+    gemms: tuple[bool, bool, bool] = (True, True, True)  # FP8 (True) or high precision: fprop, dgrad, wgrad
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    kind = device_kind(x.device)
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
     return x.dtype
+
+
+def _weight_2d(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    # The weight as [out_features, in_features], whatever the layout it is stored in.
+    return weight.t() if transposed else weight
+
+
+def _high_precision_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # A GEMM the layer runs in high precision: a @ b.T (+ bias) in ``dtype`` (the dtype nn.Linear
+    # computes in: torch autocast's, else the input's), outside torch autocast, as ``out_dtype``.
+    with torch.autocast(device_kind(a.device), enabled=False):
+        out = F.linear(a.to(dtype), b.to(dtype), None if bias is None else bias.to(dtype))
+    return out.to(out_dtype)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -103,13 +126,20 @@ class _FP8LinearFunction(torch.autograd.Function):
                 state: ScalingState, info: _Backward) -> torch.Tensor:
         # A tensor's rowwise and columnwise copies have blocks of one shape (1xB along each
         # copy's rows, or BxB), so one block tuple per operand serves both.
-        qx = QuantizedTensor(x_data, x_scale_inv, info.x_block)
-        qw = QuantizedTensor(w_data, w_scale_inv, info.w_block)
-        out = fp8_gemm(qx, qw, _output_dtype(x2d), bias)
-        # A per-tensor scale_inv serves both copies and is passed once (None for the copy).
+        fprop, dgrad, wgrad = info.gemms
+        dtype = _output_dtype(x2d)
+        if fprop:
+            qx = QuantizedTensor(x_data, x_scale_inv, info.x_block)
+            qw = QuantizedTensor(w_data, w_scale_inv, info.w_block)
+            out = fp8_gemm(qx, qw, dtype, bias)
+        else:
+            out = _high_precision_gemm(x2d, _weight_2d(weight, info.weight_transposed), dtype, dtype, bias)
+        # A per-tensor scale_inv serves both copies and is passed once (None for the copy). A
+        # backward GEMM in high precision reads the unquantised operand instead of its FP8 copy.
+        unquantised = ([] if wgrad else [x2d]) + ([] if dgrad else [weight])
         ctx.save_for_backward(xt_data, x_scale_inv if xt_scale_inv is None else xt_scale_inv,
-                              wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv)
-        ctx.state, ctx.info, ctx.x_dtype = state, info, x2d.dtype
+                              wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv, *unquantised)
+        ctx.state, ctx.info, ctx.x_dtype, ctx.gemm_dtype = state, info, x2d.dtype, dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
@@ -117,16 +147,26 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         info: _Backward = ctx.info
-        xt_data, xt_scale_inv, wt_data, wt_scale_inv = ctx.saved_tensors
+        xt_data, xt_scale_inv, wt_data, wt_scale_inv, *unquantised = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        _, fp8_dgrad, fp8_wgrad = info.gemms
+        x2d = None if fp8_wgrad else unquantised[0]
+        weight = None if fp8_dgrad else unquantised[-1]
+        fp8_x, fp8_w = need_x and fp8_dgrad, need_w and fp8_wgrad
         grad_x = grad_w = grad_b = None
-        if need_x or need_w:
+        if fp8_x or fp8_w:
             quantizer = make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False)
-            qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=need_w)
-        if need_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
+            qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
+        if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
             grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block), ctx.x_dtype)
+        elif need_x:
+            w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
+            grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
-            grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block), torch.float32)
+            if fp8_w:
+                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block), torch.float32)
+            else:
+                grad_w = _high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, torch.float32)
             if info.weight_transposed:
                 grad_w = grad_w.t()
             grad_w = grad_w.to(ctx.weight_dtype)
@@ -136,7 +176,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 
 class FP8Linear(nn.Linear):
-    """Drop-in ``nn.Linear`` with FP8 GEMMs inside :func:`fp8_plugin.modules.autocast`.
+    """Drop-in ``nn.Linear`` with FP8 GEMMs inside :func:`fp8_plugin.autocast`.
 
     Outside the autocast, or with ``use_fp8 = False``, it computes exactly as the layer it
     replaced (``F.linear``, or ``addmm`` for GPT-2's Conv1D layout).
@@ -151,6 +191,11 @@ class FP8Linear(nn.Linear):
             Parameter and layout, so checkpoints keep theirs).
         use_fp8: per-layer switch; False runs this layer in high precision even inside the
             autocast (the BF16 reference checks' fallback sets it); saved in checkpoints.
+        fp8_gemms: per-GEMM switch, three bools ``(fprop, dgrad, wgrad)``: False runs that GEMM
+            of this layer in high precision (default all True); saved in checkpoints. A GEMM
+            runs in FP8 when ``use_fp8``, its ``fp8_gemms`` entry and not the recipe's
+            ``override_linear_precision`` entry say so; a layer none of whose GEMMs runs in FP8
+            computes exactly as with ``use_fp8 = False``.
         fp8_state: :class:`~fp8_plugin.numerics.quantizers.ScalingState` with amax history and scales.
         scaling_group: the :class:`~fp8_plugin.modules.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
@@ -202,6 +247,33 @@ class FP8Linear(nn.Linear):
     def use_fp8(self, value: bool) -> None:
         self.fp8_state.use_fp8 = bool(value)
 
+    @property
+    def fp8_gemms(self) -> tuple[bool, bool, bool]:
+        """Per-GEMM switch ``(fprop, dgrad, wgrad)``: False runs that GEMM in high precision.
+        Saved with the FP8 scaling state (``fp8_state``), so it survives checkpoint resume.
+
+        Raises:
+            ValueError: (on assignment) not three bools.
+        """
+        return self.fp8_state.fp8_gemms
+
+    @fp8_gemms.setter
+    def fp8_gemms(self, value: tuple[bool, bool, bool]) -> None:
+        flags = as_gemm_flags(value)
+        if flags is None:
+            raise ValueError(
+                f"FP8Linear.fp8_gemms = {value!r} is invalid; valid: three bools (fprop, dgrad, wgrad), False "
+                "running that GEMM in high precision, e.g. (True, True, False)"
+            )
+        self.fp8_state.fp8_gemms = flags
+
+    def gemms_in_fp8(self, recipe: Recipe) -> tuple[bool, bool, bool]:
+        """Which of this layer's GEMMs ``(fprop, dgrad, wgrad)`` run in FP8 under ``recipe``:
+        those its :attr:`fp8_gemms` keeps in FP8 and the recipe's ``override_linear_precision``
+        does not move to high precision (``use_fp8`` is not consulted)."""
+        override = getattr(recipe, "override_linear_precision", (False, False, False))
+        return tuple(on and not high for on, high in zip(self.fp8_gemms, override))
+
     @staticmethod
     def _history_len(recipe: Recipe) -> int:
         return recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
@@ -241,13 +313,16 @@ class FP8Linear(nn.Linear):
         context = current_context()
         training = context.training
         recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
+        gemms = self.gemms_in_fp8(recipe) if recipe is not None else (False, False, False)
+        if not any(gemms):  # no GEMM in FP8: the layer runs as the one it replaced
+            recipe = None
         if recipe is None:
             self._forward_context = _ForwardContext(None, training, None)
             if context.reference_dtype is not None:
                 return self._reference_forward(x, context.reference_dtype)
             return self._high_precision_forward(x)
         note_fp8_forward()
-        if not torch.is_autocast_enabled(x.device.type) and x.dtype != self.weight.dtype:
+        if not torch.is_autocast_enabled(device_kind(x.device)) and x.dtype != self.weight.dtype:
             # nn.Linear refuses this pairing; an FP8 GEMM would not notice, and the model would
             # then compute in the input's dtype only while FP8 is on.
             raise RuntimeError(
@@ -264,8 +339,8 @@ class FP8Linear(nn.Linear):
             # (fp8_plugin.update_pending_scales; the integrations do it themselves).
             group.step = context.step
             group.update(context.reduce_amax, context.recipe)
-        self._forward_context = _ForwardContext(recipe, training, group.step)
-        return self._fp8_forward(x, recipe, record_forward=training, record_backward=training)
+        self._forward_context = _ForwardContext(recipe, training, group.step, gemms)
+        return self._fp8_forward(x, recipe, record_forward=training, record_backward=training, gemms=gemms)
 
     def _recompute(self, x: torch.Tensor, original: _ForwardContext) -> torch.Tensor:
         # torch.utils.checkpoint reruns the forward in the backward, outside the autocast: run it
@@ -278,9 +353,13 @@ class FP8Linear(nn.Linear):
                 "FP8Linear: an activation-checkpoint recomputation ran after the FP8 scales were updated "
                 "by a later training step; run each step's backward before the next step's forward"
             )
-        return self._fp8_forward(x, original.recipe, record_forward=False, record_backward=original.training)
+        return self._fp8_forward(x, original.recipe, record_forward=False, record_backward=original.training,
+                                 gemms=original.gemms)
 
-    def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool) -> torch.Tensor:
+    def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool,
+                     gemms: Optional[tuple[bool, bool, bool]] = None) -> torch.Tensor:
+        # ``gemms``: which GEMMs run in FP8 (None: as gemms_in_fp8 says for ``recipe``).
+        gemms = self.gemms_in_fp8(recipe) if gemms is None else gemms
         state = self.fp8_state
         if isinstance(recipe, DelayedScaling):
             state.resize_history(recipe.amax_history_len)
@@ -294,20 +373,25 @@ class FP8Linear(nn.Linear):
         need_dgrad = grad and x2d.requires_grad
         need_wgrad = grad and self.weight.requires_grad
         need_bgrad = grad and self.bias is not None and self.bias.requires_grad
+        # The transposed FP8 copies serve only the backward GEMMs that run in FP8.
         quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
-        qx, qx_t = quantizer.quantize_pair(x2d, columnwise=need_wgrad)
-        qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad)
+        qx, qx_t = quantizer.quantize_pair(x2d, columnwise=need_wgrad and gemms[2])
+        qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad and gemms[1])
         if record_forward:
             mark_recorded(state, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
-            out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias)
+            if gemms[0]:
+                out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias)
+            else:
+                dtype = _output_dtype(x2d)
+                out = _high_precision_gemm(x2d, _weight_2d(self.weight, self.weight_transposed), dtype, dtype, self.bias)
         else:
-            if record_backward:
+            if record_backward and (gemms[1] or gemms[2]):
                 # Marked now, recorded by the backward: host-side state cannot change inside a
                 # compiled backward. Should no backward run, the step's grad_output amax stays 0,
                 # which no scale update takes for a scale.
                 mark_recorded(state, recipe, GRAD_OUTPUT)
-            info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed)
+            info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms)
             out = _FP8LinearFunction.apply(
                 x2d, self.weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
                 *_unpack(qx_t, qx), *_unpack(qw_t, qw), state, info,
@@ -360,7 +444,7 @@ class FP8Linear(nn.Linear):
         # A reference check's replay: the GEMM in ``dtype`` outside torch autocast, the output in
         # the dtype the layer would give, so that the ops after it run as in training.
         out_dtype = _output_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(device_kind(x.device), enabled=False):
             weight = self.weight.to(dtype)
             out = F.linear(x.to(dtype), weight.t() if self.weight_transposed else weight,
                            None if self.bias is None else self.bias.to(dtype))
@@ -397,4 +481,5 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         layout = ", weight_transposed=True" if self.weight_transposed else ""
-        return f"{super().extra_repr()}{layout}, recipe={type(self.recipe).__name__}, use_fp8={self.use_fp8}"
+        gemms = "" if all(self.fp8_gemms) else f", fp8_gemms={self.fp8_gemms}"
+        return f"{super().extra_repr()}{layout}, recipe={type(self.recipe).__name__}, use_fp8={self.use_fp8}{gemms}"

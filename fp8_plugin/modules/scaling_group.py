@@ -28,7 +28,7 @@ class ScalingGroup:
 
     Attributes:
         layers: the FP8 layers, in conversion order (the order every rank reduces them in).
-        step: id of the :func:`fp8_plugin.modules.autocast` training step in which the group last
+        step: id of the :func:`fp8_plugin.autocast` training step in which the group last
             updated; a forward in another step updates first.
     """
 

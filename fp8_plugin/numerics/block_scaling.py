@@ -92,13 +92,15 @@ def quantize_blocks(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     whose scale is NaN (MX, a block holding an inf or NaN): its data is NaN throughout.
 
     ``scale`` is ``[ceil(R / block[0]), ceil(C / block[1])]``: the blockwise scale, or ``1 / X``
-    for MX (exact, X being a power of two).
+    for MX (exact, X being a power of two). The result is row-major (contiguous) whatever the
+    layout of ``x`` (the columnwise copy casts the transposed view ``x.T``): the FP8 GEMM kernels
+    read their operands row-major and refuse any other layout.
     """
     rows, cols = x.shape
     padded = _padded_blocks(x, block)
     tiles = saturate(padded * scale[:, None, :, None], padded, dtype)
     data = tiles.reshape(tiles.shape[0] * block[0], -1)[:rows, :cols]
-    return data.to(dtype)
+    return data.to(dtype, memory_format=torch.contiguous_format)
 
 
 def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

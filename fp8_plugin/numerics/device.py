@@ -5,18 +5,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 
+from .device_kind import cuda_capability, device_kind
 from .formats import Format
-from .gemm import NATIVE_SPEEDUP_REQUIRED, native_gemm, normalize_device, tensorwise_choice
+from . import gemm as _gemm
+from .gemm import NATIVE_SPEEDUP_REQUIRED, native_gemm, normalize_device
 from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["describe_device", "DeviceReport", "RecipeSupport", "auto_recipe", "resolve_recipe", "recipe_gemm_kind",
-           "default_device", "bf16_matmul_is_fast"]
+__all__ = ["describe_device", "DeviceReport", "RecipeSupport", "GemmPairing", "auto_recipe", "resolve_recipe",
+           "recipe_gemm_kind", "default_device", "bf16_matmul_is_fast"]
 
 Device = Union[str, torch.device, None]
 
@@ -74,19 +77,55 @@ def auto_recipe(fp8_format: Union[Format, str] = Format.HYBRID, device: Device =
 def resolve_recipe(recipe: Optional[Recipe], device: Device = None) -> Optional[Recipe]:
     """``recipe`` itself, or for an :class:`AutoRecipe` the concrete recipe for ``device``."""
     if isinstance(recipe, AutoRecipe):
-        return auto_recipe(recipe.fp8_format, device)
+        # The GEMMs asked to run in high precision stay so in the concrete recipe.
+        return dataclasses.replace(auto_recipe(recipe.fp8_format, device),
+                                   override_linear_precision=recipe.override_linear_precision)
     return recipe
 
 
 @dataclass
 class RecipeSupport:
-    """One recipe on one device: its GEMM kind, and whether that GEMM is native (else why not)."""
+    """One recipe on one device: its GEMM kind, and whether that GEMM is native (else why not).
+
+    Attributes:
+        native: every GEMM of the recipe runs a native kernel (on CPU: every operand pairing of
+            :attr:`DeviceReport.pairings` chose ``torch._scaled_mm``).
+        reason: why not, where ``native`` is False.
+        native_pairings: where some pairings run natively and others not (the table says
+            "partly"), those that do, as in :attr:`GemmPairing.operands`; empty otherwise.
+    """
 
     recipe: str
     granularity: str
     gemm: str
     native: bool
     reason: str
+    native_pairings: list[str] = field(default_factory=list)
+
+    def column(self) -> str:
+        """The table's "native" cell: ``yes``, ``partly: ...`` naming the native pairings, or ``no: reason``."""
+        if self.native:
+            return "yes"
+        if self.native_pairings:
+            return f"partly: torch._scaled_mm for {', '.join(self.native_pairings)}; float32 emulation for the others"
+        return f"no: {self.reason}"
+
+
+@dataclass
+class GemmPairing:
+    """The tensorwise GEMM path of one operand pairing on a CPU: the path ``fp8_gemm`` takes for it.
+
+    Attributes:
+        operands: e.g. ``"E5M2 x E4M3 -> bfloat16"`` (first operand, second operand, output dtype).
+        role: which GEMMs of a training step have these operands.
+        native: True if ``torch._scaled_mm`` runs them, False for the float32 emulation.
+        detail: how it was decided (:meth:`fp8_plugin.numerics.gemm.TensorwiseChoice.describe`).
+    """
+
+    operands: str
+    role: str
+    native: bool
+    detail: str
 
 
 @dataclass
@@ -98,13 +137,15 @@ class DeviceReport:
     torch_version: str
     recipes: list[RecipeSupport] = field(default_factory=list)
     auto: Optional[Recipe] = None
-    # CPU: the timed choice of tensorwise GEMM path per operand pairing, e.g. "E4M3 x E4M3 ->
-    # bfloat16 (forward): float32 emulation (64x128x128: _scaled_mm 0.20 ms, emulation 0.19 ms)".
+    # CPU: the tensorwise GEMM path of each operand pairing a training step uses, and the same as
+    # lines, e.g. "E5M2 x E4M3 -> bfloat16 (HYBRID dgrad of BF16 inputs): torch._scaled_mm
+    # (64x128x128: _scaled_mm 0.12 ms, emulation 0.31 ms)".
+    pairings: list[GemmPairing] = field(default_factory=list)
     gemm_paths: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         header = ("recipe", "scaling", "GEMM", "native")
-        rows = [(r.recipe, r.granularity, r.gemm, "yes" if r.native else f"no: {r.reason}") for r in self.recipes]
+        rows = [(r.recipe, r.granularity, r.gemm, r.column()) for r in self.recipes]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         lines = [f"{self.name} ({self.device}), torch {self.torch_version}"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
@@ -112,14 +153,14 @@ class DeviceReport:
         if self.auto is not None:
             lines.append(f'recipe "auto" (precision strings fp8-hybrid / fp8-e4m3): {type(self.auto).__name__}')
         if self.gemm_paths:
-            lines.append("tensorwise GEMM path per operand pairing (timed once per process):")
+            lines.append("tensorwise GEMM path per operand pairing (what training runs here):")
             lines += [f"  {p}" for p in self.gemm_paths]
         return "\n".join(lines)
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+    if device_kind(device) == "cuda":
+        major, minor = cuda_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
     return device.type.upper()
 
@@ -128,11 +169,12 @@ def describe_device(device: Device = None) -> DeviceReport:
     """Which recipes run their GEMMs natively on ``device`` and which are emulated, and why.
 
     The block-scaled kinds are probed once per device with a small GEMM (see
-    :func:`fp8_plugin.numerics.gemm.native_gemm`), so the first call on a GPU takes a moment. On CPU the
-    tensorwise GEMM path is timed per operand pairing of a training step
-    (:func:`fp8_plugin.numerics.gemm.tensorwise_choice`, a few milliseconds each, cached for the process),
-    and the report lists both times and the path chosen; a tensorwise recipe counts as native
-    when at least one pairing runs ``torch._scaled_mm``.
+    :func:`fp8_plugin.numerics.gemm.native_gemm`), so the first call on a GPU takes a moment. On CPU
+    the tensorwise GEMM path of each operand pairing a training step uses comes from
+    :func:`fp8_plugin.numerics.gemm.tensorwise_choice`, the function ``fp8_gemm`` asks (cached
+    for the process, so the report names the paths training takes in it, and stable across
+    processes: see its docstring). A tensorwise recipe is native ("yes") when every pairing
+    runs ``torch._scaled_mm``, "partly" (naming them) when some do.
 
     Args:
         device: as in :func:`default_device`.
@@ -142,33 +184,48 @@ def describe_device(device: Device = None) -> DeviceReport:
     """
     target = default_device(device)
     report = DeviceReport(str(target), _device_name(target), torch.__version__)
-    timed = target.type == "cpu" and native_gemm("tensorwise", target).native
-    chosen_native = []
-    if timed:
+    per_pairing = device_kind(target) == "cpu" and native_gemm("tensorwise", target).native
+    choices = []
+    if per_pairing:
         for (a, b, out, role) in _CPU_PAIRINGS:
-            choice = tensorwise_choice(target, a, b, out)
-            chosen_native.append(choice.native)
-            report.gemm_paths.append(f"{_short(a)} x {_short(b)} -> {str(out).replace('torch.', '')} ({role}): {choice.describe()}")
+            choice = _gemm.tensorwise_choice(target, a, b, out)
+            choices.append(choice)
+            pairing = GemmPairing(f"{_short(a)} x {_short(b)} -> {str(out).replace('torch.', '')}", role, choice.native,
+                                  choice.describe())
+            report.pairings.append(pairing)
+            report.gemm_paths.append(f"{pairing.operands} ({role}): {pairing.detail}")
     for cls, (kind, granularity) in _RECIPES.items():
         support = native_gemm(kind, target)
-        native, reason = support.native, support.reason
-        if kind == "tensorwise" and timed and not all(chosen_native):
-            native = any(chosen_native)
-            reason = (f"torch._scaled_mm measured less than {NATIVE_SPEEDUP_REQUIRED}x faster than the exact "
-                      "float32 emulation here (timings below)")
-        report.recipes.append(RecipeSupport(cls.__name__, granularity, kind, native, "" if native else reason))
+        row = RecipeSupport(cls.__name__, granularity, kind, support.native, "" if support.native else support.reason)
+        if kind == "tensorwise" and per_pairing and not all(c.native for c in choices):
+            row.native, row.reason = False, _emulated_reason(choices)
+            row.native_pairings = [p.operands for p in report.pairings if p.native]
+        report.recipes.append(row)
     report.auto = auto_recipe(Format.HYBRID, target)
     return report
 
 
+def _emulated_reason(choices: list[_gemm.TensorwiseChoice]) -> str:
+    # Why a tensorwise recipe is not (all) native on this CPU, from its pairings' choices.
+    if all(c.same_computation for c in choices):
+        return "torch._scaled_mm is the emulation's own float32 computation on this CPU (same bits)"
+    if not any(c.same_computation for c in choices):
+        return (f"torch._scaled_mm measured less than {NATIVE_SPEEDUP_REQUIRED}x faster than the exact "
+                "float32 emulation here (timings below)")
+    return "the exact float32 emulation runs every operand pairing here (why: below)"
+
+
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-# The operand pairings of a training step (HYBRID and E4M3): forward under BF16 autocast and in
-# float32, dgrad / wgrad with E5M2 or E4M3 gradients.
+# The operand pairings of FP8Linear's GEMMs (HYBRID and E4M3): forward in the autocast dtype or
+# the input's, dgrad in the input's dtype (BF16 when a previous layer ran under BF16 autocast),
+# wgrad in float32; the first operand E5M2 for HYBRID's gradients.
 _CPU_PAIRINGS = (
-    (_E4M3, _E4M3, torch.bfloat16, "forward"),
-    (_E4M3, _E4M3, torch.float32, "forward fp32, E4M3 wgrad"),
-    (_E5M2, _E4M3, torch.bfloat16, "HYBRID dgrad"),
-    (_E5M2, _E4M3, torch.float32, "HYBRID wgrad"),
+    (_E4M3, _E4M3, torch.bfloat16, "forward under BF16 autocast, E4M3 dgrad of BF16 inputs"),
+    (_E4M3, _E4M3, torch.float32, "forward in float32, E4M3 dgrad of float32 inputs, E4M3 wgrad"),
+    (_E4M3, _E4M3, torch.float16, "forward under FP16 autocast, E4M3 dgrad of FP16 inputs"),
+    (_E5M2, _E4M3, torch.bfloat16, "HYBRID dgrad of BF16 inputs"),
+    (_E5M2, _E4M3, torch.float32, "HYBRID dgrad of float32 inputs, HYBRID wgrad"),
+    (_E5M2, _E4M3, torch.float16, "HYBRID dgrad of FP16 inputs"),
 )
 
 

@@ -18,11 +18,13 @@ K of wgrad) and the output cut back: exact, and far faster than the emulation.
 Whether a kind is native on a device is decided once per device and cached: from the device,
 the installed torch, and for the block kinds a one-off probe GEMM on that device whose result
 must match the emulation (a kernel that is missing, refuses the layout, or disagrees is not
-used). On CPU, where no FP8 hardware exists, ``torch._scaled_mm`` is also timed against the
-emulation once per operand pairing (:func:`tensorwise_choice`), and the native kernel is used
-only where it is clearly faster: torch hands CPU FP8 GEMMs to oneDNN on CPUs with AMX, where
-some pairings get a reference kernel hundreds of times slower, and elsewhere computes them
-itself exactly as the emulation does.
+used). On CPU, where no FP8 hardware exists, the tensorwise path is decided once per operand
+pairing (:func:`tensorwise_choice`) so that it cannot change between runs on one machine: torch
+hands CPU FP8 GEMMs to oneDNN on CPUs with AMX (where some pairings get a reference kernel
+hundreds of times slower) and elsewhere computes them itself exactly as the emulation does. A
+bit-for-bit check tells which: where ``torch._scaled_mm`` gives the emulation's bits, the two
+are one computation, the choice cannot change a result, and the emulation is used without
+timing; only a kernel that computes otherwise is timed, and used where clearly faster.
 
 The emulation dequantizes both operands to float32 (``data * scale_inv``, one rounding per
 element, none for power-of-two scales) and runs one float32 GEMM, with the second operand laid
@@ -47,6 +49,7 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .device_kind import cuda_capability, device_kind
 from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
@@ -109,6 +112,8 @@ def normalize_device(device: Union[str, torch.device]) -> torch.device:
 def native_gemm(kind: str, device: torch.device) -> NativeGemm:
     """Whether GEMMs of ``kind`` run natively on ``device``; decided once per device, then cached.
 
+    Inside ``force_path("native")`` a block kind is decided without its probe GEMM.
+
     Args:
         kind: one of ``GEMM_KINDS``.
         device: a torch device (``"cuda"`` means the current CUDA device).
@@ -118,36 +123,39 @@ def native_gemm(kind: str, device: torch.device) -> NativeGemm:
     """
     if kind not in GEMM_KINDS:
         raise ValueError(f"kind={kind!r} is not a GEMM kind; valid: {', '.join(GEMM_KINDS)}")
-    return _native_gemm(kind, normalize_device(device))
+    return _native_gemm(kind, normalize_device(device), _forced != "native")
 
 
 @lru_cache(maxsize=None)
-def _native_gemm(kind: str, device: torch.device) -> NativeGemm:
-    if device.type not in ("cpu", "cuda"):
+def _native_gemm(kind: str, device: torch.device, probe: bool = True) -> NativeGemm:
+    # probe=False (force_path("native")): the block kinds' probe GEMM is skipped; it reads its
+    # result on the host, which a device without data (meta) cannot give.
+    kind_of = device_kind(device)
+    if kind_of not in ("cpu", "cuda"):
         return NativeGemm(False, f"no FP8 GEMM on device type {device.type!r}")
     if kind == "tensorwise":
-        if device.type == "cpu":
+        if kind_of == "cpu":
             return NativeGemm(hasattr(torch, "_scaled_mm"), "torch._scaled_mm missing in this torch build")
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = cuda_capability(device)
         if (major, minor) < (8, 9):
             return NativeGemm(False, f"GPU compute capability {major}.{minor} < 8.9 has no FP8 tensor cores")
         return NativeGemm(True)
-    if device.type == "cpu":
+    if kind_of == "cpu":
         return NativeGemm(False, f"torch has no {kind} GEMM on CPU (tensorwise and rowwise only)")
     if not hasattr(F, "scaled_mm"):
         return NativeGemm(False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm")
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = cuda_capability(device)
     if major not in _BLOCK_KIND_MAJORS[kind]:
         majors = "/".join(f"sm{m}x" for m in _BLOCK_KIND_MAJORS[kind])
         return NativeGemm(False, f"{kind} GEMMs are native on {majors}, not sm{major}{minor}")
-    return _probe(kind, device)
+    return _probe(kind, device) if probe else NativeGemm(True)
 
 
 # The two host-side decisions of a GEMM's path, as constants: under torch.compile they run once
 # while tracing (their probes and timings cannot be traced) and the graph keeps the answer.
 @torch.compiler.assume_constant_result
-def _native_support(kind: str, device: torch.device) -> tuple[bool, str, tuple[torch.dtype, ...]]:
-    support = _native_gemm(kind, device)
+def _native_support(kind: str, device: torch.device, probe: bool = True) -> tuple[bool, str, tuple[torch.dtype, ...]]:
+    support = _native_gemm(kind, device, probe)
     return support.native, support.reason, support.out_dtypes
 
 
@@ -166,7 +174,7 @@ def _random_operand(rows: int, cols: int, block: tuple[int, int], device: torch.
 def _probe(kind: str, device: torch.device) -> NativeGemm:
     # One small GEMM per operand pairing the training step uses, compared with the emulation:
     # a wrong scale layout shows as errors of whole powers of two, far above the tolerance.
-    with torch.autocast(device.type, enabled=False):
+    with torch.autocast(device_kind(device), enabled=False):
         return _probe_pairs(kind, device)
 
 
@@ -224,10 +232,11 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
         return kind, None, f"no native GEMM for {a.block} x {b.block} blocks"
     if _forced == "emulated":
         return kind, None, ""
-    support = NativeGemm(*_native_support(kind, a.data.device))  # a tensor's device carries its index
+    # A tensor's device carries its index.
+    support = NativeGemm(*_native_support(kind, a.data.device, _forced != "native"))
     if not support.native:
         return kind, None, support.reason
-    if a.data.device.type != "cuda":
+    if device_kind(a.data.device) != "cuda":
         if kind == "tensorwise" and _forced != "native":
             if not _tensorwise_native(a.data.device, a.data.dtype, b.data.dtype, out_dtype):
                 return kind, None, ""  # measured: the emulation is the faster exact path here
@@ -298,8 +307,10 @@ def force_path(path: str) -> Iterator[None]:
 
     Args:
         path: ``"native"`` (the native kernel wherever the device and shape allow one, even if
-            the timed probe found it slower), ``"emulated"`` (always the float32 emulation) or
-            ``"auto"`` (the default: the fastest exact path).
+            the timed probe found it slower; a block kind's kernel is taken from the device's
+            compute capability alone, without its probe GEMM, and assumed to write float32,
+            bfloat16 and float16), ``"emulated"`` (always the float32 emulation) or ``"auto"``
+            (the default: the fastest exact path).
 
     Raises:
         ValueError: unknown ``path``.
@@ -316,38 +327,47 @@ def force_path(path: str) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class TensorwiseChoice:
-    """The timed choice between ``torch._scaled_mm`` and the emulation for one operand pairing.
+    """The choice between ``torch._scaled_mm`` and the emulation for one operand pairing on CPU.
 
     Attributes:
         native: True if ``torch._scaled_mm`` is used.
         native_s, emulated_s: seconds per probe GEMM of each path (``native_s`` is the one early
-            call when that call alone was far slower than the emulation).
-        shape: ``(M, K, N)`` of the probe the times were measured on.
+            call when that call alone was far slower than the emulation); NaN where not timed.
+        shape: ``(M, K, N)`` of the probe the times were measured on (of the bit-for-bit check
+            where not timed).
+        same_computation: ``torch._scaled_mm`` gave the emulation's bits (torch's own float32
+            computation, no oneDNN): the paths are one computation, so the emulation is used
+            and nothing is timed.
     """
 
     native: bool
     native_s: float
     emulated_s: float
     shape: tuple[int, int, int]
+    same_computation: bool = False
 
     def describe(self) -> str:
-        path = "torch._scaled_mm" if self.native else "float32 emulation"
         m, k, n = self.shape
+        if self.same_computation:
+            return f"float32 emulation (same bits as torch._scaled_mm on a {m}x{k}x{n} check: not timed)"
+        path = "torch._scaled_mm" if self.native else "float32 emulation"
         return (f"{path} ({m}x{k}x{n}: _scaled_mm {self.native_s * 1e3:.2f} ms, "
                 f"emulation {self.emulated_s * 1e3:.2f} ms)")
 
 
-# Probe sizes (M, K, N). A tiny product first, as warm-up and scout: 131k multiply-accumulates,
-# 0.03 s per call at the ~200 ns per multiply-accumulate of a reference kernel, and a kernel
-# that slow against the emulation is not timed further. Only a kernel within _ABORT_RATIO of the
-# emulation there is timed on the 1M multiply-accumulates that decide.
+# Probe sizes (M, K, N). A tiny product first: the bit-for-bit check of the two paths (which is
+# also their warm-up), then, for a kernel that computes otherwise, the scout of the timing:
+# 131k multiply-accumulates, 0.03 s per call at the ~200 ns per multiply-accumulate of a
+# reference kernel, and a kernel that slow against the emulation is not timed further. Only a
+# kernel within _ABORT_RATIO of the emulation there is timed on the 1M multiply-accumulates that
+# decide.
 _SCOUT_SHAPE = (32, 64, 64)
 _PROBE_SHAPE = (64, 128, 128)
 _PROBE_REPEATS = 5
 # Native calls this many times slower than the emulation stop the timing (after two of them).
 _ABORT_RATIO = 8.0
-# The native kernel is used only when clearly faster: both paths are exact, so a tie goes to
-# the emulation, whose speed follows the float32 GEMM of the machine.
+# A kernel that computes otherwise is used only when clearly faster: a tie goes to the
+# emulation, whose speed follows the float32 GEMM of the machine.
 NATIVE_SPEEDUP_REQUIRED = 1.25
 
 
@@ -360,17 +380,52 @@ def choose_native(native_s: float, emulated_s: float) -> bool:
     return native_s * NATIVE_SPEEDUP_REQUIRED <= emulated_s
 
 
+def _time_gemm(path: str, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> float:
+    # Seconds one GEMM of ``path`` ("native" or "emulated") takes: the one clock of
+    # tensorwise_choice, so that a test can script the timings it sees.
+    start = time.perf_counter()
+    if path == "native":
+        _scaled_mm_tensorwise(a, b, out_dtype, None)
+    else:
+        _emulated(a, b, out_dtype)
+    if a.data.device.type == "cuda":
+        torch.cuda.synchronize(a.data.device)
+    return time.perf_counter() - start
+
+
+def _same_computation(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
+    # Whether torch._scaled_mm gives the emulation's bits, in float32 (where a kernel that scales
+    # the accumulator, as oneDNN does, or sums in another order differs in the last bits of
+    # almost every output: the scales are not powers of two) and in out_dtype with a bias (the
+    # epilogue). Torch picks its kernel from the operand formats and the CPU alone
+    # (aten/src/ATen/native/Blas.cpp, _scaled_mm_out_cpu), so one check stands for every shape.
+    for dtype in dict.fromkeys((torch.float32, out_dtype)):
+        with_bias = bias if dtype == out_dtype else None
+        if not torch.equal(_scaled_mm_tensorwise(a, b, dtype, with_bias), _emulated(a, b, dtype, with_bias)):
+            return False
+    return True
+
+
 @lru_cache(maxsize=None)
 def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch.dtype, out_dtype: torch.dtype) -> TensorwiseChoice:
-    """Time ``torch._scaled_mm`` against the emulation for one operand pairing, once per process.
+    """Which path one tensorwise operand pairing takes on ``device`` (CPU), decided once per process.
 
-    On CPU, which kernel ``_scaled_mm`` gets depends on the CPU and the operand formats: torch
-    hands it to oneDNN where the CPU has AMX (AMX-INT8 for equal formats, AMX-FP16 for mixed
-    ones), and there E4M3 x E4M3 has been seen to fall to a reference kernel about 600 times
-    slower than the float32 GEMM of the dequantised operands (7.7 s against 12 ms for
-    256x384x384); elsewhere torch itself dequantises and multiplies in float32, as the emulation
-    does. So the path is measured, never assumed. Cost: a few milliseconds per pairing, under
-    0.1 s where the kernel is a reference one (three calls on the scout shape).
+    The decision cannot change between runs on one machine. It starts with a check that needs
+    no clock: one small GEMM on both paths, compared bit for bit. Where torch computes
+    ``_scaled_mm`` itself (every CPU without AMX, and any CPU with oneDNN disabled) it
+    dequantizes and multiplies in float32, as the emulation does; the paths give the same bits
+    and run at the same speed up to a few small ops, so the choice matters to nothing and is
+    fixed: the emulation, which ``torch.compile`` can fuse. Timing them instead would put a
+    ratio near 1 against ``NATIVE_SPEEDUP_REQUIRED`` and decide by noise.
+
+    Only where the kernel computes otherwise (oneDNN, on CPUs with AMX: AMX-INT8 for equal
+    formats, AMX-FP16 for mixed ones) is it timed against the emulation, and used only if at
+    least ``NATIVE_SPEEDUP_REQUIRED`` times faster. There the speeds are far apart: E4M3 x E4M3
+    has been seen to fall to a reference kernel about 600 times slower than the float32 GEMM of
+    the dequantised operands (7.7 s against 12 ms for 256x384x384), which the probe abandons
+    after two calls on its scout shape. Cost: one or two 32x64x64 GEMMs on each path per pairing
+    without AMX (under a millisecond); a few milliseconds per timed pairing, under 0.1 s where
+    the kernel is a reference one.
 
     Args:
         device: the device (CPU; CUDA GPUs use their tensor cores without a probe).
@@ -378,50 +433,40 @@ def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch
         out_dtype: float32, bfloat16 or float16.
 
     Returns:
-        The choice, with the seconds per probe GEMM of each path.
+        The choice, with the seconds per probe GEMM of each path where timed.
     """
     gen = torch.Generator().manual_seed(0)
 
-    def operands(m: int, k: int, n: int) -> tuple[QuantizedTensor, QuantizedTensor]:
-        one = torch.ones((), device=device)
+    def operands(m: int, k: int, n: int, scale_a: float = 1.0, scale_b: float = 1.0) -> tuple[QuantizedTensor, QuantizedTensor]:
         a = (torch.randn(m, k, generator=gen) * 8).to(dtype_a).to(device)
         b = (torch.randn(n, k, generator=gen) * 8).to(dtype_b).to(device)
-        return QuantizedTensor(a, one), QuantizedTensor(b, one)
-
-    def native(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-        return _scaled_mm_tensorwise(a, b, out_dtype, None)
-
-    def emulated(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-        return _emulated(a, b, out_dtype)
-
-    def seconds(fn, a: QuantizedTensor, b: QuantizedTensor) -> float:
-        start = time.perf_counter()
-        fn(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return (QuantizedTensor(a, torch.tensor(scale_a, device=device)),
+                QuantizedTensor(b, torch.tensor(scale_b, device=device)))
 
     def native_seconds(a: QuantizedTensor, b: QuantizedTensor, emulated_s: float, calls: int) -> float:
         # Best of ``calls``, stopping after the second call far slower than the emulation (one
         # such call may be noise): a reference kernel runs at most twice per timed shape.
         best, slow = math.inf, 0
         for _ in range(calls):
-            s = seconds(native, a, b)
+            s = _time_gemm("native", a, b, out_dtype)
             best, slow = min(best, s), slow + (s > _ABORT_RATIO * emulated_s)
             if slow == 2:
                 break
         return best
 
     with torch.autocast(device.type, enabled=False):
-        a, b = operands(*_SCOUT_SHAPE)
-        emulated(a, b), native(a, b)  # warm-up: first calls pay one-off set-up (oneDNN primitives)
-        emulated_s = min(seconds(emulated, a, b) for _ in range(_PROBE_REPEATS))
+        # Scales 1/3 and 1/5: no power of two, so each path's roundings show.
+        a, b = operands(*_SCOUT_SHAPE, 1 / 3, 1 / 5)
+        bias = torch.randn(_SCOUT_SHAPE[2], generator=gen).to(device)
+        if _same_computation(a, b, out_dtype, bias):  # also the warm-up of both paths (oneDNN primitives)
+            return TensorwiseChoice(False, math.nan, math.nan, _SCOUT_SHAPE, same_computation=True)
+        emulated_s = min(_time_gemm("emulated", a, b, out_dtype) for _ in range(_PROBE_REPEATS))
         native_s = native_seconds(a, b, emulated_s, 2)
         if native_s > _ABORT_RATIO * emulated_s:
             return TensorwiseChoice(False, native_s, emulated_s, _SCOUT_SHAPE)
         a, b = operands(*_PROBE_SHAPE)
-        emulated(a, b), native(a, b)  # warm-up at this shape; the scout bounds its cost
-        emulated_s = min(seconds(emulated, a, b) for _ in range(_PROBE_REPEATS))
+        _time_gemm("emulated", a, b, out_dtype), _time_gemm("native", a, b, out_dtype)  # warm-up at this shape
+        emulated_s = min(_time_gemm("emulated", a, b, out_dtype) for _ in range(_PROBE_REPEATS))
         native_s = native_seconds(a, b, emulated_s, _PROBE_REPEATS)
     return TensorwiseChoice(choose_native(native_s, emulated_s), native_s, emulated_s, _PROBE_SHAPE)
 
@@ -433,7 +478,7 @@ def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bi
     # there; the float32 GEMM's summation order follows the layout (the [K, N] view of a row-major
     # [N, K] tensor sums otherwise on narrow outputs, N < ~16).
     # Outside torch autocast, which would round the dequantized operands to bf16.
-    with torch.autocast(a.data.device.type, enabled=False):
+    with torch.autocast(device_kind(a.data.device), enabled=False):
         out = a.dequantize(saturate=False) @ b.dequantize(saturate=False).t().contiguous()
     if bias is not None:
         out = out + _kernel_bias(bias, out_dtype).to(torch.float32)
@@ -466,7 +511,7 @@ def fp8_gemm(
     """``(a.data * a.scale_inv) @ (b.data * b.scale_inv).T + bias`` with FP32 accumulation.
 
     The path (native kernel or float32 emulation) is chosen per call from the device, the
-    shapes and, for tensorwise operands on CPU, the timed choice of :func:`tensorwise_choice`;
+    shapes and, for tensorwise operands on CPU, the per-pairing choice of :func:`tensorwise_choice`;
     see the module docstring for what each path guarantees.
 
     Args:
@@ -492,7 +537,7 @@ def fp8_gemm(
 
     Warns:
         UserWarning: once per reason, when a GEMM is emulated because no native kernel can run it
-            (not when the timed choice prefers the emulation).
+            (not when :func:`tensorwise_choice` prefers the emulation).
     """
     if out_dtype not in _KERNEL_OUT_DTYPES:
         # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
@@ -503,7 +548,7 @@ def fp8_gemm(
             _warn_once(reason)
         return _emulated(a, b, out_dtype, bias)
     m, n = a.data.shape[0], b.data.shape[0]
-    if a.data.device.type == "cuda":
+    if device_kind(a.data.device) == "cuda":
         # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
         # zeros rather than emulated: one copy of each operand against a far slower GEMM.
         multiples = _alignment(kind, b)
@@ -511,7 +556,7 @@ def fp8_gemm(
         if bias is not None and b.data.shape[0] != n:
             bias = torch.cat([bias, bias.new_zeros(b.data.shape[0] - n)])
     # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower.
-    with torch.autocast(a.data.device.type, enabled=False):
+    with torch.autocast(device_kind(a.data.device), enabled=False):
         out = _native(kind, support, a, b, out_dtype, bias)
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place

@@ -114,14 +114,15 @@ class ScalingState(nn.Module):
     wrappers broadcast buffers from rank 0 (DDP's ``broadcast_buffers``), which would overwrite
     each rank's scales; what makes ranks agree is the amax reduction alone. They travel in
     ``state_dict()`` as this module's extra state (one ``"_extra_state"`` entry: a dict of the
-    tensors above plus ``"pending"``, bool ``[3]``, ``"use_fp8"``, bool 0-dim, ``"version"``,
-    int64 0-dim, :data:`STATE_VERSION`, and ``"recipe"``, uint8 ``[n]``, the UTF-8 bytes of the
-    :func:`recipe_key` of the scales).
+    tensors above plus ``"pending"``, bool ``[3]``, ``"use_fp8"``, bool 0-dim, ``"fp8_gemms"``,
+    bool ``[3]``, ``"version"``, int64 0-dim, :data:`STATE_VERSION`, and ``"recipe"``, uint8
+    ``[n]``, the UTF-8 bytes of the :func:`recipe_key` of the scales).
 
     Loading (``set_extra_state``) checks what it is given before it takes any of it:
 
     - a state of format version 1 (no ``"version"``: without the outlier counters) loads, the
-      counters at zero; a newer version than :data:`STATE_VERSION` is not read: scaling starts
+      counters at zero; a state of version 1 or 2 (no ``"fp8_gemms"``) loads with all three
+      GEMMs in FP8; a newer version than :data:`STATE_VERSION` is not read: scaling starts
       afresh, with a warning;
     - a state whose scales belong to another recipe than the one in force at the first cast
       after loading (another scaling method, format or margin, by :func:`recipe_key`) is not
@@ -135,6 +136,9 @@ class ScalingState(nn.Module):
     ``use_fp8`` (host-side bool) is the layer's FP8 switch (``FP8Linear.use_fp8``): kept here so
     that a layer moved to high precision (by hand, or by a BF16 reference check's fallback)
     stays there after a checkpoint resume. A state saved without it loads as True.
+    ``fp8_gemms`` (host-side tuple of three bools: fprop, dgrad, wgrad) is the layer's per-GEMM
+    switch (``FP8Linear.fp8_gemms``), kept for the same reason; False runs that GEMM in high
+    precision.
 
     ``pending`` (host-side) maps each role whose current-step amax has not yet become a scale to
     the recipe that recorded it (None after loading: the recipe in force at the update applies),
@@ -153,6 +157,7 @@ class ScalingState(nn.Module):
         self.outlier_ratio = torch.zeros(3, dtype=torch.float32, device=device)
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
+        self.fp8_gemms = (True, True, True)
         # recipe_key of the recipe whose scales these are ("" until a layer sets it).
         self.recipe = ""
         self._loaded_recipe: Optional[str] = None  # a loaded state's recipe, until the first cast checks it
@@ -204,6 +209,7 @@ class ScalingState(nn.Module):
         state: dict[str, Any] = {name: t.detach().clone() for name, t in self.tensors().items()}
         state["pending"] = torch.tensor([role in self.pending for role in range(len(ROLES))])
         state["use_fp8"] = torch.tensor(self.use_fp8)
+        state["fp8_gemms"] = torch.tensor(self.fp8_gemms)
         # Tensors only, as every entry: checkpoint formats that take tensors alone carry them too.
         state["version"] = torch.tensor(STATE_VERSION, dtype=torch.int64)
         state["recipe"] = torch.tensor(list(self.recipe.encode()), dtype=torch.uint8)
@@ -221,6 +227,8 @@ class ScalingState(nn.Module):
             self.reset()
             return
         use_fp8 = bool(state["use_fp8"]) if "use_fp8" in state else True
+        # Versions 1 and 2 had no per-GEMM switch: every GEMM in FP8.
+        fp8_gemms = tuple(bool(v) for v in state["fp8_gemms"].tolist()) if "fp8_gemms" in state else (True,) * 3
         saved_recipe = _recipe_text(state.get("recipe"))
         device = self.device
         for name in _STATE_TENSORS:
@@ -232,6 +240,7 @@ class ScalingState(nn.Module):
         # Which recipe recorded them is not saved: the one in force at the next update applies.
         self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
         self.use_fp8 = use_fp8
+        self.fp8_gemms = fp8_gemms
         self.recipe = saved_recipe or self.recipe
         # The recipe in force is known at the first cast (an autocast may override the layer's).
         self._loaded_recipe = saved_recipe or None
@@ -254,7 +263,7 @@ class ScalingState(nn.Module):
 
     def reset(self, amax_history_len: Optional[int] = None) -> None:
         """Forget every amax and scale (as a new layer's state); the history keeps its length
-        unless ``amax_history_len`` is given. ``use_fp8`` stays."""
+        unless ``amax_history_len`` is given. ``use_fp8`` and ``fp8_gemms`` stay."""
         fresh = ScalingState(amax_history_len or self.amax_history_len, device=self.device)
         for name in _STATE_TENSORS:
             setattr(self, name, getattr(fresh, name))
@@ -278,13 +287,15 @@ class ScalingState(nn.Module):
 
 
 _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "outlier_count", "outlier_ratio")
-# Format of the saved scaling state: 1 had no "version", "recipe" or outlier counters.
-STATE_VERSION = 2
+# Format of the saved scaling state: 1 had no "version", "recipe" or outlier counters, 2 no
+# "fp8_gemms".
+STATE_VERSION = 3
 _VERSION_1_ENTRIES = frozenset({"amax_history", "scale", "initialized", "nonfinite_amax_count", "pending"})
-_ENTRIES = frozenset({*_STATE_TENSORS, "pending", "use_fp8", "version", "recipe"})
+_VERSION_2_ENTRIES = frozenset({*_STATE_TENSORS, "pending", "use_fp8", "version", "recipe"})
+_ENTRIES = _VERSION_2_ENTRIES | {"fp8_gemms"}
 # The shape of each saved tensor, "L" standing for the history length.
 _SHAPES = {"amax_history": (3, "L"), "scale": (3,), "initialized": (3,), "nonfinite_amax_count": (3,),
-           "outlier_count": (3,), "outlier_ratio": (3,), "pending": (3,), "use_fp8": ()}
+           "outlier_count": (3,), "outlier_ratio": (3,), "pending": (3,), "use_fp8": (), "fp8_gemms": (3,)}
 
 
 def recipe_key(recipe: Recipe) -> str:
@@ -339,8 +350,9 @@ def check_saved_state(state: Any, key: str) -> int:
         raise fail(f"version {version!r}")
     if version > STATE_VERSION:
         return version
-    required = _VERSION_1_ENTRIES if version == 1 else _ENTRIES - {"use_fp8"}
-    if not required <= set(state) <= _ENTRIES:
+    required = {1: _VERSION_1_ENTRIES, 2: _VERSION_2_ENTRIES - {"use_fp8"}}.get(version, _ENTRIES - {"use_fp8"})
+    allowed = _VERSION_2_ENTRIES if version == 2 else _ENTRIES
+    if not required <= set(state) <= allowed:
         raise fail(f"entries {sorted(state)}; expected {sorted(required)}, optionally 'use_fp8'")
     try:
         _recipe_text(state.get("recipe"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -27,6 +27,9 @@ __all__ = [
     "Float8BlockScaling",
     "QParams",
     "AutoRecipe",
+    "OverrideLinearPrecision",
+    "GEMMS",
+    "as_gemm_flags",
     "check_recipe",
     "AMAX_COMPUTE_ALGOS",
     "AMAX_OUTLIER_POLICIES",
@@ -45,6 +48,41 @@ MAX_MARGIN = 7
 MAX_AMAX_HISTORY_LEN = 65536
 
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+
+# The three GEMMs of a linear layer: forward (y = x W^T), dgrad (dx = dy W), wgrad (dW = dy^T x).
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+class OverrideLinearPrecision(NamedTuple):
+    """Which GEMMs of every FP8 linear layer run in high precision instead of FP8 (True: high
+    precision). Transformer Engine's ``override_linear_precision`` field of its recipes, with
+    its meaning: ``DelayedScaling(override_linear_precision=(False, False, True))`` keeps the
+    wgrad GEMMs in high precision. A high-precision GEMM runs as ``nn.Linear`` would (in the
+    torch autocast dtype, else the operands' dtype) on the unquantised operands."""
+
+    fprop: bool = False
+    dgrad: bool = False
+    wgrad: bool = False
+
+
+def as_gemm_flags(value: Any) -> Optional[tuple[bool, bool, bool]]:
+    """``value`` as one bool per GEMM ``(fprop, dgrad, wgrad)``, or None where it is not a
+    sequence of three bools (TE's NamedTuple, a tuple, a list from a config file)."""
+    try:
+        flags = tuple(value)
+    except TypeError:
+        return None
+    return flags if len(flags) == 3 and all(isinstance(f, bool) for f in flags) else None
+
+
+def _check_override(value: Any, recipe: str) -> OverrideLinearPrecision:
+    flags = as_gemm_flags(value)
+    if flags is None:
+        raise ValueError(
+            f"{recipe}(override_linear_precision={value!r}) is invalid; valid: three bools (fprop, dgrad, wgrad), "
+            "True running that GEMM in high precision, e.g. (False, False, True)"
+        )
+    return OverrideLinearPrecision(*flags)
 
 
 def _check_forward_format(fmt: Format, recipe: str) -> None:
@@ -84,6 +122,8 @@ class Recipe:
     """Base of all scaling recipes. ``fp8_format`` is a ``Format``."""
 
     fp8_format: Format
+    # Which GEMMs run in high precision (all FP8 unless a recipe's field says otherwise).
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def delayed(self) -> bool:
         """True when scales come from an amax history (delayed scaling)."""
@@ -123,6 +163,9 @@ class DelayedScaling(Recipe):
             one batch of values 10^6 times larger flushes the next ``amax_history_len`` steps
             of normal values to zero with the ``"max"`` algorithm) or ``"skip"`` (it does not
             enter; the scale stays as it was).
+        override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
+            every FP8 layer in high precision (Transformer Engine's field; default all False:
+            see :class:`OverrideLinearPrecision`).
 
     The outlier policy is this project's addition to TE's recipe: TE keeps every amax.
 
@@ -141,10 +184,13 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     amax_outlier_factor: float = 100.0
     amax_outlier_policy: str = "clip"
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "DelayedScaling")
+        object.__setattr__(self, "override_linear_precision",
+                           _check_override(self.override_linear_precision, "DelayedScaling"))
         if not _is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
             raise ValueError(
                 f"DelayedScaling(margin={self.margin!r}) is invalid; valid: an integer from 0 to {MAX_MARGIN} "
@@ -203,6 +249,9 @@ class Float8CurrentScaling(Recipe):
 
     Args:
         fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+        override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
+            every FP8 layer in high precision (Transformer Engine's field; default all False:
+            see :class:`OverrideLinearPrecision`).
 
     Raises:
         ValueError: an unknown format, or E5M2 as the forward format.
@@ -210,10 +259,13 @@ class Float8CurrentScaling(Recipe):
 
     fp8_format: Format = Format.HYBRID
     margin: int = field(default=0, init=False)
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "Float8CurrentScaling")
+        object.__setattr__(self, "override_linear_precision",
+                           _check_override(self.override_linear_precision, "Float8CurrentScaling"))
 
 
 @dataclass(frozen=True)
@@ -228,6 +280,9 @@ class MXFP8BlockScaling(Recipe):
 
     Args:
         fp8_format: ``Format.E4M3`` (TE's default: E4M3 in both passes) or ``Format.HYBRID``.
+        override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
+            every FP8 layer in high precision (Transformer Engine's field; default all False:
+            see :class:`OverrideLinearPrecision`).
 
     Raises:
         ValueError: an unknown format or ``Format.E5M2``.
@@ -236,10 +291,13 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     margin: int = field(default=0, init=False)
     block_size: int = field(default=32, init=False)
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "MXFP8BlockScaling")
+        object.__setattr__(self, "override_linear_precision",
+                           _check_override(self.override_linear_precision, "MXFP8BlockScaling"))
 
 
 @dataclass(frozen=True)
@@ -280,6 +338,9 @@ class Float8BlockScaling(Recipe):
             input, the weight and grad_output.
         x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 (1x128 blocks) or
             2 (128x128 blocks).
+        override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
+            every FP8 layer in high precision (Transformer Engine's field; default all False:
+            see :class:`OverrideLinearPrecision`).
 
     Raises:
         ValueError: an unknown format or E5M2, a block dim other than 1 or 2.
@@ -295,10 +356,13 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     margin: int = field(default=0, init=False)
     block_size: int = field(default=128, init=False)
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "Float8BlockScaling")
+        object.__setattr__(self, "override_linear_precision",
+                           _check_override(self.override_linear_precision, "Float8BlockScaling"))
         for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
             if not isinstance(getattr(self, name), QParams):
                 raise TypeError(
@@ -322,13 +386,19 @@ class AutoRecipe(Recipe):
 
     Args:
         fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+        override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
+            every FP8 layer in high precision (Transformer Engine's field; default all False:
+            see :class:`OverrideLinearPrecision`).
 
     Raises:
         ValueError: an unknown format, or E5M2 as the forward format.
     """
 
     fp8_format: Format = Format.HYBRID
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "AutoRecipe")
+        object.__setattr__(self, "override_linear_precision",
+                           _check_override(self.override_linear_precision, "AutoRecipe"))

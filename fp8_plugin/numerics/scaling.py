@@ -73,9 +73,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
 
     Returns:
-        Tensor of ``x``'s shape in ``dtype``.
+        Tensor of ``x``'s shape in ``dtype``, row-major (contiguous) whatever the layout of ``x``
+        (a transposed view: GPT-2's Conv1D weight, a columnwise copy): the FP8 GEMM kernels read
+        their operands row-major and refuse any other layout.
     """
-    return saturate(x.to(torch.float32) * scale, x, dtype).to(dtype)
+    return saturate(x.to(torch.float32) * scale, x, dtype).to(dtype, memory_format=torch.contiguous_format)
 
 
 def saturate(scaled: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

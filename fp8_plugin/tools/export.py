@@ -61,7 +61,7 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
     ``[out, in]``, GPT-2's ``Conv1D`` with its weight ``[in, out]``; weights in their own dtype;
     the FP8 scaling state (``*.fp8_state._extra_state``) is left out. ``from_pretrained`` on the
     vanilla class loads it with no missing or unexpected keys, and computes exactly what the
-    model computes outside :func:`fp8_plugin.modules.autocast`.
+    model computes outside :func:`fp8_plugin.autocast`.
 
     ``"hf-fp8"``: the fine-grained FP8 format of transformers' ``FineGrainedFP8Config``. For each
     FP8 layer ``<name>`` (an ``nn.Linear`` of ``out`` x ``in``):

@@ -2,7 +2,7 @@
 
 Lightning's Trainer and Fabric plugins (and later Accelerate and the transformers Trainer) are
 thin adapters over :class:`FP8Training`: convert the model once, enter the forward context
-(torch autocast for the non-FP8 ops plus :func:`fp8_plugin.modules.autocast` with the amax reducer),
+(torch autocast for the non-FP8 ops plus :func:`fp8_plugin.autocast` with the amax reducer),
 settle each step's amaxes after the optimizer step, save and restore FP8 state, report figures.
 Loss scaling stays with each loop's own mixed-precision machinery (torch's ``GradScaler``).
 """
@@ -18,8 +18,10 @@ from torch import nn
 
 from ..modules.autocast import AmaxReducer, autocast, new_step_id
 from ..modules.convert import ConversionReport, convert_model, fp8_state_dict
+from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from ..modules.scaling_group import update_pending_scales
+from ..numerics.device_kind import device_kind
 from ..numerics.quantizers import check_saved_state, is_scaling_state_key
 from ..numerics.recipes import AutoRecipe, Recipe, check_recipe
 from .distributed import amax_reducer
@@ -92,6 +94,7 @@ class FP8Training:
         self._step: Optional[int] = None
         self.before_step_hooks: list[Callable[["FP8Training"], None]] = []
         self._layers: list[FP8Linear] = []
+        self._experts: list[FP8ExpertsMixin] = []
         self._layers_of: Optional[nn.Module] = None
         self.reference = ReferenceChecker(reference_check) if reference_check is not None else None
         self.faults = FaultMonitor(fault_policy if fault_policy is not None else FaultPolicy())
@@ -157,7 +160,7 @@ class FP8Training:
         return param.device if param is not None else torch.device("cpu")
 
     def _device_type(self) -> str:
-        return self._device().type
+        return device_kind(self._device())
 
     def capture_replay(self, run_replay: Callable[[], torch.Tensor]) -> None:
         """Offer a training forward to the reference checks, right before it runs.
@@ -199,11 +202,14 @@ class FP8Training:
             # The step changes the weights: their cached FP8 copies would only hold memory.
             for layer in self._fp8_layers():
                 layer.clear_weight_cache()
+            for experts in self._experts:  # MoE experts keep cached weight casts too
+                experts.clear_weight_cache()
         return take
 
     def _fp8_layers(self) -> list[FP8Linear]:
         if self._layers_of is not self.module:
             self._layers = [m for m in self.module.modules() if isinstance(m, FP8Linear)]
+            self._experts = [m for m in self.module.modules() if isinstance(m, FP8ExpertsMixin)]
             self._layers_of = self.module
         return self._layers
 

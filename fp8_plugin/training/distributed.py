@@ -20,7 +20,7 @@ __all__ = ["amax_reducer"]
 
 
 def amax_reducer(group: Optional["dist.ProcessGroup"] = None) -> Optional[AmaxReducer]:
-    """An in-place MAX all-reduce over ``group`` for :func:`fp8_plugin.modules.autocast`'s ``reduce_amax``.
+    """An in-place MAX all-reduce over ``group`` for :func:`fp8_plugin.autocast`'s ``reduce_amax``.
 
     Args:
         group: process group of the ranks that must share scales; None means the default

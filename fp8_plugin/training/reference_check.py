@@ -20,7 +20,23 @@ The figures (:class:`ReferenceResult`), FP8 against the reference:
 - ``layer_sqnr_db``: for every FP8 layer, ``10 log10(sum y_ref^2 / sum (y_fp8 - y_ref)^2)`` where
   ``y_ref`` is the layer's high-precision output in the reference replay and ``y_fp8`` its FP8
   output on the same input, so that each layer's figure is its own quantisation error, not the
-  error it inherits from the layers before it.
+  error it inherits from the layers before it. A MoE experts module
+  (:mod:`fp8_plugin.modules.experts`) is one layer here: its output over the routed tokens, the
+  same routing in both; its fallback moves all its experts to high precision.
+- ``gemm_sqnr_db``: for every FP8 linear layer, the SQNR of each of its three GEMMs on its own:
+  ``fprop`` (``y = x W^T``), ``dgrad`` (``dx = dy W``) and ``wgrad`` (``dW = dy^T x``), each
+  ``10 log10(sum z_ref^2 / sum (z_fp8 - z_ref)^2)`` where ``x`` and ``dy`` are the layer's input and
+  grad_output in the reference replay, ``z_fp8`` the GEMM on their FP8 casts (the layer's recipe
+  and current scales, grad_output in the backward format) and ``z_ref`` the same GEMM on the
+  unquantised operands in the reference's GEMM dtype (fprop: the layer's output figure above,
+  its signal less the bias). A layer's figures so isolate the quantisation error of each of its
+  GEMMs: a bad input scale shows in fprop and wgrad, a bad weight scale in fprop and dgrad, a bad
+  grad_output scale in dgrad and wgrad. A GEMM the layer runs in high precision
+  (``FP8Linear.fp8_gemms``, the recipe's ``override_linear_precision``) has no quantisation
+  error (``inf``); a GEMM the training step does not run (dgrad of a layer whose input needs no
+  gradient, wgrad of a frozen weight) has no figure. They are computed on the fly, as the
+  replay's backward reaches each layer: a layer's input is held from its forward to its backward
+  (as autograd holds it anyway), nothing more. MoE experts modules have no per-GEMM figures.
 
 Under several processes every sum above is all-reduced (SUM) before the figures are formed:
 they describe the replayed micro-batches of all ranks together and are identical on every rank,
@@ -42,9 +58,13 @@ from torch import nn
 
 from .._private.torch_api import in_backward_pass
 from ..modules.autocast import replay
+from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from ..numerics.device import bf16_matmul_is_fast
-from ..numerics.recipes import Recipe
+from ..numerics.device_kind import device_kind
+from ..numerics.gemm import fp8_gemm
+from ..numerics.quantizers import GRAD_OUTPUT, INPUT, QuantizedTensor, make_quantizer
+from ..numerics.recipes import GEMMS, Recipe
 from .reference_report import summary_text, with_written, write_reports
 
 __all__ = [
@@ -58,7 +78,9 @@ __all__ = [
     "output_loss",
     "capture_rng_state",
     "sqnr_hook",
+    "gemm_sqnr_hook",
     "sqnr_db",
+    "GEMMS",
 ]
 
 POLICIES = ("log", "warn", "fallback", "raise")
@@ -74,8 +96,9 @@ class ReferenceCheck:
             ...); 0 turns checks off. The default, 200, keeps their cost near 1% of training
             time (a check costs about one FP8 and one BF16 forward and backward of a micro-batch).
         policy: what a failed check does: ``"log"`` (record it), ``"warn"`` (also a warning),
-            ``"fallback"`` (also move the offending layers to high precision from the next step
-            on, on every rank; saved in checkpoints), ``"raise"`` (stop with
+            ``"fallback"`` (also move layers or single GEMMs to high precision from the next
+            step on, on every rank, each move kept only when a replay with it passes, see
+            :func:`apply_policy`; saved in checkpoints), ``"raise"`` (stop with
             :class:`FP8ReferenceCheckError` before the optimizer step, so the weights are still
             the ones the check judged and a checkpoint can be written).
         min_sqnr_db: a layer whose output SQNR is below this fails the check. A healthy E4M3
@@ -93,7 +116,18 @@ class ReferenceCheck:
             training (same final perplexity as BF16) shows cosines of 0.92 to 0.99 per micro-batch.
         fallback_worst_k: under ``"fallback"``, when a check fails on the loss or the gradients
             while no layer is under ``min_sqnr_db``, this many layers with the lowest SQNR move
-            to high precision.
+            to high precision (without verification: when the check cannot replay; with it,
+            the GEMMs furthest below their healthy band are tried one by one instead).
+        min_gemm_sqnr_db: under ``"fallback"``, the GEMMs (fprop, dgrad, wgrad) whose own SQNR is
+            below this are the first suspects of a failed check (they do not fail a check
+            themselves). Healthy HYBRID GEMMs give about 28.5 dB (fprop, E4M3 x E4M3) and 24.5
+            dB (dgrad, wgrad: E5M2 x E4M3) when the GEMM's products do not cancel; a wgrad whose
+            sum over tokens cancels (an untrained model's) gives less: a tiny GPT-2 gave 14.5 dB
+            in healthy training. 10 dB (a 30% RMS error) is below that and far above the 0 dB
+            of a GEMM whose operand flushed to zero.
+        max_fallback_replays: under ``"fallback"``, at most this many verification replays per
+            failed check (each costs about a check): a move is kept only when a replay with it
+            passes every threshold.
         output_loss: how the replay reads the loss from the model's output (Fabric and
             Accelerate replay the model's forward); default :func:`output_loss` (the output's
             ``loss``, its ``"loss"`` entry, or the output itself when it is a 0-dim tensor).
@@ -114,6 +148,8 @@ class ReferenceCheck:
     min_grad_cosine: float = 0.7
     max_grad_rel_error: float = 1.0
     fallback_worst_k: int = 1
+    min_gemm_sqnr_db: float = 10.0
+    max_fallback_replays: int = 6
     output_loss: Optional[Callable[[Any], torch.Tensor]] = None
     log_layers: bool = True
     json_path: Optional[str] = None
@@ -122,9 +158,11 @@ class ReferenceCheck:
     def __post_init__(self) -> None:
         _check_int("every", self.every, 0)
         _check_int("fallback_worst_k", self.fallback_worst_k, 1)
+        _check_int("max_fallback_replays", self.max_fallback_replays, 0)
         if self.policy not in POLICIES:
             raise ValueError(f"ReferenceCheck(policy={self.policy!r}) is not valid; valid: {', '.join(POLICIES)}")
-        for name, low, high in (("min_sqnr_db", -math.inf, math.inf), ("max_loss_rel_diff", 0.0, math.inf),
+        for name, low, high in (("min_sqnr_db", -math.inf, math.inf), ("min_gemm_sqnr_db", -math.inf, math.inf),
+                                ("max_loss_rel_diff", 0.0, math.inf),
                                 ("min_grad_cosine", -1.0, 1.0), ("max_grad_rel_error", 0.0, math.inf)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -186,8 +224,15 @@ class ReferenceResult:
         grad_cosine, grad_rel_error: over all trainable parameters.
         param_figures: ``{parameter name: (cosine, relative error)}``.
         layer_sqnr_db: ``{FP8 layer name: SQNR in dB}`` (``inf`` for an exact output).
+        gemm_sqnr_db: ``{FP8 linear layer name: {"fprop" | "dgrad" | "wgrad": SQNR in dB}}``, each
+            GEMM's own figure (``inf`` for a GEMM in high precision; a GEMM the step does not
+            run is absent).
         failures: why the check failed (empty when it passed).
         fallback_layers: the layers this check moved to high precision.
+        fallback_gemms: the GEMMs this check moved to high precision, ``"<layer>.<gemm>"``.
+        fallback_tried: the moves a verified fallback tried, in order: ``{"moves": [...],
+            "passed": bool, "kept": bool, "loss_rel_diff", "grad_cosine", "grad_rel_error",
+            "failures": [...]}`` (the figures of the replay with that move).
         seconds: wall time the check took.
     """
 
@@ -199,8 +244,11 @@ class ReferenceResult:
     grad_rel_error: float
     param_figures: dict[str, tuple[float, float]] = field(default_factory=dict)
     layer_sqnr_db: dict[str, float] = field(default_factory=dict)
+    gemm_sqnr_db: dict[str, dict[str, float]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     fallback_layers: list[str] = field(default_factory=list)
+    fallback_gemms: list[str] = field(default_factory=list)
+    fallback_tried: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -211,20 +259,42 @@ class ReferenceResult:
         """The ``k`` layers with the lowest SQNR, lowest first."""
         return sorted(self.layer_sqnr_db.items(), key=lambda item: item[1])[:k]
 
+    def worst_gemms(self, k: int = 3) -> list[tuple[str, str, float]]:
+        """The ``k`` GEMMs ``(layer, "fprop" | "dgrad" | "wgrad", dB)`` with the lowest SQNR,
+        lowest first."""
+        every = [(name, gemm, db) for name, figures in self.gemm_sqnr_db.items() for gemm, db in figures.items()]
+        return sorted(every, key=lambda item: item[2])[:k]
+
+    def lowest_gemm_sqnr(self) -> dict[str, float]:
+        """``{"fprop" | "dgrad" | "wgrad": the lowest SQNR of that GEMM over the layers}`` (``inf``
+        when no layer has that GEMM's figure)."""
+        return {gemm: min((f[gemm] for f in self.gemm_sqnr_db.values() if gemm in f), default=math.inf)
+                for gemm in GEMMS}
+
     def describe(self) -> str:
-        """One line: the figures, the failures and the worst layers."""
+        """One line: the figures, the failures, the worst layers and the worst GEMMs."""
         worst = ", ".join(f"{name} {db:.1f} dB" for name, db in self.worst_layers())
         text = (f"loss FP8 {self.loss_fp8:.5g} vs reference {self.loss_reference:.5g} "
                 f"(rel diff {self.loss_rel_diff:.2%}), grad cosine {self.grad_cosine:.4f}, "
                 f"grad rel error {self.grad_rel_error:.3f}; lowest SQNR: {worst or 'no FP8 layer'}")
+        if self.gemm_sqnr_db:
+            text += "; lowest GEMM SQNR: " + ", ".join(f"{name} {gemm} {db:.1f} dB"
+                                                       for name, gemm, db in self.worst_gemms())
         if self.failures:
             text += "; failed: " + "; ".join(self.failures)
-        if self.fallback_layers:
-            text += "; moved to high precision: " + ", ".join(self.fallback_layers)
+        moved = self.fallback_layers + self.fallback_gemms
+        if moved:
+            text += "; moved to high precision: " + ", ".join(moved)
+        if self.fallback_tried and not moved:
+            text += f"; no move of the {len(self.fallback_tried)} tried restored the figures: none kept"
         return text
 
     def metrics(self, layers: bool = True) -> dict[str, float]:
-        """Scalar figures for a logger, under the ``fp8_ref/`` prefix."""
+        """Scalar figures for a logger, under the ``fp8_ref/`` prefix: the losses, gradient
+        figures, ``sqnr_min_db``, ``fprop_sqnr_min_db`` / ``dgrad_sqnr_min_db`` /
+        ``wgrad_sqnr_min_db`` (the lowest of each GEMM over the layers), and with ``layers``
+        ``sqnr_db/<layer>`` and ``fprop_sqnr_db/<layer>``, ``dgrad_sqnr_db/<layer>``,
+        ``wgrad_sqnr_db/<layer>``."""
         sqnr = [db for db in self.layer_sqnr_db.values()]
         out = {
             "loss_fp8": self.loss_fp8,
@@ -235,10 +305,14 @@ class ReferenceResult:
             "sqnr_min_db": min(sqnr) if sqnr else math.inf,
             "failed": float(not self.passed),
             "fallback_layers": float(len(self.fallback_layers)),
+            "fallback_gemms": float(len(self.fallback_gemms)),
             "seconds": self.seconds,
         }
+        out.update({f"{gemm}_sqnr_min_db": db for gemm, db in self.lowest_gemm_sqnr().items()})
         if layers:
             out.update({f"sqnr_db/{name}": db for name, db in self.layer_sqnr_db.items()})
+            out.update({f"{gemm}_sqnr_db/{name}": db
+                        for name, figures in self.gemm_sqnr_db.items() for gemm, db in figures.items()})
         return {METRIC_PREFIX + key: float(value) for key, value in out.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,6 +324,9 @@ class ReferenceResult:
         data = dict(data)
         data["param_figures"] = {k: tuple(_none_to_inf(x) for x in v) for k, v in data["param_figures"].items()}
         data["layer_sqnr_db"] = {k: _none_to_inf(v) for k, v in data["layer_sqnr_db"].items()}
+        # Absent from results saved before the per-GEMM figures existed.
+        data["gemm_sqnr_db"] = {k: {g: _none_to_inf(db) for g, db in v.items()}
+                                for k, v in data.get("gemm_sqnr_db", {}).items()}
         return cls(**{k: _none_to_inf(v) if k in _FLOAT_FIELDS else v for k, v in data.items()})
 
 
@@ -304,7 +381,7 @@ class _RNGState:
 def capture_rng_state(device: torch.device) -> _RNGState:
     """The CPU RNG state and, on CUDA, the device's: what a training forward draws dropout from."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device_kind(device) == "cuda":
         return _RNGState(torch.get_rng_state(), device, torch.cuda.get_rng_state(device))
     return _RNGState(torch.get_rng_state(), None, None)
 
@@ -315,8 +392,9 @@ def _restore_rng_state(state: _RNGState) -> None:
         torch.cuda.set_rng_state(state.device_state, state.device)
 
 
-def _fp8_layers(model: nn.Module) -> list[tuple[str, FP8Linear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear)]
+def _fp8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    # FP8 linear layers and MoE experts modules: each is checked, and falls back, as one layer.
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8ExpertsMixin))]
 
 
 def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
@@ -360,16 +438,23 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = [rng_state.device] if rng_state.device is not None else []
     try:
-        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+        with torch.random.fork_rng(devices=devices, device_type=device_kind(devices[0]) if devices else "cuda"):
             replayed = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe)
             if replayed is None:
                 return None
             loss_fp8, grads_fp8 = replayed
             recipes = {name: layer._forward_context.recipe if layer._forward_context else None
                        for name, layer in layers}
+            # Per layer: output signal and noise; per GEMM (fprop, dgrad, wgrad) signal and noise.
             energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=loss_fp8.device)
-            handles = [layer.register_forward_hook(sqnr_hook(energies[i], recipes[name]))
-                       for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
+            gemm_energies = torch.zeros(len(layers), len(GEMMS), 2, dtype=torch.float64, device=loss_fp8.device)
+            handles = [layer.register_forward_hook(sqnr_hook(
+                energies[i], recipes[name], gemm_energies[i, 0] if _has_gemm_figures(layer, recipes[name]) else None))
+                for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
+            gemm_dtype = reference_dtype or compute_dtype  # the dtype the reference replay's GEMMs run in
+            handles += [layer.register_forward_hook(gemm_sqnr_hook(gemm_energies[i], recipes[name],
+                                                                   layer._forward_context.gemms, gemm_dtype))
+                        for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])]
             try:
                 loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None,
                                               reference_dtype)
@@ -382,7 +467,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
                 buffer.copy_(saved)
     # One flat float64 tensor: the losses, the layers' signal and noise energies, and per
     # parameter <g8, gr>, |g8|^2, |gr|^2, |g8 - gr|^2; summed over ranks in one all-reduce.
-    stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten()]
+    stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten(), gemm_energies.flatten()]
     for g8, gr in zip(grads_fp8, grads_ref):
         stats.append(_grad_stats(g8, gr, loss_fp8.device))
     flat = torch.cat([s.to(loss_fp8.device) for s in stats])
@@ -393,11 +478,18 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     values = flat.tolist()
     loss8, lossr = values[0] / world, values[1] / world
     layer_values = values[2:2 + 2 * len(layers)]
-    grad_values = values[2 + 2 * len(layers):]
-    sqnr = {}
-    for i, (name, _) in enumerate(layers):
+    gemm_start = 2 + 2 * len(layers)
+    gemm_values = values[gemm_start:gemm_start + 2 * len(GEMMS) * len(layers)]
+    grad_values = values[gemm_start + 2 * len(GEMMS) * len(layers):]
+    sqnr, gemm_sqnr = {}, {}
+    for i, (name, layer) in enumerate(layers):
         if recipes[name] is not None:
             sqnr[name] = sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
+        if _has_gemm_figures(layer, recipes[name]):
+            pairs = gemm_values[2 * len(GEMMS) * i:2 * len(GEMMS) * (i + 1)]
+            # A GEMM that did not run (no signal, no noise) has no figure.
+            gemm_sqnr[name] = {gemm: sqnr_db(pairs[2 * j], pairs[2 * j + 1]) for j, gemm in enumerate(GEMMS)
+                               if pairs[2 * j] != 0 or pairs[2 * j + 1] != 0}
     totals = [0.0, 0.0, 0.0, 0.0]
     param_figures = {}
     for i, name in enumerate(names):
@@ -413,6 +505,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
         grad_rel_error=_rel_error(totals[2], totals[3]),
         param_figures=param_figures,
         layer_sqnr_db=sqnr,
+        gemm_sqnr_db=gemm_sqnr,
         seconds=time.perf_counter() - start,
     )
 
@@ -450,20 +543,106 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     return loss.detach().float(), grads
 
 
-def sqnr_hook(energy: torch.Tensor, recipe: Recipe) -> Callable:
+def sqnr_hook(energy: torch.Tensor, recipe: Recipe, fprop_energy: Optional[torch.Tensor] = None) -> Callable:
     """A forward hook for an FP8 layer running in high precision: adds the signal energy of its
     output, ``sum y^2``, to ``energy[0]`` and the energy of its FP8 output's error under
     ``recipe``, ``sum (y_fp8 - y)^2``, to ``energy[1]`` (``energy``: float64 ``[2]``, no host
-    sync). The FP8 output is computed from the same input, recording nothing."""
+    sync). The FP8 output is computed from the same input, recording nothing.
+
+    ``fprop_energy`` (float64 ``[2]``, an :class:`~fp8_plugin.modules.linear.FP8Linear` only):
+    also adds the signal energy of its GEMM, ``sum (y - b)^2`` (the output less the bias), and,
+    when the layer runs its fprop GEMM in FP8, the same error energy: the fprop figure of
+    :func:`gemm_sqnr_hook`, at no further GEMM."""
     def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled() and in_backward_pass():
             return  # an activation-checkpoint recomputation: this forward was counted already
         with torch.no_grad():
-            fp8_out = layer._fp8_forward(args[0].detach(), recipe, record_forward=False, record_backward=False)
+            if isinstance(layer, FP8ExpertsMixin):  # (hidden_states, top_k_index, top_k_weights)
+                fp8_out = layer._fp8_experts_forward(*(a.detach() for a in args[:3]), recipe, False, False)
+            else:
+                fp8_out = layer._fp8_forward(args[0].detach(), recipe, record_forward=False, record_backward=False)
             reference = output.detach().to(torch.float64)
             energy[0] += reference.square().sum()
-            energy[1] += (fp8_out.to(torch.float64) - reference).square().sum()
+            noise = (fp8_out.to(torch.float64) - reference).square().sum()
+            energy[1] += noise
+            if fprop_energy is not None:
+                gemm = reference if layer.bias is None else reference - layer.bias.detach().to(torch.float64)
+                fprop_energy[0] += gemm.square().sum()
+                if layer.gemms_in_fp8(recipe)[0]:  # else the fprop GEMM ran in high precision: no error
+                    fprop_energy[1] += noise
     return hook
+
+
+def _has_gemm_figures(layer: nn.Module, recipe: Optional[Recipe]) -> bool:
+    # FP8 linear layers that ran in FP8 in the FP8 replay (MoE experts: their output figure only).
+    return recipe is not None and isinstance(layer, FP8Linear)
+
+
+def gemm_sqnr_hook(energy: torch.Tensor, recipe: Recipe, gemms: Sequence[bool] = (True, True, True),
+                   dtype: torch.dtype = torch.float32) -> Callable:
+    """A forward hook for an :class:`~fp8_plugin.modules.linear.FP8Linear` running in high
+    precision (the reference replay) that measures its backward GEMMs' quantisation error.
+
+    For dgrad (``dy W``, row 1 of ``energy``) and wgrad (``dy^T x``, row 2) it adds the signal
+    energy ``sum z^2`` of the GEMM in ``dtype`` (the reference replay's GEMM dtype; FP32
+    accumulation) on the layer's unquantised input ``x`` ``[M, K]``, weight ``W`` ``[N, K]`` and
+    grad_output ``dy`` ``[M, N]`` to ``energy[j, 0]``, and the noise energy ``sum (z_fp8 - z)^2``
+    of the same GEMM on their FP8 casts under ``recipe`` (current scales, recording nothing:
+    forward format for ``x`` and ``W``, backward format for ``dy``, blocks along the reduction
+    dim as training casts them) to ``energy[j, 1]``. ``energy``: float64 ``[3, 2]`` (:data:`GEMMS`
+    order; row 0, fprop, is :func:`sqnr_hook`'s), no host sync. They are measured when the
+    backward reaches the layer's output (a tensor hook on it), and only for what the training
+    step computes: dgrad when ``x`` needs a gradient, wgrad when ``W`` does. A GEMM that
+    ``gemms`` (which GEMMs the layer ran in FP8: fprop, dgrad, wgrad) puts in high precision adds
+    signal and no noise. ``x`` is held from the forward to the backward, as autograd holds it.
+    """
+    def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            # Fires once per backward through this output: a non-reentrant checkpoint's recomputed
+            # output is not on the loss's graph, a reentrant one's original output needs no grad.
+            x, needs_dgrad = args[0].detach(), args[0].requires_grad
+            output.register_hook(lambda grad: _backward_gemms(energy, recipe, gemms, dtype, layer, x, grad,
+                                                              needs_dgrad))
+    return hook
+
+
+def _weight_2d(layer: FP8Linear) -> torch.Tensor:
+    w = layer.weight.detach()
+    return w.t() if layer.weight_transposed else w  # [out_features, in_features]
+
+
+def _backward_gemms(energy: torch.Tensor, recipe: Recipe, gemms: Sequence[bool], dtype: torch.dtype,
+                    layer: FP8Linear, x: torch.Tensor, grad: torch.Tensor, needs_dgrad: bool) -> None:
+    with torch.no_grad():
+        g = grad.detach().reshape(-1, layer.out_features)  # [M, N]
+        needs_wgrad = layer.weight.requires_grad
+        fp8_dgrad, fp8_wgrad = needs_dgrad and gemms[1], needs_wgrad and gemms[2]
+        qg = qg_t = None
+        if fp8_dgrad or fp8_wgrad:  # grad_output cast once for both, as the training backward casts it
+            quantizer = make_quantizer(recipe, GRAD_OUTPUT, layer.fp8_state, record=False, host=False)
+            qg, qg_t = quantizer.quantize_pair(g, columnwise=fp8_wgrad)
+        if needs_dgrad:  # dx [M, K] = dy [M, N] @ W [N, K]: operands dy and W^T [K, N]
+            w_t = _weight_2d(layer).t()
+            # The weight's transposed FP8 copy, as the training step cast (and cached) it.
+            qw_t = layer._weight_casts(recipe, False, columnwise=True)[1] if fp8_dgrad else None
+            _gemm_energy(energy[1], dtype, g, w_t, qg if fp8_dgrad else None, qw_t)
+        if needs_wgrad:  # dW [N, K] = dy^T [N, M] @ x [M, K]: operands dy^T and x^T [K, M]
+            x_t = x.reshape(-1, layer.in_features).t()
+            qx_t = (make_quantizer(recipe, INPUT, layer.fp8_state, record=False, host=False).quantize(x_t.contiguous())
+                    if fp8_wgrad else None)
+            _gemm_energy(energy[2], dtype, g.t(), x_t, qg_t if fp8_wgrad else None, qx_t)
+
+
+def _gemm_energy(energy: torch.Tensor, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor,
+                 qa: Optional[QuantizedTensor], qb: Optional[QuantizedTensor]) -> None:
+    # a [M, K] @ b [N, K]^T in ``dtype`` on the unquantised operands; and, unless the GEMM runs
+    # in high precision (no casts: no quantisation error), the FP8 GEMM on their casts ``qa``,
+    # ``qb`` (row-wise: blocks along K, the reduction dim, as the training GEMM's operands).
+    with torch.autocast(device_kind(a.device), enabled=False):
+        exact = (a.to(dtype) @ b.to(dtype).t()).float()
+    energy[0] += exact.double().square().sum()
+    if qa is not None:
+        energy[1] += (fp8_gemm(qa, qb, torch.float32) - exact).double().square().sum()
 
 
 def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -523,8 +702,119 @@ def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceCheck) -> None:
+def _low_gemms(result: ReferenceResult, config: ReferenceCheck) -> list[tuple[str, str, float]]:
+    return [item for item in result.worst_gemms(len(GEMMS) * len(result.gemm_sqnr_db))
+            if item[2] < config.min_gemm_sqnr_db]
+
+
+# Healthy figures of each GEMM under HYBRID (E4M3 forward, E5M2 backward operand; see the
+# ReferenceCheck docstring): a GEMM's shortfall from its own is what ranks it as a suspect.
+_HEALTHY_GEMM_DB = {"fprop": 28.5, "dgrad": 24.5, "wgrad": 24.5}
+
+Move = tuple[str, Optional[str]]  # (layer, GEMM), or (layer, None) for the whole layer
+
+
+def _candidates(model: nn.Module, result: ReferenceResult, config: ReferenceCheck, low_layers: list[str]):
+    """The moves a verified fallback tries, in order (a generator: bisection steps depend on the
+    replays before them, sent back in): the layers under ``min_sqnr_db`` with the GEMMs under
+    ``min_gemm_sqnr_db``; then each GEMM furthest below its healthy figure; then bisection over
+    the FP8 layers still in FP8, each step moving half and keeping the half that passes."""
+    gemm_moves = [(n, g) for n, g, _ in _low_gemms(result, config) if n not in low_layers]
+    first = [(n, None) for n in low_layers] + gemm_moves
+    tried = []
+    if first:
+        tried.append(first)
+        if (yield first):
+            return
+    ranked = sorted(((n, g, db) for n, f in result.gemm_sqnr_db.items() for g, db in f.items() if math.isfinite(db)),
+                    key=lambda item: item[2] - _HEALTHY_GEMM_DB[item[1]])
+    for name, gemm, _ in ranked[:config.fallback_worst_k]:
+        move = [(name, gemm)]
+        if move not in tried:
+            tried.append(move)
+            if (yield move):
+                return
+    pool, shown = [name for name, layer in _fp8_layers(model) if layer.use_fp8], False
+    while True:  # O(log n) replays: keep the half whose move passes
+        if len(pool) <= 1:
+            if pool and not shown:
+                yield [(pool[0], None)]
+            return
+        half = len(pool) // 2
+        for part in (pool[:half], pool[half:]):
+            if (yield [(n, None) for n in part]):
+                pool, shown = part, True
+                break
+        else:
+            return  # neither half alone restores the figures: drift that no one half explains
+
+
+def _apply_moves(layers: dict[str, nn.Module], moves: Sequence[Move]) -> None:
+    for name, gemm in moves:
+        layer = layers[name]
+        if gemm is None or not isinstance(layer, FP8Linear):
+            layer.use_fp8 = False
+        else:
+            flags = list(layer.fp8_gemms)
+            flags[GEMMS.index(gemm)] = False
+            layer.fp8_gemms = tuple(flags)
+
+
+def _switches(layers: dict[str, nn.Module]) -> dict[str, tuple]:
+    return {name: (layer.use_fp8, getattr(layer, "fp8_gemms", None)) for name, layer in layers.items()}
+
+
+def _restore_switches(layers: dict[str, nn.Module], saved: dict[str, tuple]) -> None:
+    for name, (use_fp8, gemms) in saved.items():
+        layers[name].use_fp8 = use_fp8
+        if gemms is not None:
+            layers[name].fp8_gemms = gemms
+
+
+def _verified_fallback(model: nn.Module, result: ReferenceResult, config: ReferenceCheck, low_layers: list[str],
+                       verify: Callable[[], Optional[ReferenceResult]]) -> None:
+    # Try the candidate moves, each on top of the switches as they were, with a replay; keep the
+    # first whose replay passes every threshold, undo the others. At most max_fallback_replays.
+    layers = dict(_fp8_layers(model))
+    before = _switches(layers)
+    candidates = _candidates(model, result, config, low_layers)
+    passed = False
+    try:
+        moves = next(candidates)
+        while len(result.fallback_tried) < config.max_fallback_replays:
+            _apply_moves(layers, moves)
+            replayed = verify()
+            if replayed is not None:
+                judge(replayed, config)
+            passed = replayed is not None and replayed.passed
+            result.fallback_tried.append({
+                "moves": [name if gemm is None else f"{name}.{gemm}" for name, gemm in moves], "passed": passed,
+                "kept": False, "failures": list(replayed.failures) if replayed is not None else [],
+                **({k: getattr(replayed, k) for k in ("loss_rel_diff", "grad_cosine", "grad_rel_error")}
+                   if replayed is not None else {})})
+            _restore_switches(layers, before)
+            if passed:  # bisection goes on inside a half that passed, for a smaller move
+                kept = moves
+            moves = candidates.send(passed)
+    except StopIteration:
+        pass
+    if any(t["passed"] for t in result.fallback_tried):
+        _apply_moves(layers, kept)
+        result.fallback_tried[max(i for i, t in enumerate(result.fallback_tried) if t["passed"])]["kept"] = True
+        result.fallback_layers = [name for name, gemm in kept if gemm is None]
+        result.fallback_gemms = [f"{name}.{gemm}" for name, gemm in kept if gemm is not None]
+
+
+def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceCheck,
+                 verify: Optional[Callable[[], Optional[ReferenceResult]]] = None) -> None:
     """Judge ``result`` against ``config``'s thresholds and act on a failure as its policy says.
+
+    Under ``"fallback"`` with ``verify`` (a replay of the checked micro-batch with the model's
+    switches as they are then, returning its :class:`ReferenceResult`), a move is kept only when
+    a replay with it passes every threshold (see :func:`_candidates` for the order, and
+    ``ReferenceResult.fallback_tried`` for what was tried); when none does within
+    ``max_fallback_replays``, nothing is moved. Without ``verify``, the offending layers move
+    unverified: those under ``min_sqnr_db``, else the ``fallback_worst_k`` lowest.
 
     Raises:
         FP8ReferenceCheckError: a failed check under ``policy="raise"``.
@@ -534,7 +824,10 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
         return
     if config.policy == "raise":
         raise FP8ReferenceCheckError(result)
-    if config.policy == "fallback":
+    if config.policy == "fallback" and verify is not None:
+        low_layers = [name for name, db in result.layer_sqnr_db.items() if db < config.min_sqnr_db]
+        _verified_fallback(model, result, config, low_layers, verify)
+    elif config.policy == "fallback":
         layers = dict(_fp8_layers(model))
         for name in offending:
             layers[name].use_fp8 = False
@@ -577,10 +870,12 @@ def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, 
     device = param.device if param is not None else torch.device("cpu")
     rng_state = rng_state if rng_state is not None else capture_rng_state(device)
     result = compare(model, lambda: loss_fn(model, batch), rng_state=rng_state,
-                     compute_dtype=compute_dtype, device_type=device.type, step=step, recipe=recipe, group=group)
+                     compute_dtype=compute_dtype, device_type=device_kind(device), step=step, recipe=recipe, group=group)
     if result is None:
         raise ValueError("reference_check: loss_fn returned None; it must return the 0-dim loss tensor")
-    apply_policy(model, result, config)
+    apply_policy(model, result, config, verify=lambda: compare(
+        model, lambda: loss_fn(model, batch), rng_state=rng_state, compute_dtype=compute_dtype,
+        device_type=device_kind(device), step=step, recipe=recipe, group=group))
     return result
 
 
@@ -634,16 +929,23 @@ class ReferenceChecker:
             return
         run_replay, rng_state = self._capture
         self._capture = None
-        device_type = rng_state.device.type if rng_state.device is not None else "cpu"
-        result = compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
-                         device_type=device_type, step=self.steps, group=group,
-                         reference_dtype=reference_gemm_dtype(compute_dtype, device_type))
+        device_type = device_kind(rng_state.device) if rng_state.device is not None else "cpu"
+        def check() -> Optional[ReferenceResult]:
+            return compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
+                           device_type=device_type, step=self.steps, group=group,
+                           reference_dtype=reference_gemm_dtype(compute_dtype, device_type))
+
+        result = check()
         if result is None:
             return
         self.results.append(result)
         self._new_result = result
-        self.check_seconds += result.seconds
-        apply_policy(model, result, self.config)
+        start = time.perf_counter()
+        try:
+            apply_policy(model, result, self.config, verify=check)
+        finally:  # the verification replays of a failed check count as the check's time
+            result.seconds += time.perf_counter() - start
+            self.check_seconds += result.seconds
 
     def end_step(self) -> None:
         """The optimizer step ended (or was skipped by the loss scaler)."""

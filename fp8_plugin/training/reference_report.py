@@ -1,9 +1,9 @@
 """What the BF16 reference checks of a run found: a text summary, a JSON file, a PNG plot.
 
-The plot (matplotlib, ``pip install fp8-plugin[plot]``) has two panels sharing the step axis:
-the replayed micro-batch's loss in FP8 and in the reference, and a heat map of every FP8
-layer's output SQNR in dB at each check (rows: layers in model order; darker is worse; layers
-moved to high precision are marked).
+The plot (matplotlib, ``pip install fp8-plugin[plot]``) has the replayed micro-batch's loss in
+FP8 and in the reference over the checks, and below it four heat maps sharing their rows (FP8
+layers in model order; darker is worse; layers moved to high precision are marked): every
+layer's output SQNR in dB at each check, then its fprop, dgrad and wgrad GEMMs' own SQNR.
 """
 
 from __future__ import annotations
@@ -53,7 +53,16 @@ def summary_text(checker: CheckHistory) -> str:
     worst = sorted(lowest.items(), key=lambda item: item[1])[:3]
     if worst:
         lines.append("  lowest layer SQNR: " + ", ".join(f"{name} {db:.1f} dB" for name, db in worst))
-    fallbacks = checker.fallback_layers()
+    gemms: dict[str, tuple[float, str]] = {}  # GEMM kind -> (lowest dB, layer) over all checks
+    for r in results:
+        for name, figures in getattr(r, "gemm_sqnr_db", {}).items():
+            for gemm, db in figures.items():
+                if db < gemms.get(gemm, (math.inf, ""))[0]:
+                    gemms[gemm] = (db, name)
+    if gemms:
+        lines.append("  lowest GEMM SQNR: " + ", ".join(f"{gemm} {name} {db:.1f} dB"
+                                                       for gemm, (db, name) in gemms.items()))
+    fallbacks = checker.fallback_layers() + [(r.step + 1, gemm) for r in results for gemm in getattr(r, "fallback_gemms", [])]
     if fallbacks:
         lines.append("  moved to high precision: " + ", ".join(f"{name} (step {step})" for step, name in fallbacks))
     else:
@@ -78,7 +87,8 @@ def report_data(checker: CheckHistory) -> dict[str, Any]:
         "steps": checker.steps,
         "check_seconds": checker.check_seconds,
         "train_seconds": checker.train_seconds,
-        "fallbacks": [{"step": step, "layer": name} for step, name in checker.fallback_layers()],
+        "fallbacks": [{"step": step, "layer": name} for step, name in checker.fallback_layers()]
+        + [{"step": r.step + 1, "gemm": gemm} for r in checker.results for gemm in getattr(r, "fallback_gemms", [])],
         "checks": [r.to_dict() for r in checker.results],
     }
 
@@ -109,14 +119,23 @@ def write_plot(checker: CheckHistory, path: str) -> None:
     layers: list[str] = []
     for r in results:
         layers.extend(name for name in r.layer_sqnr_db if name not in layers)
-    sqnr = np.full((max(len(layers), 1), max(len(results), 1)), np.nan)
-    for j, r in enumerate(results):
-        for i, name in enumerate(layers):
-            value = r.layer_sqnr_db.get(name)
-            if value is not None:
-                sqnr[i, j] = min(value, 60.0)  # exact outputs (inf dB) drawn at the scale's top
-    fig, (ax_loss, ax_sqnr) = plt.subplots(2, 1, figsize=(9, 4 + 0.12 * len(layers)), sharex=False,
-                                           gridspec_kw={"height_ratios": [1, max(1.0, 0.04 * len(layers))]})
+    def grid(figure) -> "np.ndarray":  # [layers, checks]; figure(result, layer) -> dB or None
+        values = np.full((max(len(layers), 1), max(len(results), 1)), np.nan)
+        for j, r in enumerate(results):
+            for i, name in enumerate(layers):
+                value = figure(r, name)
+                if value is not None:
+                    values[i, j] = min(value, 60.0)  # exact outputs (inf dB) drawn at the scale's top
+        return values
+
+    sqnr = grid(lambda r, name: r.layer_sqnr_db.get(name))
+    gemm_names = ("fprop", "dgrad", "wgrad")
+    gemm_grids = [grid(lambda r, name, g=g: getattr(r, "gemm_sqnr_db", {}).get(name, {}).get(g)) for g in gemm_names]
+    fig = plt.figure(figsize=(9 + 3 * len(gemm_names), 4 + 0.12 * len(layers)), layout="constrained")
+    spec = fig.add_gridspec(2, 1 + len(gemm_names), height_ratios=[1, max(1.0, 0.04 * len(layers))])
+    ax_loss = fig.add_subplot(spec[0, :])
+    ax_sqnr = fig.add_subplot(spec[1, 0])
+    ax_gemms = [fig.add_subplot(spec[1, 1 + k], sharey=ax_sqnr) for k in range(len(gemm_names))]
     ax_loss.plot(steps, [r.loss_reference for r in results], "o-", label="reference (FP8 off)")
     ax_loss.plot(steps, [r.loss_fp8 for r in results], "s--", label="FP8")
     for r in results:
@@ -126,19 +145,24 @@ def write_plot(checker: CheckHistory, path: str) -> None:
     ax_loss.set_ylabel("replayed loss")
     ax_loss.legend()
     ax_loss.set_title("FP8 against reference (red lines: failed checks)")
-    image = ax_sqnr.imshow(sqnr, aspect="auto", interpolation="nearest", cmap="viridis",
-                           vmin=0.0, vmax=max(40.0, checker.config.min_sqnr_db + 10.0))
+    scale = {"aspect": "auto", "interpolation": "nearest", "cmap": "viridis", "vmin": 0.0,
+             "vmax": max(40.0, checker.config.min_sqnr_db + 10.0)}
+    image = ax_sqnr.imshow(sqnr, **scale)
     ax_sqnr.set_yticks(range(len(layers)))
     ax_sqnr.set_yticklabels(layers, fontsize=6)
-    ax_sqnr.set_xticks(range(len(steps)))
-    ax_sqnr.set_xticklabels([str(s) for s in steps], fontsize=6, rotation=90)
-    ax_sqnr.set_xlabel("check at optimizer step")
+    for ax, title, values in ((ax_sqnr, "layer output", sqnr), *zip(ax_gemms, gemm_names, gemm_grids)):
+        if ax is not ax_sqnr:
+            ax.imshow(values, **scale)
+            ax.tick_params(labelleft=False)
+        ax.set_title(title, fontsize=8)
+        ax.set_xticks(range(len(steps)))
+        ax.set_xticklabels([str(s) for s in steps], fontsize=6, rotation=90)
+        ax.set_xlabel("check at optimizer step")
     fallen = {name for _, name in checker.fallback_layers()}
     for i, name in enumerate(layers):
         if name in fallen:
             ax_sqnr.get_yticklabels()[i].set_color("tab:red")
-    fig.colorbar(image, ax=ax_sqnr, label=f"SQNR dB (min {checker.config.min_sqnr_db:g})")
-    fig.tight_layout()
+    fig.colorbar(image, ax=[ax_sqnr, *ax_gemms], label=f"SQNR dB (min {checker.config.min_sqnr_db:g})")
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
     plt.close(fig)
 

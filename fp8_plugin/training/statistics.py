@@ -12,6 +12,10 @@ sampled step), so every rank holds the same figures; loops log them on rank zero
 
 ``fp8_stats/<layer>/<role>/{amax, scale_min, scale_max, underflow_pct, saturation_pct, mse, sqnr_db}``
 
+MoE experts (:mod:`fp8_plugin.modules.experts`) report per projection
+(``<experts>.gate_up_proj``, ``<experts>.down_proj``): the casts of all their experts, each with
+its own scale, added up as micro-batches are (scale_min / scale_max span the experts).
+
 Off by default. Cost on a sampled step: one more cast of each tensor, outside the training
 numerics; nothing on the other steps. Definitions follow Transformer Engine's debug features
 (``LogFp8TensorStats``: underflows %, overflows %, scale_inv min/max, MSE).
@@ -125,9 +129,20 @@ class StatisticsCollector:
             return
         from ..modules.linear import FP8Linear  # the layer module imports this one's package peers
 
+        from ..modules.experts import FP8ExpertsMixin
+
         for name, layer in model.named_modules():
             if isinstance(layer, FP8Linear) and self.config.selects(name):
                 self._handles.append(layer.register_forward_hook(self._forward_hook(name)))
+            elif isinstance(layer, FP8ExpertsMixin) and self.config.selects(name):
+                # MoE experts: each expert's cast as training made it, added up per projection.
+                self._handles.append(layer.observe_casts(self._expert_observer(name)))
+
+    def _expert_observer(self, name: str):
+        def observe(proj: str, role: int, x: torch.Tensor, q: QuantizedTensor) -> None:
+            with torch.no_grad():
+                self._accumulate((f"{name}.{proj}", role), cast_statistics(x, q, q.data.dtype))
+        return observe
 
     def _forward_hook(self, name: str):
         def hook(layer, args, output):
@@ -154,8 +169,9 @@ class StatisticsCollector:
     def _add(self, name: str, role: int, x: torch.Tensor, recipe, state: ScalingState) -> None:
         # The cast training made: the same recipe and scales, recording nothing.
         q = make_quantizer(recipe, role, state, record=False, host=False).quantize(x)
-        figures = cast_statistics(x, q, q.data.dtype)
-        key = (name, role)
+        self._accumulate((name, role), cast_statistics(x, q, q.data.dtype))
+
+    def _accumulate(self, key: tuple[str, int], figures: torch.Tensor) -> None:
         if key not in self._sums:
             self._sums[key] = figures
             return

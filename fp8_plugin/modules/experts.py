@@ -1,0 +1,616 @@
+"""FP8 mixture-of-experts experts: the grouped GEMMs of transformers' experts modules in FP8.
+
+In transformers 5.x the experts of a MoE block (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3,
+GPT-OSS and every other model whose experts class is decorated with
+``@transformers.integrations.use_experts_implementation``) are one module with 3-D parameters:
+``gate_up_proj`` ``[E, 2I, H]`` (``up_proj`` ``[E, I, H]`` without a gate) and ``down_proj``
+``[E, H, I]``, or ``[E, H, 2I]`` / ``[E, I, H]`` where the decorator says ``is_transposed=True``
+(GPT-OSS), optionally with biases ``*_bias`` ``[E, out]``. Its forward is picked from
+transformers' ``ExpertsInterface`` by ``config._experts_implementation``.
+
+The seam: each experts module keeps its identity, its parameters and its hooks; its class
+becomes a subclass of its own class (``FP8<Name>``, built once per class) whose ``forward``
+runs the FP8 grouped GEMMs inside :func:`fp8_plugin.autocast` and calls the original
+forward (transformers' dispatch, whatever ``_experts_implementation`` says) otherwise. Not
+an ``"fp8"`` entry of ``ExpertsInterface`` selected through the config, because the config is
+one object shared by every experts module of the model (and written by ``save_pretrained``):
+per-module switches (``use_fp8``, include / exclude, the reference checks' fallback) need
+per-module behaviour, a saved ``config.json`` must not name an implementation that plain
+transformers lacks, and the user's choice of high-precision implementation must stay in force.
+The class change adds one submodule, ``fp8_scaling`` (FP8 scaling state only, no parameters):
+parameter names, shapes and ``save_pretrained`` output stay those of the model.
+
+Numerics (per experts module, for each of the two projections): the routed tokens are sorted
+by expert, and input, weight and grad_output are cast with one scale per expert per role, each
+expert's scaling state a :class:`~fp8_plugin.numerics.quantizers.ScalingState` of its own
+(``fp8_scaling.<proj>.<expert>.fp8_state``): delayed scaling keeps an amax history per expert
+per role, current scaling scales each expert's tokens by their own amax. Forward casts to the
+recipe's forward format (E4M3), gradients to its backward format (E5M2 under HYBRID); fprop,
+dgrad and wgrad are grouped FP8 GEMMs with FP32 accumulation
+(:mod:`fp8_plugin.numerics.grouped_gemm`); master weights stay in their dtype (FP32). Biases,
+the gate activation and the routing weights stay in high precision, as in transformers'
+``grouped_mm`` implementation, whose steps this forward follows.
+
+Block-scaled recipes (MXFP8, 128-blockwise) are refused for experts: their grouped casts and
+GEMMs are not implemented. Routers (``gate`` / ``router``) stay in high precision: routing
+decisions flip on small logit changes, and Transformer Engine and Megatron-LM keep them out of
+FP8 too. Expert parallelism (``_is_expert_parallel``) runs the experts in high precision, with
+a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._private.torch_api import in_backward_pass
+from ..numerics.device import recipe_name
+from ..numerics.device_kind import device_kind
+from ..numerics.formats import fp8_dtype, fp8_max
+from ..numerics.grouped_gemm import EXPERT_GEMMS, group_amax, grouped_gemm, grouped_gemm_wgrad, quantize_groups
+from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, ScalingState, mark_recorded, recipe_key
+from ..numerics.recipes import DelayedScaling, Float8CurrentScaling, Recipe
+from ..numerics.scaling import divide, quantize, scale_from_amax
+from .autocast import current_context, note_fp8_forward
+from .scaling_group import ScalingGroup
+
+__all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "ExpertsPlan", "plan_experts",
+           "is_experts_module", "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
+           "ROUTER_NAMES"]
+
+# Recipes whose per-expert casts and grouped GEMMs exist.
+EXPERT_RECIPES = (DelayedScaling, Float8CurrentScaling)
+# Names of the router submodules of a MoE block (transformers' naming).
+ROUTER_NAMES = ("gate", "router")
+ROUTER_REASON = "MoE router: high precision, its logits choose the experts (as Transformer Engine, Megatron-LM)"
+
+
+def expert_gemm_counts() -> dict[str, int]:
+    """Grouped FP8 expert GEMMs run in this process, by kind: ``{"fprop", "dgrad", "wgrad"}``.
+
+    A model whose experts silently ran in high precision leaves them unchanged: tests compare
+    them before and after a step."""
+    return {kind: EXPERT_GEMMS[kind] for kind in ("fprop", "dgrad", "wgrad")}
+
+
+def check_experts_recipe(recipe: Recipe, owner: str = "convert_model") -> None:
+    """Raise unless ``recipe`` has FP8 experts (per-tensor delayed or current scaling).
+
+    Raises:
+        ValueError: a block-scaled recipe (MXFP8, 128-blockwise), naming it and the valid ones;
+            a recipe whose ``override_linear_precision`` keeps GEMMs in high precision (the
+            experts' grouped GEMMs have no per-GEMM switch: they would run in FP8 regardless).
+    """
+    override = getattr(recipe, "override_linear_precision", None)
+    if override is not None and any(override):
+        raise ValueError(
+            f"{owner}: {recipe_name(recipe)}(override_linear_precision={tuple(override)}) cannot be applied to MoE "
+            "experts (their grouped GEMMs have no per-GEMM high-precision switch); valid for experts: no override. "
+            "Leave the experts in high precision with exclude=['experts'], or drop the override"
+        )
+    if not isinstance(recipe, EXPERT_RECIPES):
+        raise ValueError(
+            f"{owner}: recipe {recipe_name(recipe)} is not available for MoE experts (their grouped FP8 GEMMs are "
+            "per-expert scaled only); valid for experts: DelayedScaling, Float8CurrentScaling. To keep this "
+            "recipe for the linear layers, leave the experts in high precision with exclude=['experts']"
+        )
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module (``@use_experts_implementation``) whose
+    3-D weights this module knows: ``gate_up_proj`` (or ``up_proj``) and ``down_proj``."""
+    if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts", "config")):
+        return False
+    first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in (first, down))
+
+
+def _projections(module: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def _in_out(module: nn.Module, proj: str) -> tuple[int, int]:
+    # (in_features, out_features) of one expert's projection.
+    _, a, b = getattr(module, proj).shape
+    return (a, b) if module.is_transposed else (b, a)
+
+
+class FP8ExpertGEMM(nn.Module):
+    """The scaling state of one expert's projection: a member of the model's
+    :class:`~fp8_plugin.modules.scaling_group.ScalingGroup`, updated with the FP8 linear layers
+    in the step's single update (one amax reduction)."""
+
+    def __init__(self, recipe: Recipe, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.fp8_state = ScalingState(_history_len(recipe), device=device)
+        self.fp8_state.recipe = recipe_key(recipe)
+        ScalingGroup().add(self)
+
+
+def _history_len(recipe: Recipe) -> int:
+    return recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
+
+
+@dataclass(frozen=True)
+class _ForwardContext:
+    # How the last forward ran, for an activation-checkpoint recomputation (as FP8Linear keeps it).
+    recipe: Optional[Recipe]
+    training: bool
+    group_step: Optional[int]
+
+
+@dataclass(frozen=True)
+class _Info:
+    recipe: Recipe
+    record_forward: bool
+    record_backward: bool
+    transposed: bool
+    out_dtype: torch.dtype
+    observers: tuple = ()  # statistics: called with (role, high-precision rows, their cast) per expert
+
+
+def _observe(observers: tuple, role: int, x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor,
+             counts: list[int]) -> None:
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            for fn in observers:
+                fn(role, x[start:start + count], QuantizedTensor(data[start:start + count], scale_inv[e]))
+        start += count
+
+
+def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.Tensor, dtype: torch.dtype,
+            record: bool) -> torch.Tensor:
+    # One scale per expert: delayed (its history, or its own amax before it has one) or current.
+    with torch.no_grad():
+        one = torch.ones((), dtype=torch.float32, device=amax.device)
+        current = scale_from_amax(amax, fp8_max(dtype), recipe.margin, one)
+        if recipe.delayed():
+            initialized = torch.stack([s.initialized[role] for s in states])
+            scale = torch.where(initialized, torch.stack([s.scale[role] for s in states]), current)
+            if record:
+                for g, s in enumerate(states):
+                    s.record_amax(role, amax[g])
+        else:
+            scale = current
+            if record:
+                for g, s in enumerate(states):
+                    s.observe_current(role, amax[g], scale[g])
+    return scale
+
+
+class _FP8GroupedLinearFunction(torch.autograd.Function):
+    """``y[rows of e] = x_e @ W_e.T`` for the token rows ``x`` ``[S, K]`` sorted by expert;
+    ``weight`` ``[E, N, K]`` (``[E, K, N]`` when transposed). Saves the FP8 copies (1 byte per
+    value) for dgrad and wgrad, which cast grad_output per expert in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group_of_row: torch.Tensor, counts: list[int],
+                states: list[ScalingState], info: _Info, qw: torch.Tensor, sw_inv: torch.Tensor) -> torch.Tensor:
+        # qw [E, N, K] / sw_inv [E]: the weight's cast, made (or taken from the cache) before the call.
+        recipe, experts = info.recipe, qw.shape[0]
+        dtype = fp8_dtype(recipe.fp8_format, backward=False)
+        with torch.no_grad():
+            sx = _scales(recipe, INPUT, states, group_amax(x, group_of_row, experts), dtype, info.record_forward)
+            qx = quantize_groups(x, sx, group_of_row, dtype)
+            sx_inv = divide(1.0, sx)
+            out = grouped_gemm(qx, sx_inv, qw, sw_inv, counts, info.out_dtype, "fprop")
+            if info.observers and info.record_forward:
+                _observe(info.observers, INPUT, x, qx, sx_inv, counts)
+        ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row)
+        ctx.counts, ctx.states, ctx.info = counts, states, info
+        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        qx, sx_inv, qw, sw_inv, group_of_row = ctx.saved_tensors
+        info: _Info = ctx.info
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
+        dtype = fp8_dtype(info.recipe.fp8_format, backward=True)
+        experts = qw.shape[0]
+        sg = _scales(info.recipe, GRAD_OUTPUT, ctx.states, group_amax(grad_out, group_of_row, experts), dtype,
+                     info.record_backward)
+        qg = quantize_groups(grad_out, sg, group_of_row, dtype)
+        sg_inv = divide(1.0, sg)
+        if info.observers and info.record_backward:
+            _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, ctx.counts)
+        if need_x:  # dgrad: g_e [m, N] @ W_e [N, K]
+            grad_x = grouped_gemm(qg, sg_inv, qw.transpose(1, 2).contiguous(), sw_inv, ctx.counts, ctx.x_dtype,
+                                  "dgrad")
+        if need_w:  # wgrad: g_e.T [N, m] @ x_e [m, K]
+            grad_w = grouped_gemm_wgrad(qg, sg_inv, qx, sx_inv, ctx.counts, torch.float32)
+            if info.transposed:
+                grad_w = grad_w.transpose(1, 2)
+            grad_w = grad_w.to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def cast_expert_weights(weight: torch.Tensor, states: list[ScalingState], recipe: Recipe, record: bool,
+                        transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 cast of a stack of expert weights, one scale per expert.
+
+    Args:
+        weight: ``[E, N, K]`` (``[E, K, N]`` with ``transposed``), any floating dtype.
+        states, recipe: as in :func:`fp8_grouped_linear`.
+        record: record each expert's weight amax (a training cast).
+
+    Returns:
+        ``(data, scale_inv)``: ``[E, N, K]`` FP8 in the recipe's forward format (contiguous) and
+        float32 ``[E]``.
+    """
+    dtype = fp8_dtype(recipe.fp8_format, backward=False)
+    with torch.no_grad():
+        w = weight.detach().transpose(1, 2) if transposed else weight.detach()
+        experts = w.shape[0]
+        amax = w.abs().amax(dim=(1, 2)).to(torch.float32) if w.numel() else w.new_zeros(experts, dtype=torch.float32)
+        sw = _scales(recipe, WEIGHT, states, amax, dtype, record)
+        return quantize(w, sw.view(-1, 1, 1), dtype).contiguous(), divide(1.0, sw)
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor, counts: list[int],
+                       states: list[ScalingState], recipe: Recipe, *, transposed: bool = False,
+                       record_forward: bool = True, record_backward: bool = True,
+                       out_dtype: Optional[torch.dtype] = None, observers: tuple = (),
+                       weight_cast: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``y[rows of e] = x_e @ W_e.T`` with FP8 grouped GEMMs (fprop; dgrad and wgrad in backward).
+
+    Args:
+        x: ``[S, K]`` token rows sorted by expert, any floating dtype (differentiable).
+        weight: ``[E, N, K]``, or ``[E, K, N]`` with ``transposed`` (differentiable).
+        expert_of_row: int64 ``[S]``, the expert of each row (non-decreasing).
+        counts: E host-side ints, the rows of each expert (zeros allowed), summing to S.
+        states: E :class:`~fp8_plugin.numerics.quantizers.ScalingState`, one per expert, each
+            with the rows input, weight, grad_output.
+        recipe: :class:`~fp8_plugin.numerics.recipes.DelayedScaling` or
+            :class:`~fp8_plugin.numerics.recipes.Float8CurrentScaling`: one scale per expert per
+            role, from its amax history or from the tensor being cast (TE's formula
+            ``fp8_max / amax / 2**margin``). E4M3 forward; the backward format for gradients.
+        record_forward, record_backward: record the amaxes of input and weight / of grad_output
+            (training casts).
+        out_dtype: the output dtype; None means ``x``'s.
+        observers: callables ``(role, rows, cast)`` given each expert's high-precision rows
+            ``[m, K]`` (weight: ``[N, K]``) and their :class:`QuantizedTensor` at every
+            recording cast (per-layer statistics).
+        weight_cast: the weight's cast from :func:`cast_expert_weights` under this recipe and
+            these scales (a cache's); None casts it here.
+
+    Returns:
+        ``[S, N]`` in ``out_dtype``. The gradients: ``x`` in its dtype, ``weight`` in its dtype
+        (zeros for experts without rows), from FP8 GEMMs with FP32 accumulation.
+
+    Raises:
+        ValueError: a block-scaled recipe, or ``counts`` that do not fit the shapes.
+    """
+    check_experts_recipe(recipe, "fp8_grouped_linear")
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    info = _Info(recipe, record_forward, record_backward and grad, transposed, out_dtype or x.dtype, tuple(observers))
+    if weight_cast is None:
+        weight_cast = cast_expert_weights(weight, states, recipe, record_forward, transposed)
+    qw, sw_inv = weight_cast
+    if info.observers and record_forward:
+        w = weight.detach().transpose(1, 2) if transposed else weight.detach()
+        for e in range(qw.shape[0]):
+            _observe(info.observers, WEIGHT, w[e], qw[e], sw_inv[e:e + 1], [w.shape[1]])
+    out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, list(counts), states, info, qw, sw_inv)
+    for state in states:
+        if record_forward:
+            mark_recorded(state, recipe, INPUT)
+            mark_recorded(state, recipe, WEIGHT)
+        if info.record_backward:
+            mark_recorded(state, recipe, GRAD_OUTPUT)
+    return out
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = device_kind(x.device)
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+_warned_expert_parallel = False
+
+
+class FP8ExpertsMixin:
+    """What a converted experts module adds to its own class (``FP8<ExpertsClass>``).
+
+    Attributes:
+        recipe: the experts' recipe when the autocast gives none.
+        fp8_scaling: ``ModuleDict`` ``{projection: ModuleList of E FP8ExpertGEMM}``, the
+            scaling state of each expert's projection (``gate_up_proj`` or ``up_proj``, then
+            ``down_proj``).
+        use_fp8: False runs the experts in high precision even inside the autocast (saved with
+            the scaling state, as ``FP8Linear.use_fp8``).
+        cache_fp8_weights: keep each projection's FP8 weight cast while the weights, scales and
+            recipe are unchanged (default True), as ``FP8Linear`` does; :meth:`clear_weight_cache`
+            drops them.
+
+    Forward: ``(hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k]) -> [T, H]``
+    in ``hidden_states``' dtype, as the experts module's own. Outside the autocast, with
+    ``use_fp8 = False``, or inside a high-precision replay, it is the original forward.
+    """
+
+    def __reduce_ex__(self, protocol: int):
+        # The FP8 class is made at run time and cannot be pickled by name: pickle its base class.
+        return _new_fp8_experts, (type(self)._fp8_base,), self.__dict__
+
+    @property
+    def use_fp8(self) -> bool:
+        return all(m.fp8_state.use_fp8 for m in self._fp8_members())
+
+    @use_fp8.setter
+    def use_fp8(self, value: bool) -> None:
+        for m in self._fp8_members():
+            m.fp8_state.use_fp8 = bool(value)
+
+    @property
+    def scaling_group(self) -> ScalingGroup:
+        return self._fp8_members()[0].scaling_group
+
+    def _fp8_members(self) -> list[FP8ExpertGEMM]:
+        return [m for proj in self.fp8_scaling.values() for m in proj]
+
+    def _fp8_setup(self, recipe: Recipe) -> None:
+        device = getattr(self, _projections(self)[0]).device
+        self.recipe = recipe
+        self.fp8_scaling = nn.ModuleDict({
+            proj: nn.ModuleList([FP8ExpertGEMM(recipe, device) for _ in range(self.num_experts)])
+            for proj in _projections(self)
+        })
+        group = ScalingGroup()  # one update for all its experts; convert_model joins it to the model's
+        for member in self._fp8_members():
+            group.add(member)
+        self._forward_context: Optional[_ForwardContext] = None
+        self._fp8_observers: OrderedDict[int, Callable] = OrderedDict()  # weakly referenced by the handles
+        self.cache_fp8_weights = True
+        self._fp8_weight_cache: dict[str, tuple[tuple, bool, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def clear_weight_cache(self) -> None:
+        """Drop the cached FP8 casts of the expert weights (rebuilt at the next FP8 forward);
+        training loops call it before each optimizer step, as for ``FP8Linear``."""
+        self._fp8_weight_cache = {}
+
+    def _weight_cast(self, proj: str, weight: torch.Tensor, states: list[ScalingState], recipe: Recipe,
+                     record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # As FP8Linear's weight cache: the micro-batches of gradient accumulation and evaluation
+        # batches cast each expert stack once, with identical numerics. The key holds all a cast
+        # depends on: the weight (object, in-place version, storage), the recipe, under delayed
+        # scaling every expert's scale (object and version), inference mode, and for a recording
+        # cast the training step whose amax slot it filled.
+        transposed = bool(self.is_transposed)
+        if not self.cache_fp8_weights or torch.compiler.is_compiling():
+            return cast_expert_weights(weight, states, recipe, record, transposed)
+        scales = tuple(t for st in states for t in (st.scale, st.scale._version, st.initialized,
+                                                       st.initialized._version)) if recipe.delayed() else ()
+        step = self.scaling_group.step if record else None
+        key = (weight, weight._version, weight.data_ptr(), weight.device, recipe, *scales,
+               torch.is_inference_mode_enabled(), step)
+        cached = self._fp8_weight_cache.get(proj)
+        if cached is not None and (cached[1] or not record) and _same_key(cached[0], key, record):
+            return cached[2]
+        self._fp8_weight_cache.pop(proj, None)  # free the stale cast before making a new one
+        cast = cast_expert_weights(weight, states, recipe, record, transposed)
+        self._fp8_weight_cache[proj] = (key, record, cast)
+        return cast
+
+    def observe_casts(self, fn: Callable[[str, int, torch.Tensor, QuantizedTensor], None]) -> RemovableHandle:
+        """Call ``fn(projection, role, rows, cast)`` for each expert at every recording FP8 cast
+        (training forwards and their backward): ``rows`` the high-precision tensor (an expert's
+        tokens ``[m, K]``, or its weight ``[N, K]``), ``cast`` its :class:`QuantizedTensor`.
+        Per-layer statistics use it. Returns a handle whose ``remove()`` stops the calls."""
+        handle = RemovableHandle(self._fp8_observers)
+        self._fp8_observers[handle.id] = fn
+        return handle
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+        original = super().forward  # transformers' dispatch on config._experts_implementation
+        if args or kwargs:
+            return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        saved = self._forward_context
+        if torch.is_grad_enabled() and in_backward_pass() and saved is not None:
+            # An activation-checkpoint recomputation: as the original forward ran, recording nothing twice.
+            if saved.recipe is None:
+                return original(hidden_states, top_k_index, top_k_weights)
+            if self.scaling_group.step != saved.group_step:
+                raise RuntimeError(
+                    "FP8 experts: an activation-checkpoint recomputation ran after the FP8 scales were updated by "
+                    "a later training step; run each step's backward before the next step's forward")
+            return self._fp8_experts_forward(hidden_states, top_k_index, top_k_weights, saved.recipe, False,
+                                             saved.training)
+        context = current_context()
+        recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
+        if recipe is not None and getattr(self, "_is_expert_parallel", False):
+            _warn_expert_parallel()
+            recipe = None
+        if recipe is None:
+            self._forward_context = _ForwardContext(None, context.training, None)
+            return original(hidden_states, top_k_index, top_k_weights)
+        check_experts_recipe(recipe, "FP8 experts")
+        note_fp8_forward()
+        group = self.scaling_group
+        if context.training and group.step != context.step:
+            # First FP8 forward of a training step: last step's amaxes become scales (FP8Linear does the same).
+            group.step = context.step
+            group.update(context.reduce_amax, context.recipe)
+        self._forward_context = _ForwardContext(recipe, context.training, group.step)
+        return self._fp8_experts_forward(hidden_states, top_k_index, top_k_weights, recipe, context.training,
+                                         context.training)
+
+    def _fp8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor, recipe: Recipe, record_forward: bool,
+                             record_backward: bool) -> torch.Tensor:
+        # transformers' grouped_mm_experts_forward, step for step, with FP8 grouped GEMMs.
+        num_experts, num_top_k = self.num_experts, top_k_index.size(-1)
+        num_tokens, hidden_dim = hidden_states.shape
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        expert_ids_g, perm = torch.sort(expert_ids, stable=True)
+        x = hidden_states[perm // num_top_k]
+        # Rows per expert from the sorted ids (deterministic on every device, unlike bincount on
+        # CUDA), read on the host once: the per-expert GEMMs and the grouped kernel's padding need them.
+        bounds = torch.searchsorted(expert_ids_g, torch.arange(num_experts + 1, device=expert_ids_g.device)).tolist()
+        if bounds[0] != 0 or bounds[-1] != expert_ids.numel():  # ids below 0 or from num_experts on
+            raise ValueError(f"FP8 experts: top_k_index holds expert ids outside 0..{num_experts - 1} "
+                             f"({num_experts} experts)")
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        out_dtype = _output_dtype(hidden_states)
+        first, second = _projections(self)
+        h = self._fp8_projection(first, x, expert_ids_g, counts, recipe, record_forward, record_backward, out_dtype)
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        y = self._fp8_projection(second, h, expert_ids_g, counts, recipe, record_forward, record_backward, out_dtype)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        y = y * sample_weights[perm].unsqueeze(-1)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+        y = y[inv_perm]
+        return y.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def _fp8_projection(self, proj: str, x: torch.Tensor, expert_ids_g: torch.Tensor, counts: list[int],
+                        recipe: Recipe, record_forward: bool, record_backward: bool,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        weight = getattr(self, proj)
+        states = [m.fp8_state for m in self.fp8_scaling[proj]]
+        for state in states:  # host-side bookkeeping, as FP8Linear does before its casts
+            if isinstance(recipe, DelayedScaling):
+                state.resize_history(recipe.amax_history_len)
+            if state.device != x.device:
+                state.follow(x.device)
+            state.use_recipe(recipe)
+        observers = tuple(functools.partial(fn, proj) for fn in self._fp8_observers.values())
+        weight_cast = self._weight_cast(proj, weight, states, recipe, record_forward)
+        out = fp8_grouped_linear(x, weight, expert_ids_g, counts, states, recipe, transposed=bool(self.is_transposed),
+                                 record_forward=record_forward, record_backward=record_backward, out_dtype=out_dtype,
+                                 observers=observers, weight_cast=weight_cast)
+        if self.has_bias:
+            bias = getattr(self, f"{proj}_bias")
+            out = out + bias[expert_ids_g].to(out.dtype)
+        return out
+
+
+def _same_key(a: tuple, b: tuple, record: bool) -> bool:
+    # Tensors compare by identity, the rest by value; the step only matters to a recording cast.
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a[:-1], b[:-1]):
+        if x is not y and (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y):
+            return False
+    return not record or a[-1] == b[-1]
+
+
+def _warn_expert_parallel() -> None:
+    global _warned_expert_parallel
+    if not _warned_expert_parallel:
+        _warned_expert_parallel = True
+        warnings.warn("FP8 experts: expert parallelism is not supported; experts sharded across ranks run in "
+                      "high precision", stacklevel=3)
+
+
+_fp8_classes: dict[type, type] = {}
+
+
+def _fp8_class(cls: type) -> type:
+    # One FP8 subclass per experts class, named after it; the original stays in the MRO, so
+    # isinstance checks and transformers' own dispatch keep working.
+    if cls not in _fp8_classes:
+        _fp8_classes[cls] = type(f"FP8{cls.__name__}", (FP8ExpertsMixin, cls),
+                                 {"__module__": __name__, "__qualname__": f"FP8{cls.__qualname__}", "_fp8_base": cls})
+    return _fp8_classes[cls]
+
+
+def _new_fp8_experts(base: type) -> nn.Module:
+    # Unpickling (torch.save of a whole model) and deepcopy: the class is rebuilt from its base.
+    cls = _fp8_class(base)
+    return cls.__new__(cls)
+
+
+def convert_experts(module: nn.Module, recipe: Recipe) -> nn.Module:
+    """Make ``module`` (an experts module, :func:`is_experts_module`) run its GEMMs in FP8, in
+    place: same object, parameters and hooks; returns it."""
+    module.__class__ = _fp8_class(type(module))
+    module._fp8_setup(recipe)
+    return module
+
+
+@dataclass
+class ExpertsPlan:
+    """What ``convert_model`` will do with a model's experts and routers.
+
+    Attributes:
+        decisions: ``(name, kind, in_features, out_features, swapped, reason)`` per expert
+            projection (named ``<experts>.gate_up_proj`` ...; features of one expert) and per
+            router that is not an ``nn.Linear`` (those are judged with the linear layers).
+        routers: ``id(router) -> reason`` for routers that are ``nn.Linear`` candidates.
+    """
+
+    decisions: list[tuple[str, str, int, int, bool, str]] = field(default_factory=list)
+    routers: dict[int, str] = field(default_factory=dict)
+    todo: list[nn.Module] = field(default_factory=list)
+    recipe: Optional[Recipe] = None
+
+    def router_reason(self, module: nn.Module) -> str:
+        return self.routers.get(id(module), "")
+
+    def apply(self) -> None:
+        """Convert the planned experts modules."""
+        for module in self.todo:
+            convert_experts(module, self.recipe)
+
+
+def plan_experts(model: nn.Module, recipe: Optional[Recipe], pattern_reason: Callable[[str], str],
+                 linear_types: tuple[type, ...] = (nn.Linear,)) -> ExpertsPlan:
+    """Find the experts modules and routers of ``model`` and decide what becomes FP8.
+
+    Args:
+        model: any module; transformers MoE models have experts modules.
+        recipe: the conversion's recipe (None: ``DelayedScaling()``).
+        pattern_reason: ``name -> reason`` from include / exclude patterns ("" to convert).
+        linear_types: layer types ``convert_model`` judges itself (routers of these types are
+            reported by it, with :attr:`ExpertsPlan.routers`).
+
+    Raises:
+        ValueError: experts would be converted under a recipe they do not support
+            (:func:`check_experts_recipe`); nothing has been changed then.
+    """
+    plan = ExpertsPlan(recipe=recipe if recipe is not None else DelayedScaling())
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        kind = type(module).__name__
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        for child_name, child in parent.named_children():
+            if child_name in ROUTER_NAMES and child is not module:
+                if isinstance(child, linear_types):
+                    plan.routers[id(child)] = ROUTER_REASON
+                else:
+                    prefix = f"{name.rpartition('.')[0]}." if "." in name else ""
+                    w = getattr(child, "weight", None)
+                    out_f, in_f = (w.shape[0], w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() == 2 else (0, 0)
+                    plan.decisions.append((f"{prefix}{child_name}", type(child).__name__, in_f, out_f, False,
+                                           ROUTER_REASON))
+        already = isinstance(module, FP8ExpertsMixin)
+        at = f"{name}." if name else ""
+        reasons = [pattern_reason(f"{at}{proj}") for proj in _projections(module)]
+        # Both projections of an experts module share one forward: they convert together.
+        reason = "" if already else next((r for r in reasons if r), "")
+        for proj in _projections(module):
+            in_f, out_f = _in_out(module, proj)
+            why = "already FP8" if already else reason
+            plan.decisions.append((f"{at}{proj}", kind, in_f, out_f, already or not reason, why))
+        if not already and not reason:
+            plan.todo.append(module)
+    if plan.todo:
+        check_experts_recipe(plan.recipe)
+    return plan

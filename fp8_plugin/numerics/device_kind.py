@@ -1,0 +1,79 @@
+"""Which kind of device a tensor's device behaves as: the one place the FP8 code asks.
+
+Every decision that differs between a CUDA GPU and the CPU (the GEMM path and its alignment
+padding, the autocast device, the device RNG a reference check saves) asks :func:`device_kind`
+instead of reading ``device.type``, and reads the GPU's compute capability from
+:func:`cuda_capability`.
+
+:func:`meta_as_cuda` makes tensors on the ``meta`` device answer as a CUDA GPU of a chosen
+compute capability. Meta tensors carry shapes, strides and dtypes but no data, and torch's meta
+kernels of the scaled GEMMs (``torch._scaled_mm``, ``torch.nn.functional.scaled_mm``) check
+CUDA's rules for them (``torch._meta_registrations.device_hint`` is "cuda" for meta tensors):
+the second operand column-major, dims multiples of 16, the block-scale tensors' padded and
+swizzled shapes. So the CUDA code paths run end to end, layouts and all, on a machine without a
+GPU (the CUDA contract suite, ``tests/cuda_contract``); a read of a value on the host raises
+there, as a host sync would stall a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Union
+
+import torch
+
+__all__ = ["device_kind", "cuda_capability", "meta_as_cuda"]
+
+# The compute capability meta tensors present while meta_as_cuda is active (None: they are meta).
+_meta_capability: Optional[tuple[int, int]] = None
+
+
+def device_kind(device: Union[str, torch.device]) -> str:
+    """The kind of device ``device`` behaves as: ``"cuda"``, ``"cpu"``, or another device type.
+
+    The device's own type, except ``"meta"`` inside :func:`meta_as_cuda`, which is ``"cuda"``.
+    It is also the device type to give ``torch.autocast`` for tensors on ``device``.
+    """
+    if isinstance(device, str):
+        device = torch.device(device)
+    if device.type == "meta" and _meta_capability is not None:
+        return "cuda"
+    return device.type
+
+
+def cuda_capability(device: Union[str, torch.device]) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of a device :func:`device_kind` calls ``"cuda"``
+    (``torch.cuda.get_device_capability``; the presented one for meta in :func:`meta_as_cuda`)."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    if device.type == "meta" and _meta_capability is not None:
+        return _meta_capability
+    return torch.cuda.get_device_capability(device)
+
+
+@contextlib.contextmanager
+def meta_as_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Inside the context, ``meta`` devices behave as a CUDA GPU of compute ``capability``.
+
+    For tests of the CUDA code paths without a GPU. What torch itself does is unchanged: torch's
+    own ``torch.cuda`` functions still see no GPU (the contract suite's fixture names the few the
+    project calls), and ``torch.autocast("cuda")`` stays disabled without CUDA. Decisions cached
+    per device (:func:`fp8_plugin.numerics.gemm.native_gemm`) must be cleared around it.
+
+    Args:
+        capability: ``(major, minor)``, e.g. ``(8, 9)`` Ada, ``(9, 0)`` Hopper, ``(10, 0)`` and
+            ``(12, 0)`` Blackwell.
+
+    Raises:
+        ValueError: ``capability`` is not a pair of non-negative ints.
+    """
+    global _meta_capability
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(v, int) and v >= 0 for v in capability)):
+        raise ValueError(f"meta_as_cuda(capability={capability!r}) is not a compute capability; valid: "
+                         "a (major, minor) pair of non-negative ints, e.g. (9, 0)")
+    previous, _meta_capability = _meta_capability, capability
+    try:
+        yield
+    finally:
+        _meta_capability = previous

@@ -1,0 +1,180 @@
+"""The CUDA contract fixture: tensors on the ``meta`` device, treated by the project as a CUDA GPU.
+
+``cuda`` (parametrize it indirectly with a compute capability, e.g. ``(9, 0)``; default sm90)
+holds, for the length of one test:
+
+- :func:`fp8_plugin.numerics.device_kind.meta_as_cuda`: the project's own seam; every decision
+  the project makes between its CUDA and CPU paths asks it, and the GPU's compute capability is
+  read from it;
+- ``force_path("native")``: the native kernels, without the block kinds' probe GEMM (it reads its
+  result on the host, which a meta tensor cannot give); the per-device caches of
+  ``fp8_plugin.numerics.gemm`` are cleared before and after, as the presented GPU changes;
+- a dispatch mode that records every aten op: the scaled GEMMs (``_scaled_mm``,
+  ``_scaled_mm_v2``, ``_scaled_grouped_mm``) with their operands' shapes and strides, float32
+  ``mm`` (the emulation's GEMM), reads of a value on the host (``_local_scalar_dense``, copies
+  to the CPU: a host sync on a GPU, and an error on meta tensors anyway), copies of CPU tensors
+  to the device (a blocking host-to-device copy waits for the GPU's queue: a sync too; one made
+  by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen), CPU
+  tensors mixed into ops on meta tensors, and the rules of torch's CUDA ``_scaled_mm``
+  (``aten/src/ATen/native/cuda/Blas.cpp``) that its meta kernel leaves out: every tensor on the
+  GPU (a CPU scale passes the meta kernel), no bias with a float32 output, a bias of the output
+  dtype (BF16 or FP16), no E5M2 x E5M2.
+
+The ``torch.cuda`` calls the project makes, and what this fixture does with each:
+
+- ``torch.cuda.get_device_capability`` (numerics/gemm.py, numerics/grouped_gemm.py,
+  numerics/device.py): not patched; the project reads it through ``device_kind.cuda_capability``,
+  which presents the chosen one.
+- ``torch.cuda.get_rng_state`` / ``torch.cuda.set_rng_state`` (training/reference_check.py, and
+  ``torch.random.fork_rng``, which the reference check calls with the device): **patched**. A CPU
+  build has no CUDA generator; the stand-ins keep one generator state (a uint8 tensor, as
+  torch's) per device and check that the device they are given is the meta device.
+- ``torch.cuda.synchronize`` (numerics/gemm.py ``tensorwise_choice``, timing on CPU only):
+  **patched** to raise; nothing in a training step may wait for the GPU.
+- ``torch.cuda.current_device`` (``gemm.normalize_device``, which pins a bare ``"cuda"`` to the
+  current device's index): **patched** to answer 0, for the one test of that line; the meta
+  device itself is never the bare ``"cuda"``.
+- ``torch.cuda.is_available``, ``device_count``, ``get_device_name`` (default devices of the
+  precision plugins, ``describe_device``, the command line): not patched; the tests pass the
+  device explicitly and do not describe it.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp8_plugin.numerics import gemm
+from fp8_plugin.numerics.device_kind import meta_as_cuda
+
+META = torch.device("meta")
+SCALED_GEMMS = ("aten._scaled_mm.default", "aten._scaled_mm_v2.default", "aten._scaled_grouped_mm.default",
+                "aten._scaled_grouped_mm_v2.default")
+_HOST_READS = ("aten._local_scalar_dense.default",)
+
+
+@dataclass
+class Contract:
+    """What one contract test ran: the presented GPU and the aten ops seen."""
+
+    capability: tuple[int, int]
+    device: torch.device = META
+    ops: collections.Counter = field(default_factory=collections.Counter)
+    host_reads: list[str] = field(default_factory=list)
+    to_device_copies: list[str] = field(default_factory=list)
+    mixed_devices: list[str] = field(default_factory=list)
+    float32_mm: int = 0
+    rng_states: dict = field(default_factory=dict)
+    # (op, [(shape, stride, dtype) of each tensor operand]) of each scaled GEMM call.
+    gemms: list = field(default_factory=list)
+    # Broken rules of the CUDA kernels that the meta kernels do not check.
+    kernel_violations: list[str] = field(default_factory=list)
+
+    def scaled_gemms(self) -> int:
+        """Calls of torch's scaled GEMM kernels (tensorwise, block-scaled, grouped)."""
+        return sum(self.ops[name] for name in SCALED_GEMMS)
+
+    def reset(self) -> None:
+        self.ops.clear()
+        self.host_reads.clear()
+        self.to_device_copies.clear()
+        self.mixed_devices.clear()
+        self.float32_mm = 0
+        self.gemms.clear()
+        self.kernel_violations.clear()
+
+    def clean(self) -> None:
+        """Assert no host read, no CPU tensor mixed in, no broken kernel rule so far."""
+        assert not self.host_reads, self.host_reads
+        assert not self.to_device_copies, self.to_device_copies
+        assert not self.mixed_devices, self.mixed_devices
+        assert not self.kernel_violations, self.kernel_violations
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, contract: Contract) -> None:
+        super().__init__()
+        self.contract = contract
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        c = self.contract
+        c.ops[name] += 1
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        if name in _HOST_READS or (name == "aten._to_copy.default" and "meta" in devices
+                                   and torch.device(kwargs.get("device") or META).type == "cpu"):
+            c.host_reads.append(name)
+        if name == "aten._to_copy.default" and devices == {"cpu"} and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == "meta":
+            c.to_device_copies.append(f"{name}: {[tuple(t.shape) for t in tensors]}")
+        if "meta" in devices and "cpu" in devices:
+            c.mixed_devices.append(f"{name}: {[(t.device.type, tuple(t.shape)) for t in tensors]}")
+        if name in ("aten.mm.default", "aten.addmm.default") and any(t.dtype == torch.float32 for t in tensors):
+            c.float32_mm += 1
+        if name in SCALED_GEMMS:
+            c.gemms.append((name, [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]))
+            c.kernel_violations += _cuda_rules(name, tensors, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _cuda_rules(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> list[str]:
+    # Checks of torch's CUDA scaled GEMMs (aten/src/ATen/native/cuda/Blas.cpp) that the meta
+    # kernels leave out.
+    broken = [f"{name}: a tensor on {t.device} (all must be on the GPU)" for t in tensors if t.device.type != "meta"]
+    if name != "aten._scaled_mm.default":
+        return broken
+    mat1, mat2 = args[0], args[1]
+    bias = kwargs.get("bias", args[4] if len(args) > 4 else None)
+    out_dtype = kwargs.get("out_dtype", args[6] if len(args) > 6 else None) or mat1.dtype
+    if mat1.dtype == mat2.dtype == torch.float8_e5m2:
+        broken.append("Multiplication of two Float8_e5m2 matrices is not supported")
+    if bias is not None:
+        if out_dtype == torch.float32:
+            broken.append("Bias is not supported when out_dtype is set to Float32")
+        elif bias.dtype != out_dtype:
+            broken.append(f"Bias must be {out_dtype} to compute {out_dtype} output, but got {bias.dtype}")
+    return broken
+
+
+def _rng_stand_ins(contract: Contract):
+    def get_rng_state(device="cuda"):
+        device = torch.device(device)
+        assert device == META, f"torch.cuda.get_rng_state got {device}, expected the meta device treated as CUDA"
+        return contract.rng_states.setdefault(str(device), torch.Generator().manual_seed(1234).get_state()).clone()
+
+    def set_rng_state(new_state, device="cuda"):
+        device = torch.device(device)
+        assert device == META, f"torch.cuda.set_rng_state got {device}, expected the meta device treated as CUDA"
+        assert new_state.dtype == torch.uint8 and new_state.device.type == "cpu", new_state
+        contract.rng_states[str(device)] = new_state.clone()
+
+    return get_rng_state, set_rng_state
+
+
+def _no_synchronize(device=None):
+    raise AssertionError(f"torch.cuda.synchronize({device}) called: a host sync")
+
+
+@pytest.fixture
+def cuda(request, monkeypatch):
+    """Meta tensors as a CUDA GPU of compute capability ``request.param`` (default (9, 0))."""
+    capability = getattr(request, "param", (9, 0))
+    contract = Contract(capability)
+    get_rng_state, set_rng_state = _rng_stand_ins(contract)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda, "synchronize", _no_synchronize)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    gemm._native_gemm.cache_clear()
+    try:
+        with meta_as_cuda(capability), gemm.force_path("native"), _Recorder(contract):
+            yield contract
+    finally:
+        gemm._native_gemm.cache_clear()
