@@ -378,9 +378,17 @@ def convert_model(
     for path, module in model.named_modules(remove_duplicate=False):
         by_name[path] = module
         paths.setdefault(id(module), []).append(path)
+
+    def pattern_reason(name: str) -> str:
+        # The include / exclude patterns' verdict on a module ("" where they leave it to the rules).
+        if include_p is not None and not _matches(name, include_p):
+            return "not matched by include"
+        if exclude_p is not None and _matches(name, exclude_p):
+            return "matched by exclude"
+        return ""
+
     # MoE experts (3-D weights, fp8_plugin.modules.experts) convert in place; routers stay high precision.
-    experts = plan_experts(model, recipe, lambda n: "not matched by include" if include_p is not None and not _matches(
-        n, include_p) else "matched by exclude" if exclude_p is not None and _matches(n, exclude_p) else "")
+    experts = plan_experts(model, recipe, pattern_reason)
     for name, module in list(model.named_modules()):
         if isinstance(module, chosen.fp8_types):
             report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
@@ -392,14 +400,9 @@ def convert_model(
         in_f, out_f = (module.weight.shape[0], module.nf) if conv else (module.in_features, module.out_features)
         kind = type(module).__name__
         explicit = include_p is not None and _matches(name, include_p)
-        unsafe = _unsafe_reason(module, paths[id(module)], by_name, allow_subclasses)
-        if unsafe:  # not even an explicit include swaps these: the model would compute otherwise
-            reason = unsafe
-        elif include_p is not None and not explicit:
-            reason = "not matched by include"
-        elif exclude_p is not None and _matches(name, exclude_p):
-            reason = "matched by exclude"
-        else:
+        # Unsafe layers first: not even an explicit include swaps them (the model would compute otherwise).
+        reason = _unsafe_reason(module, paths[id(module)], by_name, allow_subclasses) or pattern_reason(name)
+        if not reason:
             reason = ("" if explicit else experts.router_reason(module)) or _skip_reason(
                 name, module, in_f, out_f, heads, tied, explicit)
             if not reason and not explicit and too_small is not None and too_small(in_f, out_f):
