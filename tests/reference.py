@@ -165,3 +165,13 @@ def accumulator_scaled_mm(a, b, out_dtype: torch.dtype, bias=None) -> torch.Tens
     if bias is not None:
         out = out + bias.to(out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32).float()
     return out.to(out_dtype)
+
+
+def assert_state_dicts_equal(expected: dict, got: dict) -> None:
+    """Every entry of ``expected`` equals ``got``'s bit for bit: tensors, and the tensors of
+    extra-state dicts (the FP8 scaling state); the failing key is named."""
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert all(torch.equal(value[k], got[key][k]) for k in value), key
+        else:
+            assert torch.equal(value, got[key]), key

@@ -29,6 +29,8 @@ from fp8_plugin.numerics.recipes import (  # noqa: E402
 transformers = pytest.importorskip("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
+from reference import assert_state_dicts_equal  # noqa: E402
+
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -568,11 +570,7 @@ def test_lightning_run_of_a_moe_resumes_bit_for_bit(tmp_path):
     resumed_losses, resumed = fit(ckpt_path=tmp_path / "epoch=0.ckpt")
     assert resumed_losses == full_losses[2:]
     assert any(".experts.fp8_scaling." in k for k in full)
-    for key, value in full.items():
-        if isinstance(value, dict):
-            assert all(torch.equal(value[k], resumed[key][k]) for k in value), key
-        else:
-            assert torch.equal(value, resumed[key]), key
+    assert_state_dicts_equal(full, resumed)
 
 
 def test_native_grouped_path_pads_groups_and_spreads_scales_as_the_kernel_expects(monkeypatch):
@@ -693,8 +691,4 @@ def test_gradient_accumulation_casts_each_expert_stack_once_per_step_bit_for_bit
         # 2 layers x 2 projections: once per optimizer step with the cache, per micro-batch without.
         assert len(casts) == (2 * 4 if cache else 2 * 2 * 4)
         results.append({**model.state_dict()})
-    for key, value in results[0].items():
-        if isinstance(value, dict):
-            assert all(torch.equal(value[k], results[1][key][k]) for k in value), key
-        else:
-            assert torch.equal(value, results[1][key]), key
+    assert_state_dicts_equal(results[0], results[1])

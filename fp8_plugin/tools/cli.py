@@ -511,7 +511,7 @@ def devices(
 @app.command(help=(
     "Convert a checkpoint under a recipe and write it as a Hugging Face checkpoint.\n\n"
     "The model is converted on the CPU with convert_model (--recipe, --include, --exclude and --skip-small "
-    "choose its FP8 layers, as in inspect) and written by fp8_plugin.tools.export.export. hf: a vanilla checkpoint "
+    "choose its FP8 layers, as in inspect) and written by fp8_plugin.export. hf: a vanilla checkpoint "
     "that plain transformers loads (the FP8 layers written as the layers they replaced). hf-fp8: transformers' "
     "fine-grained FP8 checkpoint: the weight of each FP8 nn.Linear in E4M3 with one scale per 128x128 block "
     "(whatever the recipe), everything else in the checkpoint's dtype."))
