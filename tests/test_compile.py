@@ -176,3 +176,63 @@ def test_accelerate_compiles_the_fp8_forward_without_a_graph_break():
     layers = [m for m in accelerator.unwrap_model(prepared, keep_torch_compile=False) if isinstance(m, FP8Linear)]
     assert len(layers) == 2 and all(_recorded_in_fp8(m) for m in layers)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+
+def _tiny_moe(family: str) -> transformers.PreTrainedModel:
+    # One decoder layer, 4 experts, top-2: the smallest model that routes tokens to several experts.
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, num_experts_per_tok=2)
+    configs = {
+        "Mixtral": transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4),
+        "Qwen3Moe": transformers.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=32,
+                                                num_experts=4, head_dim=16),
+    }
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(configs[family])
+
+
+@pytest.mark.parametrize("family, recipe", [("Mixtral", DelayedScaling(amax_history_len=4)),
+                                            ("Qwen3Moe", Float8CurrentScaling())], ids=["Mixtral", "Qwen3Moe"])
+def test_fp8_moe_experts_compile_whole_and_train_as_eager(family, recipe):
+    # The experts' groups are device-side offsets: no .tolist() breaks the graph (fullgraph=True
+    # raises on a break). aot_eager traces forward and backward as Inductor does and runs the
+    # traced ops as they are, the same ops as eager: losses, gradients and the experts' scaling
+    # state must be equal bit for bit. Three steps with delayed-scaling updates in between, as a
+    # loop does after each optimizer step.
+    from fp8_plugin.modules.experts import FP8ExpertsMixin, expert_gemm_counts
+
+    model = _tiny_moe(family)
+    fp8_plugin.convert_model(model, recipe=recipe)
+    experts = [m for m in model.modules() if isinstance(m, FP8ExpertsMixin)]
+    assert len(experts) == 1
+    eager = copy.deepcopy(model)
+
+    def step_of(m):
+        def step(input_ids):
+            with fp8_plugin.autocast(recipe=recipe):
+                return m(input_ids=input_ids, labels=input_ids).loss
+        return step
+
+    compiled = torch.compile(step_of(model), fullgraph=True, backend="aot_eager")
+    reference = step_of(eager)
+    torch._dynamo.utils.counters.clear()
+    for i in range(3):
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
+        before = expert_gemm_counts()
+        loss_c = compiled(ids)
+        loss_c.backward()
+        ran = {k: v - before[k] for k, v in expert_gemm_counts().items()}
+        # Both projections' fprop, dgrad and wgrad ran as grouped FP8 GEMMs in the compiled step.
+        assert ran == {"fprop": 2, "dgrad": 2, "wgrad": 2}, (i, ran)
+        loss_e = reference(ids)
+        loss_e.backward()
+        assert torch.equal(loss_c, loss_e), i
+        for (name, p_c), p_e in zip(model.named_parameters(), eager.parameters()):
+            assert torch.equal(p_c.grad, p_e.grad), (i, name)
+        eager_experts = [m for m in eager.modules() if isinstance(m, FP8ExpertsMixin)]
+        for member_c, member_e in zip(experts[0]._fp8_members(), eager_experts[0]._fp8_members()):
+            for name, tensor in member_e.fp8_state.tensors().items():  # amaxes and scales per expert
+                assert torch.equal(member_c.fp8_state.tensors()[name], tensor), (i, name)
+        fp8_plugin.update_pending_scales(model)
+        fp8_plugin.update_pending_scales(eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # nothing recompiles per step

@@ -138,3 +138,89 @@ def test_cuda_seam_trace_reaches_hoppers_block_scaled_gemm():
     gemms = _gemms(ops)
     assert [op.name for op in gemms] == ["_scaled_mm_v2"] * 3  # torch.nn.functional.scaled_mm
     assert all(op.peak == "fp8" and op.flops == 2 * M * K * N for op in gemms)
+
+
+# MXFP8 (OCP Microscaling Formats (MX) v1.0: E4M3 elements, one E8M0 scale, 1 byte, per block of
+# 32 elements along the contraction dim), traced through the CUDA seam as sm100. M, K, N are
+# multiples of 128 rows and of 4 x 32 columns, so the swizzled scale layout (rows padded to
+# 128, scale columns to 4) adds no padding and each operand's scales are exactly elements / 32 bytes.
+
+
+def _mx_ops():
+    pytest.importorskip("fp8_plugin.numerics.device_kind")
+    import cost_model  # benchmarks/cost_model.py
+
+    return workloads.seam_linear_ops(M, K, N, fp8_plugin.MXFP8BlockScaling(), capability=cost_model.MX_CAPABILITY)
+
+
+def test_mxfp8_gemms_read_one_byte_per_element_and_one_e8m0_byte_per_32():
+    fwd, dgrad, wgrad = _gemms(_mx_ops())
+    assert [op.name for op in (fwd, dgrad, wgrad)] == ["_scaled_mm_v2"] * 3  # torch.nn.functional.scaled_mm
+    assert {op.peak for op in (fwd, dgrad, wgrad)} == {"fp8"}
+    assert fwd.flops == dgrad.flops == wgrad.flops == 2 * M * K * N
+
+    def operands(a, b):  # two E4M3 operands sharing the contraction dim, and their E8M0 scales
+        return a + b + a // 32 + b // 32
+
+    # fprop x[M, K] . W[N, K]; dgrad dy[M, N] . W^T[K, N]; wgrad dy^T[N, M] . x^T[K, M]. Outputs:
+    # BF16 (fprop, dgrad), float32 (wgrad, as the delayed recipe's).
+    assert fwd.bytes == operands(M * K, N * K) + 2 * M * N
+    assert dgrad.bytes == operands(M * N, K * N) + 2 * M * K
+    assert wgrad.bytes == operands(N * M, K * M) + 4 * N * K
+
+
+def test_mxfp8_fused_cast_reads_two_bytes_and_writes_two_fp8_bytes_per_element():
+    ops = _mx_ops()
+    fused = op_costs.fuse(ops, amax_pass=False)  # the block amax is computed in the cast
+    casts = [op for op in fused if op.category == "cast" and op.writes]
+    # x[M, K], the BF16 weight [N, K], dy[M, N]: each read once (2 bytes an element), each written
+    # as a rowwise and a columnwise E4M3 copy (1 byte an element each); their scales are small
+    # tensors here (bookkeeping), charged at the GEMMs above.
+    elements = M * K + K * N + M * N
+    assert sum(op.bytes for op in casts) == 4 * elements
+    eager = sum(op.bytes for op in ops if op.category in ("cast", "amax"))
+    assert eager > 5 * sum(op.bytes for op in casts)  # eager: float32 intermediates through memory
+
+
+def test_b200_peaks_are_the_datasheet_figures_without_sparsity():
+    import cost_model
+
+    b200 = cost_model.MX_GPUS["B200"]
+    # The datasheet's tensor-core figures are with 2:4 sparsity: dense is half.
+    assert "FP8/FP6 Tensor Core 9 PFLOPS" in b200.source and b200.fp8_tflops == 9000 / 2
+    assert "FP16/BF16 Tensor Core 4.5 PFLOPS" in b200.source and b200.bf16_tflops == 4500 / 2
+    assert "7.7 TB/s" in b200.source and b200.bandwidth == 7.7e12
+
+
+def test_mxfp8_speedup_of_a_huge_layer_tends_to_the_b200_fp8_over_bf16_peak_ratio():
+    pytest.importorskip("fp8_plugin.numerics.device_kind")
+    import cost_model
+
+    b200 = cost_model.MX_GPUS["B200"]
+    peak_ratio = b200.fp8_tflops / b200.bf16_tflops
+    speedups = []
+    for size in (4096, 32768, 131072):
+        bf16 = op_costs.project(workloads.seam_linear_ops(size, size, size, None, capability=(10, 0)), b200).total
+        ops = workloads.seam_linear_ops(size, size, size, fp8_plugin.MXFP8BlockScaling(), capability=(10, 0))
+        speedups.append(bf16 / op_costs.project(op_costs.fuse(ops, amax_pass=False), b200).total)
+    assert speedups == sorted(speedups) and speedups[-1] < peak_ratio
+    # At 131072^3 the GEMMs take 6 N^3 / 4.5 PFLOP/s = 3.0 s; the fused casts move 4 bytes per
+    # element of each of the three N^2 tensors, the float32 wgrad's cast back to BF16 4 more, the
+    # scales a fraction: under 20 bytes per N^2 element, under 0.045 s at 7.7 TB/s, 1.5% of the
+    # FP8 step, against BF16's 6 s of GEMMs: within 2% of the ratio.
+    assert speedups[-1] == pytest.approx(peak_ratio, rel=0.02)
+
+
+def test_mxfp8_section_runs_on_the_cuda_seam_as_sm100(monkeypatch):
+    pytest.importorskip("fp8_plugin.numerics.device_kind")
+    import cost_model
+
+    monkeypatch.setattr(cost_model, "TOKENS", (M,))
+    monkeypatch.setattr(cost_model, "DIMS", (K,))
+    out = cost_model.mxfp8_results(cost_model.Model(0.0))
+    (row,) = out["results"]
+    mx = row["mxfp8"]["B200"]
+    assert mx["gemms"] == ["_scaled_mm_v2"] and row["delayed"]["B200"]["gemms"] == ["_scaled_mm"]
+    assert mx["kernels_bf16"] == 3  # fprop, dgrad, wgrad of nn.Linear: one kernel each
+    section = "\n".join(cost_model.mxfp8_section(out))
+    assert f"| {M} x {K} x {K} |" in section and "B200" in section

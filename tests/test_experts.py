@@ -80,7 +80,8 @@ def run_grouped(counts, k, n, transposed, seed):
     grad_out = torch.randn(rows, n, generator=gen) * 1e-3
     states = [ScalingState(1) for _ in range(experts)]
     recipe = Float8CurrentScaling()  # HYBRID: E4M3 forward, E5M2 gradients
-    y = fp8_grouped_linear(x, weight, expert_of_row, counts, states, recipe, transposed=transposed)
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)  # torch's offs: end rows
+    y = fp8_grouped_linear(x, weight, expert_of_row, ends, states, recipe, transposed=transposed)
     y.backward(grad_out)
     return x, w, grad_out, y, weight.grad if not transposed else weight.grad.transpose(1, 2)
 
@@ -112,6 +113,8 @@ def check_grouped(counts, k, n, transposed, seed):
 def test_grouped_gemms_match_float64_with_empty_experts_odd_counts_and_one_busy_expert():
     check_grouped([7, 0, 13, 1], k=48, n=24, transposed=False, seed=0)  # empty expert, odd counts
     check_grouped([0, 0, 21, 0], k=32, n=16, transposed=True, seed=1)  # all tokens to one expert
+    check_grouped([0, 0], k=1, n=4, transposed=False, seed=2)  # no tokens at all
+    check_grouped([1], k=1, n=4, transposed=False, seed=0)  # size-1 dims: strides the kernel misreads
 
 
 @settings(max_examples=30, deadline=None)
@@ -573,11 +576,11 @@ def test_lightning_run_of_a_moe_resumes_bit_for_bit(tmp_path):
     assert_state_dicts_equal(full, resumed)
 
 
-def test_native_grouped_path_pads_groups_and_spreads_scales_as_the_kernel_expects(monkeypatch):
+def test_native_grouped_path_spreads_scales_as_the_kernel_expects(monkeypatch):
     """No CPU kernel exists: torch._scaled_grouped_mm is replaced by its contract (torch's meta
     checks and documented semantics: offs are the groups' end rows, row-wise scale_a [rows],
-    scale_b [G, N], bfloat16 out), so that the padding and scale layout this project feeds the
-    GPU kernel are checked here against the per-expert path."""
+    scale_b [G, N], bfloat16 out), so that the groups and scale layout this project feeds the
+    GPU kernel are checked here against the emulation."""
     from fp8_plugin.numerics import grouped_gemm as gg
 
     calls = []
@@ -587,7 +590,7 @@ def test_native_grouped_path_pads_groups_and_spreads_scales_as_the_kernel_expect
         assert mat_b.stride(-2) == 1  # column-major second operand
         assert scale_a.shape == (mat_a.shape[0],) and scale_b.shape == (mat_b.shape[0], mat_b.shape[2])
         ends = offs.tolist()
-        assert all(e % gg.GROUP_ROW_MULTIPLE == 0 for e in ends) and offs.dtype == torch.int32
+        assert offs.dtype == torch.int32
         out = torch.zeros(mat_a.shape[0], mat_b.shape[2])
         start = 0
         for g, end in enumerate(ends):
@@ -603,11 +606,85 @@ def test_native_grouped_path_pads_groups_and_spreads_scales_as_the_kernel_expect
     a = (torch.randn(sum(counts), 32, generator=gen) * 8).to(torch.float8_e4m3fn)
     b = (torch.randn(4, 48, 32, generator=gen) * 8).to(torch.float8_e4m3fn)
     sa, sb = torch.tensor([0.5, 2.0, 0.25, 1.0]), torch.tensor([1.0, 0.125, 4.0, 0.5])
-    got = gg._native(a, sa, b, sb, counts, torch.float32)
-    assert calls == [[16, 16, 64, 80]]
-    want = gg._per_expert(a, sa, b, sb, counts, torch.float32, forced="emulated")
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = gg._native(a, sa, b, sb, offsets, torch.float32)
+    assert calls == [[5, 5, 42, 58]]  # the groups as routed: the kernel needs no padding
+    want = gg._emulated(a, sa, b, sb, offsets, torch.float32)
     # The kernel writes bfloat16: one rounding (relative 2^-8) of the float32 result.
     assert ((got - want).abs() <= 2.0**-8 * want.abs()).all()
+
+
+@pytest.mark.parametrize("counts, k, n", [([5, 0, 37, 16], 64, 48), ([0, 0, 21, 0], 24, 40), ([1, 3, 7, 9], 13, 9)])
+@pytest.mark.parametrize("dtype_a", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["E4M3", "E5M2"])
+def test_bfloat16_grouped_kernel_path_matches_float64(counts, k, n, dtype_a):
+    """The sm90 / sm100 path for what torch._scaled_grouped_mm does not take (E5M2 dgrad, wgrad):
+    torch._grouped_mm in bfloat16 on the FP8 values. Run here through torch's CPU kernel, the
+    same op with the same dtype rules, so the padding to 16-byte strides, the column-major wgrad
+    operand, the per-expert scales and the zeros of empty experts are checked against float64."""
+    from fp8_plugin.numerics import grouped_gemm as gg
+
+    gen = torch.Generator().manual_seed(sum(counts) + k)
+    groups = len(counts)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = torch.repeat_interleave(torch.arange(groups), torch.tensor(counts))
+    a = (torch.randn(sum(counts), k, generator=gen) * 16).to(dtype_a)
+    b = (torch.randn(groups, n, k, generator=gen) * 16).to(torch.float8_e4m3fn)
+    g = (torch.randn(sum(counts), n, generator=gen) * 16).to(dtype_a)
+    sa = torch.exp2(torch.randn(groups, generator=gen))  # not powers of two: rounded products
+    sb = torch.exp2(torch.randn(groups, generator=gen))
+    a64 = a.double() * sa.double()[rows].unsqueeze(1)
+    b64 = b.double() * sb.double().view(-1, 1, 1)
+    g64 = g.double() * sa.double()[rows].unsqueeze(1)
+    x = a.to(torch.float32).to(torch.float8_e4m3fn)  # wgrad's second operand, the E4M3 input
+    # Error bound: each FP8 value is a bfloat16 value (exact); float32 accumulation over the
+    # contraction (gamma_K); one bfloat16 rounding of the kernel's output (relative 2^-8); the
+    # float32 scaling and the float32 scale product (2 u). Float64 reference of the unrounded sums.
+    fprop = gg._bf16_grouped(a, sa, b, sb, ends, torch.float32).double()
+    for e in range(groups):
+        r = rows == e
+        want = a64[r] @ b64[e].T
+        absprod = a64[r].abs() @ b64[e].abs().T
+        bound = 2.0**-8 * 1.01 * want.abs() + (k + 3) * U32 * 1.01 * absprod
+        assert ((fprop[r] - want).abs() <= bound).all(), e
+    wgrad = gg._bf16_grouped_wgrad(g, sa, x, sb, ends, torch.float32).double()
+    x_scaled = x.double() * sb.double()[rows].unsqueeze(1)
+    for e in range(groups):
+        r = rows == e
+        if counts[e] == 0:
+            assert torch.equal(wgrad[e], torch.zeros_like(wgrad[e])), e
+            continue
+        want = g64[r].T @ x_scaled[r]
+        absprod = g64[r].abs().T @ x_scaled[r].abs()
+        bound = 2.0**-8 * 1.01 * want.abs() + (counts[e] + 3) * U32 * 1.01 * absprod
+        assert ((wgrad[e] - want).abs() <= bound).all(), e
+
+
+def test_grouped_gemms_follow_force_path_through_the_public_accessor():
+    from fp8_plugin.numerics import gemm
+    from fp8_plugin.numerics import grouped_gemm as gg
+
+    a = torch.zeros(4, 16, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 16, 16, dtype=torch.float8_e4m3fn)
+    assert gemm.forced_path() is None
+    with gemm.force_path("emulated"):
+        assert gemm.forced_path() == "emulated"
+        assert gg.native_grouped_gemm(a, b) == (False, "forced emulation")
+    with gemm.force_path("native"):
+        assert gemm.forced_path() == "native"
+        assert gg.native_grouped_gemm(a, b) == (False, "no grouped FP8 kernel on cpu")
+    assert gemm.forced_path() is None
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4])
+def test_routing_ids_outside_the_experts_are_refused_on_cpu(bad_id):
+    # The offsets are device-side and would silently drop such rows; on the CPU (eager) the sorted
+    # ids' ends are read, which costs no sync there.
+    model = tiny_mixtral()
+    convert_model(model)
+    experts = model.model.layers[0].mlp.experts
+    index = torch.tensor([[0, 1], [2, bad_id], [3, 0]])
+    with autocast(), pytest.raises(ValueError, match=r"expert ids outside 0\.\.3 \(4 experts\)"):
+        experts(torch.randn(3, 64), index, torch.rand(3, 2))
 
 
 def test_delayed_scaling_keeps_one_amax_history_and_scale_per_expert_per_role():

@@ -26,6 +26,7 @@ from transformers import (
 
 import fp8_plugin as fp
 from fp8_plugin import FP8Linear
+from fp8_plugin.modules.experts import FP8ExpertsMixin, expert_gemm_counts
 from fp8_plugin.tools.data import minilm_path
 from fp8_plugin.tools.export import export
 
@@ -381,3 +382,185 @@ def test_bad_format_and_bad_model_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"bert.encoder.layer.1.attention.self.key.weight holds an inf or NaN"):
         export(model, tmp_path / "x", format="hf-fp8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+# ---------------------------------------------------------------- MoE experts in the fine-grained FP8 format
+
+# hidden 128, expert intermediate 128: each expert's gate, up and down weights are one 128x128
+# block, the gate_up_proj of transformers' FP8 experts two blocks stacked.
+_MOE_COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64)
+MOE_FAMILIES = {
+    # config, the MoE block's name in checkpoints, the per-expert names of gate, up and down
+    "Mixtral": (dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2),
+                "block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3Moe": (dict(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                      head_dim=32, norm_topk_prob=True), "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def tiny_moe(family, seed=0, **overrides):
+    config = getattr(transformers, f"{family}Config")(**{**_MOE_COMMON, **MOE_FAMILIES[family][0], **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def train_moe_in_fp8(model):
+    """Convert, then one FP8 training step whose expert GEMMs are counted (each experts module
+    runs its two projections' fprop, dgrad and wgrad as grouped FP8 GEMMs)."""
+    fp.convert_model(model)
+    experts = [m for m in model.modules() if isinstance(m, FP8ExpertsMixin)]
+    assert len(experts) == 2
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = expert_gemm_counts()
+    with fp.autocast():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    after = expert_gemm_counts()
+    assert {k: after[k] - before[k] for k in after} == {"fprop": 4, "dgrad": 4, "wgrad": 4}
+    return {"input_ids": ids}
+
+
+def dequantize_blocks(data, scale_inv):
+    """[..., rows, cols] E4M3 times its [..., ceil(rows/128), ceil(cols/128)] grid, in float64."""
+    full = scale_inv.double().repeat_interleave(128, -2).repeat_interleave(128, -1)
+    return data.double() * full[..., : data.shape[-2], : data.shape[-1]]
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_hf_fp8_export_writes_moe_experts_in_fp8_and_transformers_loads_them(tmp_path, family, monkeypatch):
+    model = tiny_moe(family)
+    data = train_moe_in_fp8(model)
+    expected = outputs(model, data)
+    before = snapshot(model)
+    path = export(model, tmp_path / "fp8", format="hf-fp8")
+    assert_unchanged(model, before)
+
+    _, block, (gate, up, down) = MOE_FAMILIES[family]
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["modules_to_not_convert"] == ["lm_head"]  # experts are no longer listed
+    saved = load_file(path / "model.safetensors")
+    masters = {}
+    for layer in range(2):
+        experts = model.model.layers[layer].mlp.experts
+        gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]: gate rows, then up rows
+        for e in range(4):
+            for part, weight in ((gate, gate_up[e, :128]), (up, gate_up[e, 128:]),
+                                 (down, experts.down_proj.detach()[e])):
+                name = f"model.layers.{layer}.{block}.experts.{e}.{part}"
+                masters[name] = weight
+                # Each expert's weight cast as a dense layer's: bit for bit the formula's E4M3
+                # data, and its [ceil(out/128), ceil(in/128)] float32 scale_inv.
+                want_data, want_scale_inv = expected_block_cast(weight)
+                assert saved[f"{name}.weight"].dtype == torch.float8_e4m3fn
+                assert torch.equal(saved[f"{name}.weight"].view(torch.uint8), want_data.view(torch.uint8)), name
+                assert saved[f"{name}.weight_scale_inv"].dtype == torch.float32
+                assert torch.equal(saved[f"{name}.weight_scale_inv"], want_scale_inv), name
+    written = {k for k in saved if ".experts." in k}
+    assert written == {f"{n}.{s}" for n in masters for s in ("weight", "weight_scale_inv")}
+
+    # transformers' FP8 experts hold them: weights E4M3 [E, out, in], float32 scale_inv
+    # [E, ceil(out/128), ceil(in/128)] (gate_up_proj: the gate's and up's grids stacked). On a
+    # CPU-only machine transformers would switch the load to dequantizing; the load itself
+    # needs no GPU, so its environment check is skipped here.
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+        fp8_model = load_cleanly(AutoModelForCausalLM, path)
+    for layer in range(2):
+        source, held = model.model.layers[layer].mlp.experts, fp8_model.model.layers[layer].mlp.experts
+        assert isinstance(held, FP8Experts)
+        shapes = {n: (tuple(p.shape), p.dtype) for n, p in held.named_parameters()}
+        assert shapes == {"gate_up_proj": ((4, 256, 128), torch.float8_e4m3fn),
+                          "gate_up_proj_scale_inv": ((4, 2, 1), torch.float32),
+                          "down_proj": ((4, 128, 128), torch.float8_e4m3fn),
+                          "down_proj_scale_inv": ((4, 1, 1), torch.float32)}
+        for proj in ("gate_up_proj", "down_proj"):
+            w = getattr(source, proj).detach().double()
+            wq = dequantize_blocks(getattr(held, proj), getattr(held, f"{proj}_scale_inv"))
+            full = dequantize_blocks(torch.ones_like(getattr(held, proj), dtype=torch.float32),
+                                     getattr(held, f"{proj}_scale_inv"))
+            # E4M3 keeps 3 mantissa bits: a normal value x in [2^k, 2^(k+1)) lies on a grid of
+            # spacing 2^(k-3), so round-to-nearest is off by at most half of it, 2^(k-4) <= 2^-4 |x|;
+            # below the smallest normal (2^-6) the spacing is 2^-9, at most 2^-10 absolute.
+            # Unscaling by a power of two is exact, so per element:
+            # |Wq - W| <= 2^-4 |W| + 2^-10 scale_inv.
+            assert ((wq - w).abs() <= E4M3_REL * w.abs() + E4M3_SUBNORMAL_ABS * full).all(), (layer, proj)
+
+    # Loaded dequantized (any machine): the same weights, and the model's logits within the
+    # E4M3 weight rounding of the source model's high-precision ones.
+    loaded = load_cleanly(AutoModelForCausalLM, path, quantization_config=FineGrainedFP8Config(dequantize=True))
+    for layer in range(2):
+        held, got = fp8_model.model.layers[layer].mlp.experts, loaded.model.layers[layer].mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(got, proj).double(), dequantize_blocks(getattr(held, proj),
+                                                                              getattr(held, f"{proj}_scale_inv")))
+    # Per decoder layer two FP8 weights in sequence on the attention path (q/k/v, then o) and two
+    # on the experts' (gate_up, then down): 8 in all. Reasoned as for the tiny BERT above, the
+    # independent, unbiased roundings add up to 2^-4 * sqrt(8 / 3) = 0.10 of the logits' norm in
+    # quadrature. Routing stays in high precision but sees perturbed inputs; a flipped top-2
+    # choice for a token would show as an error of order 1 on its logits, far above the bound.
+    got = outputs(loaded, data)
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel <= E4M3_REL * math.sqrt(8 / 3), rel
+
+    # Models loaded by from_pretrained carry the loader's weight conversions: the dequantized
+    # model (whose conversions would quantize on save) and the vanilla "hf" export's both write
+    # the same checkpoint keys; the dequantized one stores the same weights exactly (power-of-two
+    # scales, as for the tiny BERT above), the vanilla one the same E4M3 data and scales.
+    vanilla = load_cleanly(AutoModelForCausalLM, export(model, tmp_path / "hf"))
+    for source, folder in ((loaded, "again"), (vanilla, "from-hf")):
+        again = load_file(export(source, tmp_path / folder, format="hf-fp8") / "model.safetensors")
+        assert again.keys() == saved.keys()
+        for name in masters:
+            first = dequantize_blocks(saved[f"{name}.weight"], saved[f"{name}.weight_scale_inv"])
+            assert torch.equal(dequantize_blocks(again[f"{name}.weight"], again[f"{name}.weight_scale_inv"]), first)
+            if source is vanilla:
+                assert torch.equal(again[f"{name}.weight"].view(torch.uint8), saved[f"{name}.weight"].view(torch.uint8))
+
+
+def test_hf_fp8_export_refuses_experts_transformers_fp8_experts_cannot_hold(tmp_path):
+    # GPT-OSS: expert biases and transposed [E, in, out] weights; FP8Experts holds neither.
+    gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        layer_types=["full_attention"]))
+    fp.convert_model(gpt_oss)
+    with pytest.raises(ValueError, match=r"format='hf-fp8' cannot store the FP8 experts module "
+                                         r"'model\.layers\.0\.mlp\.experts' \(FP8GptOssExperts\).*expert biases.*"
+                                         r"exclude=\['experts'\].*format='hf'"):
+        export(gpt_oss, tmp_path / "gpt-oss", format="hf-fp8")
+    # An expert intermediate size of 64: the up half of gate_up_proj would not start on a 128-row block.
+    mixtral = tiny_moe("Mixtral", intermediate_size=64)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts' \(FP8MixtralExperts\).*halves of 64 "
+                                         r"rows each, not a multiple of 128"):
+        export(mixtral, tmp_path / "mixtral", format="hf-fp8")  # not converted: refused the same
+    # Mistral 4 checkpoints hold the 3-D expert tensors themselves: their *_scale_inv would be left
+    # unapplied (an unexpected key) by from_pretrained(dequantize=True), which reads only
+    # '*.weight' scales and those of per-expert weights the model's conversion mapping merges.
+    mistral4 = transformers.Mistral4ForCausalLM(transformers.Mistral4Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32,
+        q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=16, max_position_embeddings=64,
+        pad_token_id=0))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts' \(FP8Mistral4Experts\).*checkpoint layout "
+                                         r"keeps the experts' tensors.*not one 2-D '\*\.weight' per expert"):
+        export(mistral4, tmp_path / "mistral4", format="hf-fp8")
+    assert list(tmp_path.iterdir()) == []
+
+    # The remedy the message names: experts left in high precision are written so and listed.
+    model = tiny_moe("Mixtral", intermediate_size=64)
+    fp.convert_model(model, exclude=["experts"])
+    path = export(model, tmp_path / "kept", format="hf-fp8")
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["modules_to_not_convert"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts", "lm_head"]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert {d for k, d in dtypes.items() if ".experts." in k} == {"F32"}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    loaded = load_cleanly(AutoModelForCausalLM, path, quantization_config=FineGrainedFP8Config(dequantize=True))
+    assert torch.equal(loaded.model.layers[0].mlp.experts.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj)

@@ -295,6 +295,22 @@ def test_a_planted_too_small_scale_shows_in_the_gemms_that_read_that_operand_of_
         assert abs(db - BAND[gemm]) <= BAND_DB, ("up", gemm, db)
 
 
+def test_a_hook_on_the_weight_changes_no_wgrad_figure():
+    # A user's tensor hook on a weight (here: halving its gradient) changes what reaches .grad,
+    # not the layer's GEMM: the wgrad figure compares the FP8 GEMM with the high-precision GEMM
+    # on the same operands, so it must read as without the hook. Both runs quantise the same
+    # operands with the same scales; only float32 summation order may differ (far below 0.01 dB).
+    batch = _batch()
+    plain = fp.reference_check(_model(fp.Float8CurrentScaling()), batch, _loss, compute_dtype=torch.float32)
+    model = _model(fp.Float8CurrentScaling())
+    model.down.weight.register_hook(lambda g: g * 0.5)
+    model.up.weight.register_hook(lambda g: torch.zeros_like(g))
+    hooked = fp.reference_check(model, batch, _loss, compute_dtype=torch.float32)
+    for name in ("up", "down"):
+        assert abs(hooked.gemm_sqnr_db[name]["wgrad"] - plain.gemm_sqnr_db[name]["wgrad"]) <= 0.01, \
+            (name, hooked.gemm_sqnr_db[name], plain.gemm_sqnr_db[name])
+
+
 def test_gemms_in_high_precision_have_no_quantisation_error_and_fp8_free_layers_no_figures():
     model = _model(fp.DelayedScaling(override_linear_precision=(False, True, False)))
     model.down.fp8_gemms = (True, True, False)
@@ -411,10 +427,44 @@ def test_a_bad_gradient_scale_moves_exactly_the_gemms_that_read_it_and_the_next_
     assert gemms.count == 2 + 1  # up: fprop, wgrad (its input needs no gradient); down: fprop
 
 
+def _dgrad_fault(layer):
+    # The weight's columnwise (transposed) FP8 copy, which dgrad alone reads, dequantizes 2^40
+    # too small: dgrad gives ~0 (noise = signal, 0 dB); fprop (rowwise copy) and wgrad (no
+    # weight) stay healthy.
+    original = layer._weight_casts
+
+    def faulty(recipe, record, columnwise):
+        rowwise, col = original(recipe, record, columnwise)
+        return rowwise, (None if col is None else dataclasses.replace(col, scale_inv=col.scale_inv * 2.0**-40))
+
+    layer._weight_casts = faulty
+
+
+def test_a_fault_in_one_layers_dgrad_alone_moves_that_gemm_alone_and_the_next_check_passes():
+    model = _model(fp.Float8CurrentScaling())
+    _dgrad_fault(model.down)
+    # The fault zeroes the gradient reaching `up` alone, a small share of this net's gradient
+    # energy: the cosine drops to about 0.93, above the default 0.7 (made for deep models, where
+    # healthy FP8 cosines sit lower); a healthy check of this net gives above 0.99.
+    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.98)
+    with pytest.warns(UserWarning, match=r"moved to high precision: down\.dgrad\b"):
+        failed = fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
+    assert any("grad cosine" in f for f in failed.failures), failed.failures
+    figures = failed.gemm_sqnr_db["down"]
+    assert abs(figures["dgrad"]) < 1, figures
+    assert abs(figures["fprop"] - BAND["fprop"]) <= BAND_DB and abs(figures["wgrad"] - BAND["wgrad"]) <= BAND_DB
+    assert failed.fallback_gemms == ["down.dgrad"] and failed.fallback_layers == [], failed.fallback_gemms
+    assert model.down.fp8_gemms == (True, False, True) and model.up.fp8_gemms == (True, True, True)
+    assert all(t["passed"] == t["kept"] for t in failed.fallback_tried)
+    following = fp.reference_check(model, _batch(seed=2), _loss, config=config, compute_dtype=torch.float32)
+    assert following.passed, following.failures
+    assert "dgrad" not in following.gemm_sqnr_db["down"] or following.gemm_sqnr_db["down"]["dgrad"] > 10
+
+
 def test_a_failure_no_move_restores_keeps_nothing_and_says_what_was_tried():
     model = _model(fp.DelayedScaling())
     # No FP8 layer reaches this gradient cosine: only all-high-precision would, which no half does.
-    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.999999)
+    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.999999, max_escalation_replays=0)
     with pytest.warns(UserWarning, match=r"no move of the 3 tried restored the figures: none kept"):
         result = fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
     assert [t["moves"] for t in result.fallback_tried] == [["down.dgrad"], ["up"], ["down"]]

@@ -112,8 +112,6 @@ def test_unknown_fp8_string_lists_valid_ones():
         L.Trainer(precision="fp8-hybrid", plugins=[FP8Precision()], **TRAINER_DEFAULTS)
     with pytest.raises(ValueError, match="compute_dtype=torch.int8.*valid: torch.bfloat16, torch.float16, torch.float32"):
         FP8Precision(compute_dtype=torch.int8)
-    with pytest.raises(ValueError, match="strategy='deepspeed_stage_2' is not supported: DeepSpeed.*Valid strategies"):
-        L.Trainer(precision="fp8-hybrid", strategy="deepspeed_stage_2", **TRAINER_DEFAULTS)
 
 
 @pytest.mark.parametrize(

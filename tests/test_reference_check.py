@@ -427,3 +427,37 @@ def test_a_float32_reference_runs_the_fp8_layers_gemms_in_float32_and_hands_on_t
     with torch.autocast("cpu", dtype=torch.bfloat16), replay(False):
         in_bf16 = layer(x)  # as nn.Linear under autocast: bf16 operands
     assert not bool(((in_bf16.double() - exact).abs() <= bound).all())
+
+
+def test_a_weight_tied_between_two_layers_gets_the_per_call_wgrad_figure_of_the_same_layers_untied():
+    # The wgrad figure reads each layer's reference from its weight's gradient in the reference
+    # replay; a weight two layers share holds both layers' shares there, so its reference is a
+    # GEMM recomputed per call instead. The same two layers with equal but separate weights
+    # take the first path: their figures must agree. Both references are float32 GEMMs of the
+    # same operands (K = 32 tokens), differing only in summation order: elementwise by at most
+    # 2 gamma_32 sum |dy| |x| (Higham 3.1), about 4e-6 relatively; in the noise energy, 25 to
+    # 35 dB below the signal, that is at most a few 1e-4 relatively, 1e-3 dB. Had the shared
+    # gradient been read, the other layer's share would count as noise: near 0 dB.
+    def model(tied):
+        torch.manual_seed(0)
+        first, second = nn.Linear(64, 64), nn.Linear(64, 64)
+        if tied:
+            second.weight = first.weight
+        else:
+            with torch.no_grad():
+                second.weight.copy_(first.weight)
+        net = nn.Sequential(first, nn.ReLU(), second)
+        fp.convert_model(net, fp.Float8CurrentScaling())
+        return net
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    figures = {}
+    for tied in (True, False):
+        net = model(tied)
+        assert (net[0].weight is net[2].weight) == tied
+        result = fp.reference_check(net, x, lambda m, x: m(x).square().mean(), compute_dtype=torch.float32)
+        figures[tied] = {name: f["wgrad"] for name, f in result.gemm_sqnr_db.items()}
+    assert figures[True].keys() == figures[False].keys() == {"0", "2"}
+    for name in ("0", "2"):
+        assert abs(figures[True][name] - figures[False][name]) <= 1e-2, figures
+        assert figures[True][name] > 20.0, figures  # a healthy figure, not the other share's 0 dB

@@ -3,7 +3,7 @@
 import torch
 import torch.utils.checkpoint
 
-from fp8_plugin._private.torch_api import in_backward_pass
+from fp8_plugin._private.torch_api import has_tensor_hooks, in_backward_pass
 
 
 def test_in_backward_pass_is_false_in_forward_and_true_in_a_checkpoint_recompute():
@@ -19,3 +19,12 @@ def test_in_backward_pass_is_false_in_forward_and_true_in_a_checkpoint_recompute
         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
         assert seen == [False, True], (reentrant, seen)
     assert in_backward_pass() is False
+
+
+def test_has_tensor_hooks_sees_register_hook_and_its_removal():
+    w = torch.nn.Parameter(torch.randn(3))
+    assert has_tensor_hooks(w) is False
+    handle = w.register_hook(lambda g: g * 2)
+    assert has_tensor_hooks(w) is True
+    handle.remove()
+    assert has_tensor_hooks(w) is False

@@ -1,4 +1,4 @@
-"""The one private torch API this package relies on, kept here so that a change shows in one place.
+"""The private torch APIs this package relies on, kept here so that a change shows in one place.
 
 ``tests/test_torch_private.py`` fails loudly if its behaviour changes.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward_pass"]
+__all__ = ["in_backward_pass", "has_tensor_hooks"]
 
 
 def in_backward_pass() -> bool:
@@ -23,3 +23,13 @@ def in_backward_pass() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def has_tensor_hooks(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` has hooks added by ``Tensor.register_hook`` (not yet removed).
+
+    They run before any hook added later and may change the gradient it sees: the reference
+    check reads a weight's gradient from such a hook only when no other is there. torch has
+    no public way to ask; ``Tensor.register_hook`` keeps them in the ``_backward_hooks`` dict.
+    """
+    return bool(getattr(tensor, "_backward_hooks", None))

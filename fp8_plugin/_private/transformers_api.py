@@ -1,4 +1,4 @@
-"""The one private hook into transformers this project uses.
+"""The private hooks into transformers this project uses.
 
 ``transformers.Trainer.create_accelerator_and_postprocess`` builds its Accelerator as
 ``Accelerator(**args)``, with ``Accelerator`` looked up in the module ``transformers.trainer``
@@ -7,6 +7,14 @@
 builds its Accelerator. It refuses to run when the name no longer holds Accelerate's class, and
 tests/test_hf_trainer.py checks that the Trainer ends up with the class given: a transformers
 release that changes this fails loudly, not silently without FP8.
+
+``save_pretrained`` writes a model's weights through the reverse of its weight conversions
+(``model._weight_conversions`` when ``from_pretrained`` attached them, else the model's default
+conversion mapping), and transformers offers no public way to add the per-expert scale
+converters its FP8 quantizer adds at load time. :func:`set_save_conversions_with_scales` does
+that, as ``HfQuantizer.update_weight_conversions`` does (the converters' original patterns,
+``WeightConverter.copy``). tests/test_export.py checks the keys, dtypes and shapes written and
+loads them back with transformers: a release that changes this fails loudly.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-__all__ = ["trainer_accelerator_class"]
+__all__ = ["trainer_accelerator_class", "set_save_conversions_with_scales"]
 
 
 @contextlib.contextmanager
@@ -40,3 +48,36 @@ def trainer_accelerator_class(factory: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         trainer_module.Accelerator = original
+
+
+def set_save_conversions_with_scales(model: Any, suffix: str = "_scale_inv") -> None:
+    """Make ``model.save_pretrained`` write each tensor merged by a weight converter (e.g.
+    Mixtral's ``experts.*.w1.weight`` into ``experts.gate_up_proj``) with its companion
+    ``<tensor><suffix>`` split the same way (``experts.<e>.w1.weight_scale_inv``), for every
+    converter whose sources are ``*.weight`` tensors.
+
+    Raises:
+        RuntimeError: transformers' converters lack the attributes this relies on.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # as save_pretrained does for a model not loaded by from_pretrained
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    out = []
+    for converter in conversions:
+        out.append(converter)
+        if not isinstance(converter, WeightConverter):
+            continue
+        try:
+            sources, targets = converter._original_source_patterns, converter._original_target_patterns
+            operations = list(converter.operations)
+        except AttributeError as error:
+            raise RuntimeError(f"transformers' WeightConverter changed ({error}): the per-expert FP8 scales cannot "
+                               "be written beside their weights with this transformers version") from None
+        if all(s.endswith(".weight") for s in sources):
+            out.append(converter.copy([s + suffix for s in sources], [t + suffix for t in targets],
+                                      operations=operations))
+    model._weight_conversions = out

@@ -13,6 +13,10 @@ torchao) is asked for or run, and then:
 - every prepared optimizer tells the FP8 state of its models about each optimizer step, a step
   the loss scaler skips included: the micro-batches of ``accelerator.accumulate()`` share one
   scale update and one amax reduction;
+- under DeepSpeed ZeRO (stages 1 to 3, a ``DeepSpeedPlugin`` or a config file), the model is
+  converted before ``deepspeed.initialize``; the engine's ``step()`` (which ``backward()`` calls
+  at the accumulation boundary) ends each FP8 training step, and its checkpoints carry the FP8
+  state (:mod:`fp8_plugin.training.deepspeed_engine`); reference checks are refused there;
 - ``save_state`` / ``load_state`` carry the FP8 state (a registered checkpoint object) next to
   the model, optimizer, scaler and RNG states; the model's ``state_dict()`` itself stays vanilla,
   so ``unwrap_model(model).save_pretrained()`` and safetensors checkpoints work unchanged;
@@ -55,6 +59,7 @@ from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns
+from ..training.deepspeed_engine import REFUSED, attach_to_engine, check_deepspeed_config
 from ..training.reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
 from ..training.reference_report import with_written
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
@@ -121,9 +126,11 @@ class Accelerator(_AccelerateAccelerator):
     Raises:
         ValueError: contradictory FP8 settings (the message names both sources), an unsupported
             option or value (named, with the valid ones), FP8 arguments without
-            ``mixed_precision="fp8"``, a DeepSpeed set-up, reference checks under FSDP (or
-            another set-up than one process or DDP), or ``AORecipeKwargs`` /
-            ``MSAMPRecipeKwargs`` (other FP8 backends).
+            ``mixed_precision="fp8"``, reference checks under FSDP or DeepSpeed (or another
+            set-up than one process or DDP), a ``nonfinite`` policy or tensor parallelism under
+            DeepSpeed, or ``AORecipeKwargs`` / ``MSAMPRecipeKwargs`` (other FP8 backends).
+        RuntimeError: (at ``prepare``) DeepSpeed joined more processes than Accelerate counts
+            (Accelerate on a machine without a GPU-type backend).
         TypeError: an unknown kwargs handler class (the valid ones are listed),
             ``mixed_precision`` passed by position, or ``fp8_reference_check`` not a
             ReferenceCheck.
@@ -176,12 +183,11 @@ class Accelerator(_AccelerateAccelerator):
         self._fp8_state_to_load: Optional[dict[str, Any]] = None
         super().__init__(*args, mixed_precision=mixed_precision,
                          kwargs_handlers=[h for h in handlers if not isinstance(h, _FP8_HANDLERS)] or None, **kwargs)
-        if self.fp8_settings is not None and self.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "mixed_precision='fp8' with DeepSpeed is not supported: DeepSpeed runs its own mixed precision, "
-                "loss scaling and optimizer step. Valid set-ups: one process, DDP (multi-CPU / multi-GPU), FSDP"
-            )
-        if self.fp8_settings is not None and self.fp8_settings.compute_dtype == torch.float16 and self.scaler is None:
+        deepspeed = self.distributed_type == DistributedType.DEEPSPEED
+        if self.fp8_settings is not None and deepspeed:
+            _check_deepspeed_setup(self.fp8_settings, self.state.deepspeed_plugin.deepspeed_config)
+        if self.fp8_settings is not None and self.fp8_settings.compute_dtype == torch.float16 and self.scaler is None \
+                and not deepspeed:  # under DeepSpeed its fp16 dynamic loss scaler does it
             raise ValueError(
                 f"fp8_compute_dtype=torch.float16 (from {self.fp8_settings.sources.get('compute_dtype')}) needs "
                 f"a loss scaler, which Accelerate makes only on GPUs (device here: {self.device.type!r}); "
@@ -189,7 +195,9 @@ class Accelerator(_AccelerateAccelerator):
             )
         if self.fp8_settings is not None and self.fp8_settings.reference_check is not None:
             _check_reference_setup(self.fp8_settings, self.distributed_type)
-        if self.fp8_settings is not None:
+        if self.fp8_settings is not None and not deepspeed:
+            # Under DeepSpeed the engine's save_checkpoint / load_checkpoint (which save_state /
+            # load_state call) carry the FP8 state in their client_state instead.
             self.register_for_checkpointing(_FP8Checkpoint(self.fp8_runs))
 
     @property
@@ -212,7 +220,9 @@ class Accelerator(_AccelerateAccelerator):
         """
         for obj in args:
             self._convert(obj)
-        return super().prepare(*args, device_placement=device_placement)
+        prepared = super().prepare(*args, device_placement=device_placement)
+        self._attach_deepspeed()
+        return prepared
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -229,6 +239,35 @@ class Accelerator(_AccelerateAccelerator):
             prepared.fp8_runs = self.fp8_runs
             prepared._fp8_accelerator = weakref.ref(self)
         return prepared
+
+    def _attach_deepspeed(self) -> None:
+        # Under DeepSpeed, the engine prepare() built ends each FP8 training step at its step()
+        # (which accelerator.backward() calls at the accumulation boundary) and carries the FP8
+        # state in its checkpoints: fp8_plugin.training.deepspeed_engine.
+        wrapped = getattr(self, "deepspeed_engine_wrapped", None)
+        if self.fp8_settings is None or wrapped is None:
+            return
+        engine = wrapped.engine
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world != self.num_processes:
+            # Accelerate starts DeepSpeed's process group only with an accelerator backend
+            # (nccl, ...); without one it counts one process while DeepSpeed joins them all.
+            raise RuntimeError(
+                f"DeepSpeed runs {world} processes but Accelerate counts {self.num_processes} (no GPU-type backend "
+                "here), so data would not be sharded; run DeepSpeed through Accelerate on GPUs"
+            )
+        runs = [run for run in self.fp8_runs if run.module is engine.module]
+        if runs:
+            # After each FP8 step: its statistics to the trackers, as _FP8StepOptimizer does
+            # without DeepSpeed (a weak reference: the engine does not keep the Accelerator alive).
+            accelerator = weakref.ref(self)
+
+            def log_step(stepped: list[FP8Training]) -> None:
+                owner = accelerator()
+                if owner is not None:
+                    owner._log_reference(stepped)
+
+            attach_to_engine(engine, runs, log_step)
 
     def fp8_state_dict(self) -> dict[str, Any]:
         """The FP8 state of every prepared model (scales, amax histories, ``use_fp8`` flags) and
@@ -385,6 +424,23 @@ def _check_reference_setup(settings: FP8Settings, distributed_type: DistributedT
         f"{distributed_type.value}: the check's replay computes gradients with torch.autograd.grad, which would run "
         f"into FSDP's gradient hooks (reduce-scatter, resharding). {_REFERENCE_SETUPS}"
     )
+
+
+def _check_deepspeed_setup(settings: FP8Settings, config: dict) -> None:
+    """What FP8 cannot do under DeepSpeed, refused before any step (the reasons are in
+    :data:`fp8_plugin.training.deepspeed_engine.REFUSED`).
+
+    Raises:
+        ValueError: reference checks on, a ``nonfinite`` policy given, DeepSpeed tensor
+            parallelism, or an invalid ZeRO stage.
+    """
+    if settings.reference_check is not None:
+        raise ValueError(f"FP8 reference checks ({_reference_given(settings)}) are not supported with "
+                         f"distributed_type=DEEPSPEED: {REFUSED['reference_checks']}")
+    if "nonfinite" in settings.sources:
+        raise ValueError(f"{settings.sources['nonfinite']}={settings.fault_policy.nonfinite!r} is not supported with "
+                         f"distributed_type=DEEPSPEED: {REFUSED['nonfinite']}")
+    check_deepspeed_config(config, "Accelerator")
 
 
 def _check_not_sharded(settings: FP8Settings, module: nn.Module) -> None:

@@ -162,8 +162,10 @@ def precision_plugin_from_string(precision: str, strategy: object = None, accele
     """The Fabric plugin an ``"fp8-*"`` string names.
 
     Raises:
-        ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy.
+        ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy (Fabric
+            has no FP8 DeepSpeed plugin here; the Trainer and ``fp8_plugin.accelerate.Accelerator`` do).
     """
-    settings = settings_for_loop(precision, strategy, accelerator, "'auto', 'ddp', or a single device")
+    settings = settings_for_loop(precision, strategy, accelerator, "'auto', 'ddp', or a single device",
+                                 loop="Fabric")
     return FP8Precision(settings.make_recipe(), compute_dtype=settings.compute_dtype, precision=precision.lower(),
                         device=settings.device)

@@ -146,13 +146,16 @@ def _refuse_other_loops_plugin(plugins: Any, fabric: bool) -> None:
     """
     # Imported here: Lightning is fully imported by the time a Trainer or Fabric is built.
     if fabric:
+        from .deepspeed_precision import FP8DeepSpeedPrecision
         from .precision import FP8FSDPPrecision, FP8Precision
 
-        wrong, right = (FP8Precision, FP8FSDPPrecision), "fp8_plugin.fabric.FP8Precision (or precision='fp8-hybrid')"
+        wrong = (FP8Precision, FP8FSDPPrecision, FP8DeepSpeedPrecision)
+        right = "fp8_plugin.fabric.FP8Precision (or precision='fp8-hybrid')"
     else:
         from ..fabric.precision import FP8Precision
 
-        wrong, right = (FP8Precision,), "fp8_plugin.FP8Precision, or FP8FSDPPrecision under FSDP (or precision='fp8-hybrid')"
+        wrong, right = (FP8Precision,), ("fp8_plugin.FP8Precision, FP8FSDPPrecision under FSDP, FP8DeepSpeedPrecision "
+                                         "under DeepSpeed (or precision='fp8-hybrid')")
     for plugin in _as_list(plugins):
         if isinstance(plugin, wrong):
             loop = "Fabric" if fabric else "the Trainer"

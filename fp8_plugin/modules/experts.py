@@ -27,7 +27,13 @@ expert's scaling state a :class:`~fp8_plugin.numerics.quantizers.ScalingState` o
 per role, current scaling scales each expert's tokens by their own amax. Forward casts to the
 recipe's forward format (E4M3), gradients to its backward format (E5M2 under HYBRID); fprop,
 dgrad and wgrad are grouped FP8 GEMMs with FP32 accumulation
-(:mod:`fp8_plugin.numerics.grouped_gemm`); master weights stay in their dtype (FP32). Biases,
+(:mod:`fp8_plugin.numerics.grouped_gemm`); master weights stay in their dtype (FP32). The
+routing stays on the device: each expert's rows are given to the grouped GEMMs as int32 end
+offsets (:func:`~fp8_plugin.numerics.grouped_gemm.group_offsets`), never read on the host in
+the forward or the backward (only the per-layer statistics, while attached, slice each expert's
+rows on the host), so a training step does not wait for the GPU and compiles whole under
+``torch.compile(fullgraph=True)``; in compiled code, as for ``FP8Linear``, the loop applies the
+pending scale updates after each step (:func:`fp8_plugin.update_pending_scales`). Biases,
 the gate activation and the routing weights stay in high precision, as in transformers'
 ``grouped_mm`` implementation, whose steps this forward follows.
 
@@ -54,7 +60,9 @@ from .._private.torch_api import in_backward_pass
 from ..numerics.device import recipe_name
 from ..numerics.device_kind import device_kind
 from ..numerics.formats import fp8_dtype, fp8_max
-from ..numerics.grouped_gemm import EXPERT_GEMMS, group_amax, grouped_gemm, grouped_gemm_wgrad, quantize_groups
+from ..numerics.grouped_gemm import (
+    EXPERT_GEMMS, group_amax, group_offsets, grouped_gemm, grouped_gemm_wgrad, quantize_groups,
+)
 from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, ScalingState, mark_recorded, recipe_key
 from ..numerics.recipes import DelayedScaling, Float8CurrentScaling, Recipe
 from ..numerics.scaling import divide, quantize, scale_from_amax
@@ -159,7 +167,11 @@ class _Info:
 
 
 def _observe(observers: tuple, role: int, x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor,
-             counts: list[int]) -> None:
+             offsets: torch.Tensor) -> None:
+    # Statistics only (observers attached): each expert's rows, sliced with the offsets read on
+    # the host. Training without statistics never comes here.
+    ends = offsets.tolist()
+    counts = [end - start for start, end in zip([0] + ends[:-1], ends)]
     start = 0
     for e, count in enumerate(counts):
         if count:
@@ -194,7 +206,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
     value) for dgrad and wgrad, which cast grad_output per expert in the backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group_of_row: torch.Tensor, counts: list[int],
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group_of_row: torch.Tensor, offsets: torch.Tensor,
                 states: list[ScalingState], info: _Info, qw: torch.Tensor, sw_inv: torch.Tensor) -> torch.Tensor:
         # qw [E, N, K] / sw_inv [E]: the weight's cast, made (or taken from the cache) before the call.
         recipe, experts = info.recipe, qw.shape[0]
@@ -203,17 +215,17 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
             sx = _scales(recipe, INPUT, states, group_amax(x, group_of_row, experts), dtype, info.record_forward)
             qx = quantize_groups(x, sx, group_of_row, dtype)
             sx_inv = divide(1.0, sx)
-            out = grouped_gemm(qx, sx_inv, qw, sw_inv, counts, info.out_dtype, "fprop")
+            out = grouped_gemm(qx, sx_inv, qw, sw_inv, offsets, info.out_dtype, "fprop")
             if info.observers and info.record_forward:
-                _observe(info.observers, INPUT, x, qx, sx_inv, counts)
-        ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row)
-        ctx.counts, ctx.states, ctx.info = counts, states, info
+                _observe(info.observers, INPUT, x, qx, sx_inv, offsets)
+        ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row, offsets)
+        ctx.states, ctx.info = states, info
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        qx, sx_inv, qw, sw_inv, group_of_row = ctx.saved_tensors
+        qx, sx_inv, qw, sw_inv, group_of_row, offsets = ctx.saved_tensors
         info: _Info = ctx.info
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
@@ -224,12 +236,11 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
         qg = quantize_groups(grad_out, sg, group_of_row, dtype)
         sg_inv = divide(1.0, sg)
         if info.observers and info.record_backward:
-            _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, ctx.counts)
+            _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, offsets)
         if need_x:  # dgrad: g_e [m, N] @ W_e [N, K]
-            grad_x = grouped_gemm(qg, sg_inv, qw.transpose(1, 2).contiguous(), sw_inv, ctx.counts, ctx.x_dtype,
-                                  "dgrad")
+            grad_x = grouped_gemm(qg, sg_inv, qw.transpose(1, 2).contiguous(), sw_inv, offsets, ctx.x_dtype, "dgrad")
         if need_w:  # wgrad: g_e.T [N, m] @ x_e [m, K]
-            grad_w = grouped_gemm_wgrad(qg, sg_inv, qx, sx_inv, ctx.counts, torch.float32)
+            grad_w = grouped_gemm_wgrad(qg, sg_inv, qx, sx_inv, offsets, torch.float32)
             if info.transposed:
                 grad_w = grad_w.transpose(1, 2)
             grad_w = grad_w.to(ctx.weight_dtype)
@@ -258,7 +269,8 @@ def cast_expert_weights(weight: torch.Tensor, states: list[ScalingState], recipe
         return quantize(w, sw.view(-1, 1, 1), dtype).contiguous(), divide(1.0, sw)
 
 
-def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor, counts: list[int],
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor,
+                       offsets: Optional[torch.Tensor],
                        states: list[ScalingState], recipe: Recipe, *, transposed: bool = False,
                        record_forward: bool = True, record_backward: bool = True,
                        out_dtype: Optional[torch.dtype] = None, observers: tuple = (),
@@ -269,7 +281,11 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
         x: ``[S, K]`` token rows sorted by expert, any floating dtype (differentiable).
         weight: ``[E, N, K]``, or ``[E, K, N]`` with ``transposed`` (differentiable).
         expert_of_row: int64 ``[S]``, the expert of each row (non-decreasing).
-        counts: E host-side ints, the rows of each expert (zeros allowed), summing to S.
+        offsets: int32 ``[E]`` on ``x``'s device, the end row of each expert's rows (torch's
+            ``offs``; an expert without rows ends where the one before it does), or None to
+            compute them from ``expert_of_row``
+            (:func:`~fp8_plugin.numerics.grouped_gemm.group_offsets`). Never read on the host
+            (except by ``observers``): the GEMMs run without a host sync and compile whole.
         states: E :class:`~fp8_plugin.numerics.quantizers.ScalingState`, one per expert, each
             with the rows input, weight, grad_output.
         recipe: :class:`~fp8_plugin.numerics.recipes.DelayedScaling` or
@@ -290,7 +306,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
         (zeros for experts without rows), from FP8 GEMMs with FP32 accumulation.
 
     Raises:
-        ValueError: a block-scaled recipe, or ``counts`` that do not fit the shapes.
+        ValueError: a block-scaled recipe, or ``offsets`` whose shape or dtype do not fit.
     """
     check_experts_recipe(recipe, "fp8_grouped_linear")
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -300,9 +316,12 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
     qw, sw_inv = weight_cast
     if info.observers and record_forward:
         w = weight.detach().transpose(1, 2) if transposed else weight.detach()
+        rows = torch.full((1,), w.shape[1], dtype=torch.int32, device=w.device)
         for e in range(qw.shape[0]):
-            _observe(info.observers, WEIGHT, w[e], qw[e], sw_inv[e:e + 1], [w.shape[1]])
-    out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, list(counts), states, info, qw, sw_inv)
+            _observe(info.observers, WEIGHT, w[e], qw[e], sw_inv[e:e + 1], rows)
+    if offsets is None:
+        offsets = group_offsets(expert_of_row, weight.shape[0])
+    out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, offsets, states, info, qw, sw_inv)
     for state in states:
         if record_forward:
             mark_recorded(state, recipe, INPUT)
@@ -440,8 +459,10 @@ class FP8ExpertsMixin:
         check_experts_recipe(recipe, "FP8 experts")
         note_fp8_forward()
         group = self.scaling_group
-        if context.training and group.step != context.step:
+        if context.training and not torch.compiler.is_compiling() and group.step != context.step:
             # First FP8 forward of a training step: last step's amaxes become scales (FP8Linear does the same).
+            # Not in compiled code: there the loop applies them after the optimizer step, as for FP8Linear
+            # (a step id compared in the graph would recompile it every step).
             group.step = context.step
             group.update(context.reduce_amax, context.recipe)
         self._forward_context = _ForwardContext(recipe, context.training, group.step)
@@ -458,18 +479,15 @@ class FP8ExpertsMixin:
         expert_ids = top_k_index.reshape(-1)
         expert_ids_g, perm = torch.sort(expert_ids, stable=True)
         x = hidden_states[perm // num_top_k]
-        # Rows per expert from the sorted ids (deterministic on every device, unlike bincount on
-        # CUDA), read on the host once: the per-expert GEMMs and the grouped kernel's padding need them.
-        bounds = torch.searchsorted(expert_ids_g, torch.arange(num_experts + 1, device=expert_ids_g.device)).tolist()
-        if bounds[0] != 0 or bounds[-1] != expert_ids.numel():  # ids below 0 or from num_experts on
-            raise ValueError(f"FP8 experts: top_k_index holds expert ids outside 0..{num_experts - 1} "
-                             f"({num_experts} experts)")
-        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        _check_expert_ids(expert_ids_g, num_experts)
+        # The end row of each expert's rows, on the device (as transformers' grouped_mm passes
+        # offs): no host read, so no sync and no graph break.
+        offsets = group_offsets(expert_ids_g, num_experts)
         out_dtype = _output_dtype(hidden_states)
         first, second = _projections(self)
-        h = self._fp8_projection(first, x, expert_ids_g, counts, recipe, record_forward, record_backward, out_dtype)
+        h = self._fp8_projection(first, x, expert_ids_g, offsets, recipe, record_forward, record_backward, out_dtype)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        y = self._fp8_projection(second, h, expert_ids_g, counts, recipe, record_forward, record_backward, out_dtype)
+        y = self._fp8_projection(second, h, expert_ids_g, offsets, recipe, record_forward, record_backward, out_dtype)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         y = y * sample_weights[perm].unsqueeze(-1)
@@ -478,7 +496,7 @@ class FP8ExpertsMixin:
         y = y[inv_perm]
         return y.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
-    def _fp8_projection(self, proj: str, x: torch.Tensor, expert_ids_g: torch.Tensor, counts: list[int],
+    def _fp8_projection(self, proj: str, x: torch.Tensor, expert_ids_g: torch.Tensor, offsets: torch.Tensor,
                         recipe: Recipe, record_forward: bool, record_backward: bool,
                         out_dtype: torch.dtype) -> torch.Tensor:
         weight = getattr(self, proj)
@@ -491,13 +509,24 @@ class FP8ExpertsMixin:
             state.use_recipe(recipe)
         observers = tuple(functools.partial(fn, proj) for fn in self._fp8_observers.values())
         weight_cast = self._weight_cast(proj, weight, states, recipe, record_forward)
-        out = fp8_grouped_linear(x, weight, expert_ids_g, counts, states, recipe, transposed=bool(self.is_transposed),
+        out = fp8_grouped_linear(x, weight, expert_ids_g, offsets, states, recipe, transposed=bool(self.is_transposed),
                                  record_forward=record_forward, record_backward=record_backward, out_dtype=out_dtype,
                                  observers=observers, weight_cast=weight_cast)
         if self.has_bias:
             bias = getattr(self, f"{proj}_bias")
             out = out + bias[expert_ids_g].to(out.dtype)
         return out
+
+
+def _check_expert_ids(expert_ids_g: torch.Tensor, num_experts: int) -> None:
+    # Routing ids outside 0..E-1 would land in no expert's rows. Checked where reading them costs
+    # no sync (eager, on the CPU); on a GPU and under torch.compile the ids are the router's top-k
+    # indices, in range by construction, and an id past the scales raises in the indexing kernel.
+    if torch.compiler.is_compiling() or expert_ids_g.device.type != "cpu" or expert_ids_g.numel() == 0:
+        return
+    if int(expert_ids_g[0]) < 0 or int(expert_ids_g[-1]) >= num_experts:
+        raise ValueError(f"FP8 experts: top_k_index holds expert ids outside 0..{num_experts - 1} "
+                         f"({num_experts} experts)")
 
 
 def _same_key(a: tuple, b: tuple, record: bool) -> bool:

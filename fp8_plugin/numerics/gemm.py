@@ -55,7 +55,7 @@ from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_sc
 
 __all__ = [
     "fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
-    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "pad_to_alignment",
+    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "forced_path", "pad_to_alignment",
 ]
 
 GEMM_KINDS = ("tensorwise", "blockwise", "mxfp8")
@@ -323,6 +323,11 @@ def force_path(path: str) -> Iterator[None]:
         yield
     finally:
         _forced = previous
+
+
+def forced_path() -> Optional[str]:
+    """The path :func:`force_path` pins now: ``"native"``, ``"emulated"``, or None (``"auto"``)."""
+    return _forced
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """Grouped FP8 GEMMs for mixture-of-experts layers: one GEMM per expert over its routed tokens.
 
-Operands come grouped: the rows of the token-side operand are sorted by expert, ``counts[g]``
-rows for expert ``g`` (any count, zero included), each group with its own float32 scale_inv
-(one scale per expert per role); the expert-side operand is a stack ``[G, N, K]`` with one
-scale_inv per expert. Three products serve a gated MLP's forward and backward (Transformer
-Engine's names, ``GroupedLinear``):
+Operands come grouped: the rows of the token-side operand are sorted by expert, and the groups
+are given on the device as ``offsets``, int32 ``[G]``, the end row of each group (torch's
+``offs`` convention for ``torch._grouped_mm``: group ``g`` holds rows ``offsets[g-1]`` to
+``offsets[g]``, any count, zero included). Nothing here reads them on the host: the products
+run without a host sync and trace whole under ``torch.compile(fullgraph=True)``. Each group has
+its own float32 scale_inv (one scale per expert per role); the expert-side operand is a stack
+``[G, N, K]`` with one scale_inv per expert. Three products serve a gated MLP's forward and
+backward (Transformer Engine's names, ``GroupedLinear``):
 
 - :func:`grouped_gemm` (fprop and dgrad): ``out[rows of g] = A_g @ B_g.T``, ``A`` ``[S, K]``,
   ``B`` ``[G, N, K]``, ``out`` ``[S, N]``;
@@ -13,22 +16,40 @@ Engine's names, ``GroupedLinear``):
 
 Paths, chosen like the dense GEMMs of :mod:`fp8_plugin.numerics.gemm`:
 
-- native grouped kernel: ``torch._scaled_grouped_mm`` on CUDA GPUs where torch has it. Its
-  rules, from torch's own checks (``torch/_meta_registrations.py``,
-  ``_meta_grouped_mm_common``): both operands E4M3 (no E5M2: HYBRID's gradients never take it),
-  float32 row-wise scales (``scale_a`` ``[S]``, ``scale_b`` ``[G, N]``, so a per-expert scale is
-  spread over its rows), bfloat16 output only, K and N multiples of 16 bytes; the kernel is
-  built for sm90 and sm100 (CUTLASS grouped GEMM). Groups are padded with zero rows to
-  multiples of 16 (as torchao pads its MoE groups), exactly. Whether the kernel runs on a
-  device is decided once, by a probe GEMM that must match the emulation, as
-  :mod:`~fp8_plugin.numerics.gemm` probes its block kernels.
-- otherwise, one :func:`~fp8_plugin.numerics.gemm.fp8_gemm` per expert with tokens: the dense
-  GEMM's own path choice (``torch._scaled_mm`` with padding to its alignment on FP8 GPUs; on
-  CPU the timed choice between ``torch._scaled_mm`` and the exact float32 emulation) and its
-  one-time warning when a GEMM has to be emulated.
+- native grouped kernels, on CUDA GPUs where torch builds them (sm90 and sm100, CUTLASS):
 
-Both paths compute each expert's product of the dequantized operands with float32
-accumulation; :func:`~fp8_plugin.numerics.gemm.force_path` pins them as it pins dense GEMMs.
+  - ``torch._scaled_grouped_mm`` for fprop and dgrad of E4M3 operands. Its rules, from torch's
+    own checks (``torch/_meta_registrations.py``, ``_meta_grouped_mm_common``): both operands
+    E4M3 (no E5M2), float32 row-wise scales (``scale_a`` ``[S]``, ``scale_b`` ``[G, N]``, so a
+    per-expert scale is spread over its rows, exactly), int32 ``offs``, bfloat16 output only, K
+    and N multiples of 16 bytes. No padding of the groups: the meta kernel asks nothing of the
+    offsets, and the CUDA kernel's setup (``prepare_grouped_gemm_data`` in
+    ``aten/src/ATen/native/cuda/GroupMMCommon.cuh``) checks 16-byte group sizes only along a
+    dynamic K (the 2-D x 2-D form) or a dynamic dimension of a column-major operand; here the
+    dynamic dimension is M, the rows of the row-major ``A``, whose group starts stay 16-byte
+    aligned since K is a multiple of 16, and empty groups are allowed there.
+  - ``torch._grouped_mm`` in bfloat16 on the FP8 values for the rest (dgrad of E5M2 gradients
+    under HYBRID, and wgrad, the 2-D x 2-D form, given as ``A`` column-major and ``B``
+    row-major, the one layout for which that setup checks neither 16-byte groups nor non-empty
+    ones): every E4M3 and E5M2 value is a bfloat16 value, the kernel accumulates in float32 and
+    writes bfloat16, as ``torch._scaled_grouped_mm`` does; the per-expert scales are applied
+    to that output in float32.
+
+  Whether they run on a device is decided once, by a probe of both that must match the
+  emulation, as :mod:`~fp8_plugin.numerics.gemm` probes its block kernels.
+- otherwise (CPU, other GPUs), the exact emulation: both operands dequantized to float32 (FP8
+  value times its expert's scale_inv, as the dense emulation
+  :func:`~fp8_plugin.numerics.gemm.fp8_gemm` does) and one float32 ``torch._grouped_mm`` with
+  float32 accumulation, inside the custom operators ``fp8_plugin::grouped_mm_float32`` and
+  ``fp8_plugin::grouped_mm_wgrad_float32``: torch's meta kernel of ``_grouped_mm`` takes
+  bfloat16 only, so a float32 call cannot be traced; the custom operators give the compiler
+  their shapes and run torch's kernel as they are. Where torch has no ``_grouped_mm`` for the
+  device (torch < 2.9 on CPU), they run one float32 GEMM per group, reading the offsets on the
+  host. On a GPU torch's float32 ``_grouped_mm`` is itself such a loop (``_grouped_mm_fallback``
+  in ``aten/src/ATen/native/GroupedMMUtils.h`` copies ``offs`` to the host): the emulation on
+  GPUs without the native kernels synchronises inside torch.
+
+:func:`~fp8_plugin.numerics.gemm.force_path` pins the paths as it pins dense GEMMs.
 ``EXPERT_GEMMS`` counts the grouped FP8 GEMMs run, per kind (``"fprop"``, ``"dgrad"``,
 ``"wgrad"``), so that tests can tell FP8 experts from experts that silently ran in high
 precision.
@@ -36,26 +57,48 @@ precision.
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from collections import Counter
 from functools import lru_cache
-from typing import Optional, Sequence
 
 import torch
 
 from . import gemm as _gemm
 from .device_kind import cuda_capability, device_kind
-from .quantizers import QuantizedTensor
 from .scaling import quantize
 
-__all__ = ["grouped_gemm", "grouped_gemm_wgrad", "group_amax", "quantize_groups", "native_grouped_gemm",
-           "EXPERT_GEMMS", "GROUP_ROW_MULTIPLE"]
+__all__ = ["grouped_gemm", "grouped_gemm_wgrad", "group_amax", "group_offsets", "quantize_groups",
+           "native_grouped_gemm", "EXPERT_GEMMS"]
 
 # Grouped FP8 GEMMs run, by kind: "fprop", "dgrad", "wgrad" (one per call, whatever the path).
 EXPERT_GEMMS: Counter = Counter()
-# Rows per group the native grouped kernel is given (zero rows pad each group).
-GROUP_ROW_MULTIPLE = 16
 _NATIVE_MAJORS = (9, 10)
+# Strides the grouped kernels take: multiples of 16 bytes (GroupedMMUtils.h, check_valid_strides).
+_STRIDE_BYTES = 16
+
+
+@torch.library.custom_op("fp8_plugin::count_expert_gemm", mutates_args=())
+def _count_in_compiled_code(anchor: torch.Tensor, kind: str) -> None:
+    # Runs when the compiled graph runs (each step), not when it is traced: a Python counter
+    # bumped in traced code would be a graph constant (and a mutation autograd.Function's
+    # tracing refuses). ``anchor`` (the GEMM's operand) orders it among the graph's ops.
+    EXPERT_GEMMS[kind] += 1
+
+
+@_count_in_compiled_code.register_fake
+def _(anchor: torch.Tensor, kind: str) -> None:
+    return None
+
+
+# Kept by the compilers' dead-code elimination although it returns nothing.
+torch.fx.node.has_side_effect(torch.ops.fp8_plugin.count_expert_gemm.default)
+
+
+def _count(kind: str, anchor: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():
+        torch.ops.fp8_plugin.count_expert_gemm(anchor, kind)
+    else:
+        EXPERT_GEMMS[kind] += 1
 
 
 def group_amax(x: torch.Tensor, group_of_row: torch.Tensor, groups: int) -> torch.Tensor:
@@ -83,107 +126,249 @@ def quantize_groups(x: torch.Tensor, scale: torch.Tensor, group_of_row: torch.Te
     return quantize(x, scale[group_of_row].unsqueeze(1), dtype)
 
 
-def _offsets(counts: Sequence[int]) -> list[int]:
-    starts, total = [], 0
-    for c in counts:
-        starts.append(total)
-        total += c
-    return starts
+def group_offsets(group_of_row: torch.Tensor, groups: int) -> torch.Tensor:
+    """The end row of each group, on the device: int32 ``[G]`` (torch's ``offs``).
+
+    Args:
+        group_of_row: int ``[S]``, non-decreasing, values in ``[0, groups)``.
+        groups: G.
+
+    Binary search of the sorted group ids (deterministic on every device, unlike ``bincount``
+    on CUDA), no host read.
+    """
+    bounds = torch.arange(1, groups + 1, device=group_of_row.device, dtype=group_of_row.dtype)
+    return torch.searchsorted(group_of_row, bounds, out_int32=True)
+
+
+def _row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    # The group of each row, int64 [S], from the end rows: device-side.
+    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
+
+
+def _pad_columns(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    # Zero columns up to a multiple (zeros add nothing to a product): the grouped kernels take
+    # 16-byte strides only, and read the layout from the strides, size-1 dimensions included
+    # (a "contiguous" [1, 1, N] may have strides (N, 1, 1)): row-major strides either way.
+    pad = -x.shape[-1] % multiple
+    if pad:
+        return torch.nn.functional.pad(x, (0, pad))
+    return x if x.stride() == _row_major_strides(x.shape) else x.new_empty(x.shape).copy_(x)
+
+
+def _row_major_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _has_grouped_mm(device: torch.device) -> bool:
+    # torch._grouped_mm exists from torch 2.8; its CPU kernel from 2.9.
+    return hasattr(torch, "_grouped_mm") and not (device.type == "cpu" and _torch_before((2, 9)))
+
+
+def _torch_before(version: tuple[int, int]) -> bool:
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return (major, minor) < version
+
+
+@torch.library.custom_op("fp8_plugin::grouped_mm_float32", mutates_args=())
+def _grouped_mm_float32(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # a [S, K], b [G, N, K] float32 -> [S, N], float32 accumulation.
+    if a.shape[0] == 0:  # no rows routed at all: torch's stride checks refuse empty operands
+        return a.new_zeros(0, b.shape[1])
+    if _has_grouped_mm(a.device):
+        align = _STRIDE_BYTES // 4
+        return torch._grouped_mm(_pad_columns(a, align), _pad_columns(b, align).transpose(-2, -1), offs=offsets)
+    out, start = a.new_zeros(a.shape[0], b.shape[1]), 0
+    for g, end in enumerate(offsets.tolist()):  # torch without a grouped kernel: host offsets
+        out[start:end] = a[start:end] @ b[g].t()
+        start = end
+    return out
+
+
+@_grouped_mm_float32.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("fp8_plugin::grouped_mm_wgrad_float32", mutates_args=())
+def _grouped_mm_wgrad_float32(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # a [S, N], b [S, K] float32 -> [G, N, K], contracting over each group's rows.
+    groups = offsets.shape[0]
+    if a.shape[0] == 0:  # no rows routed at all: torch's stride checks refuse empty operands
+        return a.new_zeros(groups, a.shape[1], b.shape[1])
+    if _has_grouped_mm(a.device):
+        align = _STRIDE_BYTES // 4
+        a_p, b_p = _pad_columns(a, align), _pad_columns(b, align)
+        out = torch._grouped_mm(a_p.t(), b_p, offs=offsets)
+        return out[:, :a.shape[1], :b.shape[1]].contiguous()
+    out, start = a.new_zeros(groups, a.shape[1], b.shape[1]), 0
+    for g, end in enumerate(offsets.tolist()):  # torch without a grouped kernel: host offsets
+        out[g] = a[start:end].t() @ b[start:end]
+        start = end
+    return out
+
+
+@_grouped_mm_wgrad_float32.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
+
+
+def _dequantized_rows(x: torch.Tensor, scale_inv: torch.Tensor, group_of_row: torch.Tensor) -> torch.Tensor:
+    # FP8 rows times their group's scale_inv, in float32 (QuantizedTensor.dequantize's product).
+    return x.to(torch.float32) * scale_inv[group_of_row].unsqueeze(1)
+
+
+def _emulated(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    with torch.autocast(device_kind(a.device), enabled=False):
+        a32 = _dequantized_rows(a, sa, _row_groups(offsets, a.shape[0]))
+        b32 = b.to(torch.float32) * sb.view(-1, 1, 1)
+        return _grouped_mm_float32(a32, b32, offsets).to(out_dtype)
+
+
+def _emulated_wgrad(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    with torch.autocast(device_kind(a.device), enabled=False):
+        rows = _row_groups(offsets, a.shape[0])
+        out = _grouped_mm_wgrad_float32(_dequantized_rows(a, sa, rows), _dequantized_rows(b, sb, rows), offsets)
+        return out.to(out_dtype)
 
 
 @lru_cache(maxsize=None)
-def _native_support(device: torch.device, probe: bool) -> tuple[bool, str]:
-    # Once per device: the grouped kernel exists, the GPU is one it is built for, and (unless
-    # force_path("native") skips it) a probe GEMM through it matches the per-expert path.
-    kind = device_kind(device)
-    if kind != "cuda":
-        return False, f"no grouped FP8 kernel on {kind}"
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return False, f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    major, minor = cuda_capability(device)
+def _native_support(device: torch.device, capability: tuple[int, int], probe: bool) -> tuple[bool, str]:
+    # Once per device (and the capability it presents): the grouped kernels exist, the GPU is one
+    # they are built for, and (unless force_path("native") skips it) probe GEMMs through them
+    # match the emulation.
+    if not hasattr(torch, "_scaled_grouped_mm") or not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_grouped_mm / torch._grouped_mm"
+    major, minor = capability
     if major not in _NATIVE_MAJORS:
-        return False, f"torch._scaled_grouped_mm is built for sm90 / sm100, not sm{major}{minor}"
+        return False, f"torch's grouped FP8 kernels are built for sm90 / sm100, not sm{major}{minor}"
     if not probe:
         return True, ""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 37, 16]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
     a = (torch.randn(sum(counts), 64, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
     b = (torch.randn(len(counts), 32, 64, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    g = (torch.randn(sum(counts), 32, generator=gen) * 64).to(torch.float8_e5m2).to(device)
     sa = torch.exp2(torch.randint(-4, 5, (len(counts),), generator=gen).float()).to(device)
     sb = torch.exp2(torch.randint(-4, 5, (len(counts),), generator=gen).float()).to(device)
     try:
-        with torch.autocast(kind, enabled=False):
-            got = _native(a, sa, b, sb, counts, torch.float32).float()
+        with torch.autocast(device_kind(device), enabled=False):
+            got = [_native(a, sa, b, sb, offsets, torch.float32), _bf16_grouped(g, sa, b.transpose(1, 2).contiguous(),
+                                                                               sb, offsets, torch.float32),
+                   _bf16_grouped_wgrad(g, sa, a, sb, offsets, torch.float32)]
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
-        return False, f"torch._scaled_grouped_mm refused the probe: {str(err).splitlines()[0]}"
-    want = _per_expert(a, sa, b, sb, counts, torch.float32, forced="emulated")
-    error = (got - want).abs().max().item()
-    if not error <= 1e-2 * want.abs().max().item():  # bfloat16 output rounding
-        return False, f"torch._scaled_grouped_mm disagreed with the emulation (max error {error:.3g})"
+        return False, f"torch's grouped kernels refused the probe: {str(err).splitlines()[0]}"
+    want = [_emulated(a, sa, b, sb, offsets, torch.float32),
+            _emulated(g, sa, b.transpose(1, 2).contiguous(), sb, offsets, torch.float32),
+            _emulated_wgrad(g, sa, a, sb, offsets, torch.float32)]
+    for name, x, y in zip(("_scaled_grouped_mm", "_grouped_mm", "_grouped_mm (wgrad)"), got, want):
+        error = (x - y).abs().max().item()
+        if not error <= 1e-2 * y.abs().max().item():  # bfloat16 output rounding
+            return False, f"torch.{name} disagreed with the emulation (max error {error:.3g})"
     return True, ""
 
 
 def native_grouped_gemm(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
     """Whether :func:`grouped_gemm` of these FP8 operands (``a`` ``[S, K]``, ``b`` ``[G, N, K]``)
-    takes the native grouped kernel, and if not, why (empty when it does). Decided from dtypes,
-    shapes and the device's cached support; under ``force_path("native")`` without the probe."""
-    if _gemm._forced == "emulated":
+    takes the native grouped kernels, and if not, why (empty when it does). Decided from the
+    device and its cached support (dtypes and shapes pick between the two native kernels);
+    under ``force_path("native")`` without the probe."""
+    forced = _gemm.forced_path()
+    if forced == "emulated":
         return False, "forced emulation"
-    native, reason = _native_support(_gemm.normalize_device(a.device), _gemm._forced != "native")
-    if not native:
-        return False, reason
-    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
-        return False, "torch._scaled_grouped_mm takes E4M3 operands only"
-    if a.shape[1] % 16 or b.shape[1] % 16:
-        return False, "K and N must be multiples of 16 for torch._scaled_grouped_mm"
-    return True, ""
+    kind = device_kind(a.device)
+    if kind != "cuda":
+        return False, f"no grouped FP8 kernel on {kind}"
+    return _native_decision(_gemm.normalize_device(a.device), forced != "native")
 
 
-def _native(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, counts: Sequence[int],
+# A host-side decision, as a constant: under torch.compile it runs once while tracing (its probe
+# cannot be traced) and the graph keeps the answer, as the dense GEMMs' decisions do.
+@torch.compiler.assume_constant_result
+def _native_decision(device: torch.device, probe: bool) -> tuple[bool, str]:
+    return _native_support(device, cuda_capability(device), probe)
+
+
+_warned: set[str] = set()
+
+
+@torch.compiler.assume_constant_result
+def _warn_emulated_once(reason: str) -> bool:
+    # Once per reason, on GPUs only (on the CPU the emulation is the FP8 path).
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"FP8 expert GEMMs emulated in float32 ({reason}); numerics match, speed does not.",
+                      stacklevel=4)
+    return True
+
+
+def _scaled_kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # torch._scaled_grouped_mm: E4M3 both, K and N multiples of 16 bytes.
+    return (a.dtype == b.dtype == torch.float8_e4m3fn) and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+
+
+def _native(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
             out_dtype: torch.dtype) -> torch.Tensor:
-    # Each group padded to GROUP_ROW_MULTIPLE rows of zeros; row-wise scales from the per-expert
-    # ones (exact: the same float32 value on every row of a group).
-    G, N, K = b.shape
-    padded = [-(-c // GROUP_ROW_MULTIPLE) * GROUP_ROW_MULTIPLE for c in counts]
-    pstarts = _offsets(padded)
-    rows = torch.cat([torch.arange(p, p + c, device=a.device) for p, c in zip(pstarts, counts)]) if a.shape[0] else \
-        torch.zeros(0, dtype=torch.int64, device=a.device)
-    # Through uint8 views: indexing kernels do not all take FP8 dtypes; zero bytes are FP8 zeros.
-    a_p = torch.zeros(sum(padded), K, dtype=torch.uint8, device=a.device)
-    a_p[rows] = a.view(torch.uint8)
-    a_p = a_p.view(a.dtype)
-    # output_size: known on the host; without it torch reads the repeats back (a host sync).
-    group_of_padded = torch.repeat_interleave(torch.arange(G, device=a.device),
-                                              torch.tensor(padded, device=a.device), output_size=sum(padded))
-    scale_a = sa[group_of_padded].contiguous()
+    # Row-wise scales from the per-expert ones (exact: the same float32 value on every row of a
+    # group); the groups as they are (module docstring: no padding needed).
+    G, N, _ = b.shape
+    scale_a = sa[_row_groups(offsets, a.shape[0])].contiguous()
     scale_b = sb.unsqueeze(1).expand(G, N).contiguous()
-    offs = torch.tensor(padded, device=a.device).cumsum(0).to(torch.int32)
-    out = torch._scaled_grouped_mm(a_p, b.transpose(-2, -1), scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
-    return out[rows].to(out_dtype)
+    out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
 
 
-def _per_expert(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, counts: Sequence[int],
-                out_dtype: torch.dtype, forced: Optional[str] = None) -> torch.Tensor:
-    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    context = _gemm.force_path(forced) if forced else contextlib.nullcontext()
-    with context:
-        for g, (start, count) in enumerate(zip(_offsets(counts), counts)):
-            if count:
-                out[start:start + count] = _gemm.fp8_gemm(
-                    QuantizedTensor(a[start:start + count], sa[g]), QuantizedTensor(b[g], sb[g]), out_dtype)
-    return out
+def _bf16_grouped(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    # The FP8 values as bfloat16 (exact), float32 accumulation, bfloat16 output; then each
+    # row's product of its expert's scale_invs, in float32.
+    if a.shape[0] == 0:  # no rows routed at all: torch's stride checks refuse empty operands
+        return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
+    align = _STRIDE_BYTES // 2
+    a16 = _pad_columns(a.to(torch.bfloat16), align)
+    b16 = _pad_columns(b.to(torch.bfloat16), align)
+    out = torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offsets)
+    scale = (sa * sb)[_row_groups(offsets, a.shape[0])].unsqueeze(1)
+    return (out.to(torch.float32) * scale).to(out_dtype)
+
+
+def _bf16_grouped_wgrad(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    # A column-major [N, S] (a view of the row-major [S, N]) and B row-major [S, K]: the layout
+    # for which the kernel takes any group size, empty groups included.
+    if a.shape[0] == 0:  # no rows routed at all: torch's stride checks refuse empty operands
+        return torch.zeros(offsets.shape[0], a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
+    align = _STRIDE_BYTES // 2
+    a16 = _pad_columns(a.to(torch.bfloat16), align)
+    b16 = _pad_columns(b.to(torch.bfloat16), align)
+    out = torch._grouped_mm(a16.t(), b16, offs=offsets)[:, :a.shape[1], :b.shape[1]]
+    has_rows = (torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).view(-1, 1, 1)
+    # Zeros for an expert without tokens, whatever the kernel leaves in an empty group's output.
+    return torch.where(has_rows, out.to(torch.float32) * (sa * sb).view(-1, 1, 1), 0.0).to(out_dtype)
+
+
+def _check(name: str, ok: bool, detail: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {detail}")
 
 
 def grouped_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-                 counts: Sequence[int], out_dtype: torch.dtype, kind: str = "fprop") -> torch.Tensor:
+                 offsets: torch.Tensor, out_dtype: torch.dtype, kind: str = "fprop") -> torch.Tensor:
     """``out[rows of g] = (a_g * a_scale_inv[g]) @ (b[g] * b_scale_inv[g]).T``, FP32 accumulation.
 
     Args:
-        a: ``[S, K]`` FP8 (E4M3 or E5M2), rows sorted by group, ``counts[g]`` rows for group g.
+        a: ``[S, K]`` FP8 (E4M3 or E5M2), rows sorted by group.
         a_scale_inv: float32 ``[G]``.
         b: ``[G, N, K]`` FP8, row-major per group (the "NT" layout of the dense GEMM).
         b_scale_inv: float32 ``[G]``.
-        counts: G non-negative ints (host-side) summing to S.
+        offsets: int32 ``[G]`` on ``a``'s device, the end row of each group (non-decreasing,
+            the last one S; :func:`group_offsets`). Not read on the host.
         out_dtype: float32, bfloat16, float16 (or another float dtype, computed in float32 and cast).
         kind: what the product is, for ``EXPERT_GEMMS`` (``"fprop"`` or ``"dgrad"``).
 
@@ -191,47 +376,53 @@ def grouped_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_
         ``[S, N]`` in ``out_dtype``, a new tensor.
 
     Raises:
-        ValueError: ``counts`` does not match ``a`` and ``b``.
+        ValueError: shapes or ``offsets`` that do not fit (checked from shapes and dtypes only).
     """
-    if len(counts) != b.shape[0] or sum(counts) != a.shape[0] or a.shape[1] != b.shape[2]:
-        raise ValueError(f"grouped_gemm: counts {list(counts)} (sum {sum(counts)}) do not fit a {list(a.shape)} "
-                         f"and b {list(b.shape)}; valid: len(counts) = b.shape[0], sum(counts) = a.shape[0], "
-                         "a.shape[1] = b.shape[2]")
-    EXPERT_GEMMS[kind] += 1
-    native, _ = native_grouped_gemm(a, b)
+    _check("grouped_gemm", a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[2],
+           f"a {list(a.shape)} and b {list(b.shape)} do not fit; valid: a [S, K], b [G, N, K]")
+    _check("grouped_gemm", offsets.shape == (b.shape[0],) and offsets.dtype == torch.int32,
+           f"offsets {offsets.dtype} {list(offsets.shape)} do not fit b {list(b.shape)}; valid: int32 [G]")
+    _count(kind, a)
+    native, reason = native_grouped_gemm(a, b)
     if native:
         with torch.autocast(device_kind(a.device), enabled=False):
-            return _native(a, a_scale_inv, b, b_scale_inv, counts, out_dtype)
-    return _per_expert(a, a_scale_inv, b, b_scale_inv, counts, out_dtype)
+            if _scaled_kernel_takes(a, b):
+                return _native(a, a_scale_inv, b, b_scale_inv, offsets, out_dtype)
+            return _bf16_grouped(a, a_scale_inv, b, b_scale_inv, offsets, out_dtype)
+    if device_kind(a.device) == "cuda" and reason != "forced emulation":
+        _warn_emulated_once(reason)
+    return _emulated(a, a_scale_inv, b, b_scale_inv, offsets, out_dtype)
 
 
 def grouped_gemm_wgrad(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-                       counts: Sequence[int], out_dtype: torch.dtype) -> torch.Tensor:
+                       offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``out[g] = (a_g * a_scale_inv[g]).T @ (b_g * b_scale_inv[g])``, FP32 accumulation: the
-    weight gradient of each expert, contracting over its tokens.
+    weight gradient of each expert, contracting over its tokens (the 2-D x 2-D grouped form,
+    groups along the token dimension).
 
     Args:
         a: ``[S, N]`` FP8 (grad_output), rows sorted by group.
         b: ``[S, K]`` FP8 (the input), rows sorted by group.
         a_scale_inv, b_scale_inv: float32 ``[G]``.
-        counts: G non-negative ints summing to S.
+        offsets: int32 ``[G]``, as in :func:`grouped_gemm`.
         out_dtype: as in :func:`grouped_gemm`.
 
     Returns:
         ``[G, N, K]`` in ``out_dtype``; zeros for a group with no rows.
 
-    One :func:`~fp8_plugin.numerics.gemm.fp8_gemm` per expert with tokens, on each operand's
-    transposed copy (1 byte per value), so that the token dimension is the contraction (K) of
-    the dense GEMM and is padded to its alignment there.
+    Raises:
+        ValueError: shapes or ``offsets`` that do not fit.
     """
-    if sum(counts) != a.shape[0] or a.shape[0] != b.shape[0]:
-        raise ValueError(f"grouped_gemm_wgrad: counts {list(counts)} (sum {sum(counts)}) do not fit a "
-                         f"{list(a.shape)} and b {list(b.shape)}; valid: sum(counts) = a.shape[0] = b.shape[0]")
-    EXPERT_GEMMS["wgrad"] += 1
-    out = torch.zeros(len(counts), a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
-    for g, (start, count) in enumerate(zip(_offsets(counts), counts)):
-        if count:
-            rows = slice(start, start + count)
-            out[g] = _gemm.fp8_gemm(QuantizedTensor(a[rows].t().contiguous(), a_scale_inv[g]),
-                                    QuantizedTensor(b[rows].t().contiguous(), b_scale_inv[g]), out_dtype)
-    return out
+    _check("grouped_gemm_wgrad", a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[0],
+           f"a {list(a.shape)} and b {list(b.shape)} do not fit; valid: a [S, N], b [S, K]")
+    _check("grouped_gemm_wgrad", offsets.dim() == 1 and offsets.dtype == torch.int32
+           and a_scale_inv.shape == offsets.shape, f"offsets {offsets.dtype} {list(offsets.shape)} do not fit "
+           f"a_scale_inv {list(a_scale_inv.shape)}; valid: int32 [G]")
+    _count("wgrad", a)
+    native, reason = native_grouped_gemm(a, b.unsqueeze(0))
+    if native:
+        with torch.autocast(device_kind(a.device), enabled=False):
+            return _bf16_grouped_wgrad(a, a_scale_inv, b, b_scale_inv, offsets, out_dtype)
+    if device_kind(a.device) == "cuda" and reason != "forced emulation":
+        _warn_emulated_once(reason)
+    return _emulated_wgrad(a, a_scale_inv, b, b_scale_inv, offsets, out_dtype)

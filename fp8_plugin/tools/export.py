@@ -6,8 +6,9 @@ Two formats:
   the original module types and weight layouts, the FP8 scaling state left out. Vanilla
   ``from_pretrained`` loads it with no missing or unexpected keys.
 - ``"hf-fp8"``: the fine-grained FP8 checkpoint transformers documents for DeepSeek-V3 and the Qwen
-  FP8 releases (``FineGrainedFP8Config``, ``quant_method: "fp8"``): the weight of each FP8 layer in
-  E4M3 with one FP32 scale per 128x128 block, everything else in the model's dtype.
+  FP8 releases (``FineGrainedFP8Config``, ``quant_method: "fp8"``): the weight of each FP8 layer and
+  each expert of the FP8 MoE experts modules in E4M3 with one FP32 scale per 128x128 block,
+  everything else in the model's dtype.
 
 Sources: transformers' fine-grained FP8 integration (``transformers/integrations/finegrained_fp8.py``,
 ``transformers/quantizers/quantizer_finegrained_fp8.py``, ``FineGrainedFP8Config`` in
@@ -31,8 +32,10 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
+from .._private.transformers_api import set_save_conversions_with_scales
 from ..modules.backends import BACKENDS
 from ..modules.convert import convert_model
+from ..modules.experts import FP8ExpertsMixin
 from ..numerics.block_scaling import block_amax, blockwise_scale, quantize_blocks
 from ..numerics.scaling import divide
 
@@ -72,8 +75,18 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
       (what transformers computes when it dequantizes, and what its FP8 kernels apply);
     - ``<name>.bias``, if any: unchanged, in the model's dtype.
 
-    Every other tensor (embeddings, norms, heads, layers kept in high precision) is written as in
-    ``"hf"``. ``config.json`` gains ``"quantization_config": {"quant_method": "fp8",
+    FP8 MoE experts modules (:mod:`fp8_plugin.modules.experts`; 3-D ``gate_up_proj`` ``[E, 2I, H]``
+    or ``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) are held as transformers' FP8
+    experts (``FP8Experts``) hold them: each expert's ``[out, in]`` weight cast as a dense
+    layer's, giving E4M3 ``[E, out, in]`` and float32 ``[E, ceil(out / 128), ceil(in / 128)]``
+    scales, written by ``save_pretrained`` under the model's per-expert checkpoint names (for
+    Mixtral ``experts.<e>.w1.weight`` E4M3 ``[I, H]`` beside ``experts.<e>.w1.weight_scale_inv``),
+    which transformers' loader merges back into ``gate_up_proj`` / ``gate_up_proj_scale_inv``
+    (``[E, 2 * ceil(I / 128), ceil(H / 128)]``: the gate's and up's grids stacked) or
+    dequantizes per expert. They are not listed in ``modules_to_not_convert``.
+
+    Every other tensor (embeddings, norms, heads, routers, layers kept in high precision) is
+    written as in ``"hf"``. ``config.json`` gains ``"quantization_config": {"quant_method": "fp8",
     "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert":
     [...]}``. When it loads a pre-quantized checkpoint, transformers turns every module that is
     exactly ``nn.Linear`` (and every ``*.experts`` module) into its FP8 layer unless a
@@ -131,8 +144,14 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
         ValueError: ``format`` is not one of ``FORMATS``; ``model`` is quantized by transformers
             (loaded from a quantized checkpoint without ``dequantize=True``);
             ``safe_serialization=False`` with a transformers that writes safetensors only; for
-            ``"hf-fp8"``, no layer of the model can be stored in FP8, or an FP8 layer's weight
-            holds an inf or NaN.
+            ``"hf-fp8"``, no layer of the model can be stored in FP8, an FP8 layer's weight
+            holds an inf or NaN, or an FP8 experts module has no layout in transformers' FP8
+            experts (expert biases; transposed weights, ``is_transposed``; a gated intermediate
+            size not a multiple of 128, or another expert dim above 128 and not a multiple of
+            128; a family whose checkpoints hold the 3-D tensors, whose scales transformers'
+            dequantizing loader would not apply): raised before anything is written, naming
+            the module and the reason (convert with ``exclude=["experts"]`` to store such
+            experts in high precision).
         TypeError: ``model`` is not a transformers ``PreTrainedModel``; ``safe_serialization`` is
             not a bool.
         FileExistsError: ``path`` is a file.
@@ -227,7 +246,7 @@ def _vanilla_layer(layer: nn.Module) -> nn.Module:
 def _vanilla_copy(model: nn.Module) -> tuple[nn.Module, set[str]]:
     """A copy of ``model``'s module tree (config included) that shares its parameters and
     buffers, with every FP8 layer replaced by the layer it replaced; and the names (every path)
-    of the FP8 layers that run in FP8 (``use_fp8``)."""
+    of the FP8 layers and FP8 experts modules that run in FP8 (``use_fp8``)."""
     fp8_types = _fp8_types()
     memo: dict[int, Any] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -239,6 +258,8 @@ def _vanilla_copy(model: nn.Module) -> tuple[nn.Module, set[str]]:
                 memo[id(module)] = _vanilla_layer(module)
             if getattr(module, "use_fp8", True):
                 fp8_names.add(name)
+        elif isinstance(module, FP8ExpertsMixin) and module.use_fp8:
+            fp8_names.add(name)  # kept as is: its parameters and save_pretrained output are the model's
     vanilla = copy.deepcopy(model, memo)
     _drop_quantizer_conversions(vanilla)
     return vanilla, fp8_names
@@ -282,7 +303,7 @@ def _keep_in_fp32(model: nn.Module) -> list[str]:
 def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The vanilla copy whose config carries the quantization_config, and the state dict to save."""
     source = model
-    if not any(isinstance(m, _fp8_types()) for m in model.modules()):
+    if not any(isinstance(m, _fp8_types() + (FP8ExpertsMixin,)) for m in model.modules()):
         # Not converted: the layers convert_model would swap are the FP8 layers.
         source = _shared_copy(model)
         with warnings.catch_warnings():
@@ -291,14 +312,23 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     vanilla, fp8_names = _vanilla_copy(source)
 
     modules = dict(vanilla.named_modules(remove_duplicate=False))
+    experts = {n for n in fp8_names if isinstance(modules[n], FP8ExpertsMixin)}
+    if experts:
+        # save_pretrained then writes the per-expert scales beside their weights.
+        set_save_conversions_with_scales(vanilla)
+    for name in sorted(experts):  # refused before anything is cast or written
+        reason = _experts_refusal(modules[name]) or _serialized_experts_refusal(vanilla, modules[name], name)
+        if reason:
+            raise ValueError(_experts_error(name, modules[name], reason))
     # Modules transformers would turn into FP8 layers when loading (replace_with_fp8_linear), and
     # the Conv1D layers other readers map to linear layers.
     linear_like = [n for n, m in modules.items() if n and (isinstance(m, nn.Linear) or _is_conv1d(m)
                                                            or n == "experts" or n.endswith(".experts"))]
     tied = _tied_parameter_ids(vanilla)
     keep_fp32 = _keep_in_fp32(vanilla)
-    quantized = {n for n in fp8_names
-                 if _storable(modules[n], tied) and not (keep_fp32 and _transformers_skips(n, keep_fp32))}
+    storable = {n for n in fp8_names
+                if (not _has_tied(modules[n], tied) if n in experts else _storable(modules[n], tied))}
+    quantized = {n for n in storable if not (keep_fp32 and _transformers_skips(n, keep_fp32))}
     # A skip-list entry also matches the names it is a prefix (at a module boundary) or a suffix
     # of: keep such layers in high precision too, until the list and the FP8 layers agree.
     while True:
@@ -319,11 +349,15 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         )
 
     state_dict = vanilla.state_dict()
-    for name in sorted(quantized):
+    for name in sorted(quantized - experts):
         key = f"{name}.weight"
         data, scale_inv = _quantize_weight(state_dict[key], key)
         state_dict[key] = data
         state_dict[f"{name}.weight_scale_inv"] = scale_inv
+    for name in sorted(quantized & experts):
+        for proj in _expert_projections(modules[name]):
+            key = f"{name}.{proj}"
+            state_dict[key], state_dict[f"{key}_scale_inv"] = _quantize_experts(state_dict[key], key)
     vanilla.config.quantization_config = {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
@@ -331,6 +365,77 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         "modules_to_not_convert": skipped,
     }
     return vanilla, state_dict
+
+
+def _expert_projections(module: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def _experts_refusal(module: nn.Module) -> str:
+    """Why transformers' FP8 experts (``FP8Experts`` in ``integrations/finegrained_fp8.py``)
+    cannot hold this experts module's weights, or "" when they can."""
+    if module.has_bias:
+        return ("it has expert biases (*_proj_bias), which transformers' FP8 experts do not hold (FP8Experts "
+                "requires has_bias=False)")
+    if module.is_transposed:
+        return ("its weights are stored transposed ([experts, in, out], is_transposed=True), and transformers' FP8 "
+                "experts hold [experts, out, in] weights with their scale grids")
+    first, down = _expert_projections(module)
+    experts, rows, hidden = getattr(module, first).shape
+    _, _, inner = getattr(module, down).shape
+    if module.has_gate and (rows // 2) % WEIGHT_BLOCK_SIZE[0]:
+        return (f"its gate_up_proj stacks gate and up halves of {rows // 2} rows each, not a multiple of 128: "
+                "transformers' FP8 experts stack the two halves' 128-row scale grids, so the up half must start "
+                "on a block boundary")
+    for what, dim in (("intermediate", rows // 2 if module.has_gate else rows), ("hidden", hidden), ("inner", inner)):
+        if dim > 128 and dim % 128:
+            return (f"its {what} size {dim} is above 128 and not a multiple of 128 (a partial last block, which "
+                    "transformers' dequantizing loader reads with the wrong block size)")
+    return ""
+
+
+def _experts_error(name: str, module: nn.Module, reason: str) -> str:
+    return (f"export: format='hf-fp8' cannot store the FP8 experts module {name!r} ({type(module).__name__}) in "
+            f"transformers' fine-grained FP8 layout: {reason}. Valid: convert the model with "
+            f"exclude=[{name.rpartition('.')[2]!r}] (its experts stay in high precision, listed in "
+            "modules_to_not_convert), or format='hf'")
+
+
+def _has_tied(module: nn.Module, tied: set[int]) -> bool:
+    return any(id(p) in tied for p in module.parameters(recurse=False))
+
+
+def _quantize_experts(weight: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's ``[out, in]`` weight as :func:`_quantize_weight` casts a dense one: E4M3
+    ``[E, out, in]`` and float32 ``[E, ceil(out/128), ceil(in/128)]``."""
+    casts = [_quantize_weight(weight[e], f"{key}[{e}]") for e in range(weight.shape[0])]
+    return torch.stack([c[0] for c in casts]), torch.stack([c[1] for c in casts])
+
+
+def _serialized_experts_refusal(model: nn.Module, module: nn.Module, name: str) -> str:
+    """Why save_pretrained would not write this experts module as per-expert 2-D weights, each
+    beside its ``[ceil(out/128), ceil(in/128)]`` ``weight_scale_inv`` ("" when it would): the
+    layout transformers' FP8 loader merges into its FP8 experts, or dequantizes per expert. A
+    family whose checkpoints hold the 3-D tensors themselves has no such layout: from_pretrained
+    with dequantize=True would load their E4M3 values without their ``*_scale_inv``."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    tensors = {}
+    for proj in _expert_projections(module):
+        experts, rows, cols = getattr(module, proj).shape
+        grid = tuple(-(-d // b) for d, b in zip((rows, cols), WEIGHT_BLOCK_SIZE))
+        tensors[f"{name}.{proj}"] = torch.empty(experts, rows, cols, dtype=_FP8_DTYPE, device="meta")
+        tensors[f"{name}.{proj}_scale_inv"] = torch.empty(experts, *grid, dtype=torch.float32, device="meta")
+    written = revert_weight_conversion(model, tensors)
+    scales = {k: v for k, v in written.items() if k.endswith(".weight_scale_inv")}
+    weights = {k: v for k, v in written.items() if k not in scales}
+    if weights and len(scales) == len(weights) and all(
+            k.endswith(".weight") and v.dim() == 2 and f"{k}_scale_inv" in scales
+            and tuple(scales[f"{k}_scale_inv"].shape) == tuple(-(-d // b) for d, b in zip(v.shape, WEIGHT_BLOCK_SIZE))
+            for k, v in weights.items()):
+        return ""
+    return (f"{type(model).__name__}'s checkpoint layout keeps the experts' tensors as {sorted(written)[:2]} (not "
+            "one 2-D '*.weight' per expert), whose scale_inv transformers' dequantizing loader does not apply")
 
 
 def _tied_parameter_ids(model: nn.Module) -> set[int]:

@@ -244,10 +244,18 @@ class FP8Training:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The settled FP8 state of the module (every rank must call it: it may reduce)."""
+        """The FP8 state of the module (every rank must call it: it may reduce).
+
+        Between optimizer steps: settled, the last step's amaxes reduced and turned into scales.
+        In the middle of one (a save between accumulated micro-batches, as Lightning's
+        ``ModelCheckpoint(every_n_train_steps=...)`` makes after a resume): as it stands, the
+        step's amaxes still pending, so that saving never changes the scales its remaining
+        micro-batches cast with (a resumed run applies them under the recipe in force).
+        """
         if self.module is None:
             return {}
-        update_pending_scales(self.module, self.amax_reducer())
+        if self._step is None:
+            update_pending_scales(self.module, self.amax_reducer())
         return fp8_state_dict(self.module)
 
     def load_state_dict(self, saved: dict[str, Any], owner: str) -> None:
@@ -273,16 +281,40 @@ class FP8Training:
         self.faults.restart_counts()
 
     def metrics(self) -> dict[str, float]:
-        """Layer count, min/max scale and non-finite amaxes of the FP8 layers (one host sync)."""
+        """Figures of the FP8 layers and FP8 MoE experts modules, from their scaling state (one
+        host sync); empty when the module has neither.
+
+        - ``fp8/layers``: the number of ``FP8Linear`` layers;
+        - ``fp8/scale_min``, ``fp8/scale_max``: the smallest and largest scale (float32, the
+          factor applied before an FP8 cast) over every role (input, weight, grad_output) of every
+          FP8 layer and of every expert's projection;
+        - ``fp8/nonfinite_amax``: casts whose amax was inf or NaN, and ``fp8/amax_outliers``:
+          delayed-scaling updates whose amax was an outlier, summed over the same states;
+        - ``fp8/nonfinite_skipped_steps``: optimizer steps skipped for non-finite gradients.
+
+        With FP8 experts modules (``fp8_plugin.modules.experts``) also:
+
+        - ``fp8/experts``: the number of experts modules, ``fp8/expert_projections``: the
+          per-expert scaling states they hold (experts x 2 projections per module);
+        - ``fp8/experts_scale_min``, ``fp8/experts_scale_max``: the scale range over those
+          states alone (one scale per expert per projection per role).
+        """
         layers = self._fp8_layers() if self.module is not None else []
-        if not layers:
+        experts = self._experts if self.module is not None else []
+        states = [m.fp8_state for m in layers]
+        expert_states = [g.fp8_state for m in experts for proj in m.fp8_scaling.values() for g in proj]
+        if not states and not expert_states:
             return {}
-        scales = torch.stack([m.fp8_state.scale for m in layers])
-        nonfinite = torch.stack([m.fp8_state.nonfinite_amax_count for m in layers]).sum()
-        outliers = torch.stack([m.fp8_state.outlier_count for m in layers]).sum()
-        values = torch.stack([scales.min(), scales.max(), nonfinite.to(scales.dtype),
-                              outliers.to(scales.dtype)]).tolist()
-        return {
+        every = states + expert_states
+        scales = torch.stack([s.scale for s in every])
+        nonfinite = torch.stack([s.nonfinite_amax_count for s in every]).sum()
+        outliers = torch.stack([s.outlier_count for s in every]).sum()
+        figures = [scales.min(), scales.max(), nonfinite.to(scales.dtype), outliers.to(scales.dtype)]
+        if expert_states:
+            expert_scales = scales[len(states):]
+            figures += [expert_scales.min(), expert_scales.max()]
+        values = torch.stack(figures).tolist()
+        metrics = {
             "fp8/layers": float(len(layers)),
             "fp8/scale_min": values[0],
             "fp8/scale_max": values[1],
@@ -290,6 +322,14 @@ class FP8Training:
             "fp8/amax_outliers": values[3],
             "fp8/nonfinite_skipped_steps": float(self.faults.skipped_steps),
         }
+        if expert_states:
+            metrics.update({
+                "fp8/experts": float(len(experts)),
+                "fp8/expert_projections": float(len(expert_states)),
+                "fp8/experts_scale_min": values[4],
+                "fp8/experts_scale_max": values[5],
+            })
+        return metrics
 
 
 def _drop_fp8_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -12,7 +12,8 @@ import torch
 from ..numerics.formats import Format
 from ..numerics.recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["PRECISION_STRINGS", "parse_precision_string", "StringSettings", "settings_for_loop"]
+__all__ = ["PRECISION_STRINGS", "parse_precision_string", "StringSettings", "is_deepspeed_strategy",
+           "settings_for_loop"]
 
 # precision string -> (recipe, compute dtype of the non-FP8 ops). Float16 turns loss scaling on.
 PRECISION_STRINGS: dict[str, tuple[Callable[[], Recipe], torch.dtype]] = {
@@ -51,28 +52,48 @@ def parse_precision_string(precision: str) -> tuple[Callable[[], Recipe], torch.
 
 class StringSettings(NamedTuple):
     """What an ``"fp8-*"`` string means for one loop: recipe factory, compute dtype, the
-    strategy's name (lower case) and the device type the plugin should target (None: default)."""
+    strategy's name (lower case), the device type the plugin should target (None: default) and
+    whether the strategy is a DeepSpeed one (its loop then builds a DeepSpeed FP8 plugin)."""
 
     make_recipe: Callable[[], Recipe]
     compute_dtype: torch.dtype
     strategy: str
     device: Optional[str]
+    deepspeed: bool = False
 
 
-def settings_for_loop(precision: str, strategy: object, accelerator: object, valid_strategies: str) -> StringSettings:
+def is_deepspeed_strategy(strategy: object) -> bool:
+    """Whether a loop's ``strategy`` flag names DeepSpeed: a string such as ``"deepspeed"`` or
+    ``"deepspeed_stage_3_offload"``, or an object of a class whose name (or a base's) says so
+    (Lightning's ``DeepSpeedStrategy`` and its subclasses)."""
+    if isinstance(strategy, str):
+        return "deepspeed" in strategy.lower()
+    return any("deepspeed" in cls.__name__.lower() for cls in type(strategy).__mro__)
+
+
+def settings_for_loop(precision: str, strategy: object, accelerator: object, valid_strategies: str,
+                      accepts_deepspeed: bool = False, loop: str = "this training loop") -> StringSettings:
     """Parse ``precision`` for a loop given its ``strategy`` and ``accelerator`` flags.
 
+    Args:
+        accepts_deepspeed: whether the loop has an FP8 plugin for DeepSpeed strategies (the
+            Trainer's :class:`~fp8_plugin.lightning.deepspeed_precision.FP8DeepSpeedPrecision`);
+            otherwise a DeepSpeed strategy is refused.
+        loop: the loop's name, for the refusal.
+
     Raises:
-        ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy (not
-            supported: DeepSpeed owns mixed precision and the optimizer step); the message lists
-            ``valid_strategies``.
+        ValueError: unknown string (the valid ones are listed), or a DeepSpeed strategy in a loop
+            that does not accept one; the message lists ``valid_strategies``.
     """
     make_recipe, compute_dtype = parse_precision_string(precision)
     name = strategy.lower() if isinstance(strategy, str) else type(strategy).__name__.lower()
-    if "deepspeed" in name:
+    deepspeed = is_deepspeed_strategy(strategy)
+    if deepspeed and not accepts_deepspeed:
         raise ValueError(
-            f"precision={precision!r} with strategy={strategy!r} is not supported: DeepSpeed runs its own "
-            f"mixed precision and loss scaling. Valid strategies: {valid_strategies}"
+            f"precision={precision!r} with strategy={strategy!r} is not supported by {loop}: fp8-plugin has "
+            f"no FP8 precision plugin for its DeepSpeed strategy (the Lightning Trainer and "
+            f"fp8_plugin.accelerate.Accelerator have one). "
+            f"Valid strategies: {valid_strategies}"
         )
     device = "cpu" if (accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator") else None
-    return StringSettings(make_recipe, compute_dtype, name, device)
+    return StringSettings(make_recipe, compute_dtype, name, device, deepspeed)

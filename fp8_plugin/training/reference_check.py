@@ -28,15 +28,18 @@ The figures (:class:`ReferenceResult`), FP8 against the reference:
   ``10 log10(sum z_ref^2 / sum (z_fp8 - z_ref)^2)`` where ``x`` and ``dy`` are the layer's input and
   grad_output in the reference replay, ``z_fp8`` the GEMM on their FP8 casts (the layer's recipe
   and current scales, grad_output in the backward format) and ``z_ref`` the same GEMM on the
-  unquantised operands in the reference's GEMM dtype (fprop: the layer's output figure above,
-  its signal less the bias). A layer's figures so isolate the quantisation error of each of its
-  GEMMs: a bad input scale shows in fprop and wgrad, a bad weight scale in fprop and dgrad, a bad
-  grad_output scale in dgrad and wgrad. A GEMM the layer runs in high precision
+  unquantised operands in the reference's GEMM dtype: the reference replay's own result, read
+  rather than recomputed (fprop: the layer's output figure above, its signal less the bias;
+  dgrad: the gradient the replay hands to the layer's input; wgrad: the weight's gradient). A
+  layer's figures so isolate the quantisation error of each of its GEMMs: a bad input scale
+  shows in fprop and wgrad, a bad weight scale in fprop and dgrad, a bad grad_output scale in
+  dgrad and wgrad. A GEMM the layer runs in high precision
   (``FP8Linear.fp8_gemms``, the recipe's ``override_linear_precision``) has no quantisation
   error (``inf``); a GEMM the training step does not run (dgrad of a layer whose input needs no
   gradient, wgrad of a frozen weight) has no figure. They are computed on the fly, as the
   replay's backward reaches each layer: a layer's input is held from its forward to its backward
-  (as autograd holds it anyway), nothing more. MoE experts modules have no per-GEMM figures.
+  (as autograd holds it anyway), and its FP8 wgrad until the weight's gradient is formed. MoE
+  experts modules have no per-GEMM figures.
 
 Under several processes every sum above is all-reduced (SUM) before the figures are formed:
 they describe the replayed micro-batches of all ranks together and are identical on every rank,
@@ -46,6 +49,7 @@ so every rank takes the same decision.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 import warnings
@@ -56,16 +60,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._private.torch_api import in_backward_pass
+from .._private.torch_api import has_tensor_hooks, in_backward_pass
 from ..modules.autocast import replay
 from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from ..numerics.device import bf16_matmul_is_fast
 from ..numerics.device_kind import device_kind
 from ..numerics.gemm import fp8_gemm
-from ..numerics.quantizers import GRAD_OUTPUT, INPUT, QuantizedTensor, make_quantizer
+from ..numerics.quantizers import GRAD_OUTPUT, INPUT, PerTensorQuantizer, QuantizedTensor, make_quantizer
 from ..numerics.recipes import GEMMS, Recipe
-from .reference_report import summary_text, with_written, write_reports
+from .reference_report import move_text, summary_text, with_written, write_reports
 
 __all__ = [
     "ReferenceCheck",
@@ -73,12 +77,13 @@ __all__ = [
     "ReferenceChecker",
     "FP8ReferenceCheckError",
     "POLICIES",
+    "ESCALATION_STEPS",
     "reference_check",
     "resolve_reference_check",
     "output_loss",
     "capture_rng_state",
     "sqnr_hook",
-    "gemm_sqnr_hook",
+    "gemm_sqnr_hooks",
     "sqnr_db",
     "GEMMS",
 ]
@@ -128,6 +133,12 @@ class ReferenceCheck:
         max_fallback_replays: under ``"fallback"``, at most this many verification replays per
             failed check (each costs about a check): a move is kept only when a replay with it
             passes every threshold.
+        max_escalation_replays: under ``"fallback"`` (and ``"raise"``, as a diagnosis), when no
+            candidate move restores the figures within ``max_fallback_replays``, at most this
+            many steps of the escalation (:data:`ESCALATION_STEPS`, in order, each model-wide:
+            dgrad in high precision, fprop in high precision, dgrad and wgrad in high
+            precision, FP8 off), one replay each; the first that passes is kept. 0: no
+            escalation.
         output_loss: how the replay reads the loss from the model's output (Fabric and
             Accelerate replay the model's forward); default :func:`output_loss` (the output's
             ``loss``, its ``"loss"`` entry, or the output itself when it is a 0-dim tensor).
@@ -150,6 +161,7 @@ class ReferenceCheck:
     fallback_worst_k: int = 1
     min_gemm_sqnr_db: float = 10.0
     max_fallback_replays: int = 6
+    max_escalation_replays: int = 4
     output_loss: Optional[Callable[[Any], torch.Tensor]] = None
     log_layers: bool = True
     json_path: Optional[str] = None
@@ -159,6 +171,7 @@ class ReferenceCheck:
         _check_int("every", self.every, 0)
         _check_int("fallback_worst_k", self.fallback_worst_k, 1)
         _check_int("max_fallback_replays", self.max_fallback_replays, 0)
+        _check_int("max_escalation_replays", self.max_escalation_replays, 0)
         if self.policy not in POLICIES:
             raise ValueError(f"ReferenceCheck(policy={self.policy!r}) is not valid; valid: {', '.join(POLICIES)}")
         for name, low, high in (("min_sqnr_db", -math.inf, math.inf), ("min_gemm_sqnr_db", -math.inf, math.inf),
@@ -210,7 +223,10 @@ class FP8ReferenceCheckError(RuntimeError):
 
     def __init__(self, result: "ReferenceResult") -> None:
         self.result = result
-        super().__init__(f"FP8 reference check failed at step {result.step}: {result.describe()}")
+        text = f"FP8 reference check failed at step {result.step}: {result.describe()}"
+        if result.fallback_tried:
+            text += "\nreplays tried (nothing kept under policy 'raise'):\n" + result.tried_text()
+        super().__init__(text)
 
 
 @dataclass
@@ -230,9 +246,14 @@ class ReferenceResult:
         failures: why the check failed (empty when it passed).
         fallback_layers: the layers this check moved to high precision.
         fallback_gemms: the GEMMs this check moved to high precision, ``"<layer>.<gemm>"``.
-        fallback_tried: the moves a verified fallback tried, in order: ``{"moves": [...],
-            "passed": bool, "kept": bool, "loss_rel_diff", "grad_cosine", "grad_rel_error",
-            "failures": [...]}`` (the figures of the replay with that move).
+        fallback_tried: every replay a verified fallback (or a ``"raise"`` diagnosis) ran, in
+            order: ``{"stage": "candidate" | "escalation", "escalation": the step's name or None,
+            "moves": ["<layer>" | "<layer>.<gemm>", ...], "passed": bool, "kept": bool,
+            "failures": [...], "loss_rel_diff", "grad_cosine", "grad_rel_error", "sqnr_min_db"
+            (the replay's figures with the move: after), "before": {the same four of the check:
+            before}}``.
+        fallback_escalation: the escalation step kept (a name in :data:`ESCALATION_STEPS`), or
+            ``""``.
         seconds: wall time the check took.
     """
 
@@ -249,6 +270,7 @@ class ReferenceResult:
     fallback_layers: list[str] = field(default_factory=list)
     fallback_gemms: list[str] = field(default_factory=list)
     fallback_tried: list[dict[str, Any]] = field(default_factory=list)
+    fallback_escalation: str = ""
     seconds: float = 0.0
 
     @property
@@ -283,11 +305,22 @@ class ReferenceResult:
         if self.failures:
             text += "; failed: " + "; ".join(self.failures)
         moved = self.fallback_layers + self.fallback_gemms
-        if moved:
+        if self.fallback_escalation:
+            text += f"; escalated: {self.fallback_escalation} ({len(moved)} moves to high precision)"
+        elif moved:
             text += "; moved to high precision: " + ", ".join(moved)
+        passed = [t for t in self.fallback_tried if t["passed"]]
         if self.fallback_tried and not moved:
-            text += f"; no move of the {len(self.fallback_tried)} tried restored the figures: none kept"
+            if passed:  # a diagnosis (policy "raise"): nothing kept
+                text += (f"; of the {len(self.fallback_tried)} moves tried, this restored the figures (not kept): "
+                         + move_text(passed[-1]))
+            else:
+                text += f"; no move of the {len(self.fallback_tried)} tried restored the figures: none kept"
         return text
+
+    def tried_text(self) -> str:
+        """Every replay of the verified fallback, one per line, with its figures before and after."""
+        return "\n".join(f"  {i + 1}. {move_text(t)}" for i, t in enumerate(self.fallback_tried))
 
     def metrics(self, layers: bool = True) -> dict[str, float]:
         """Scalar figures for a logger, under the ``fp8_ref/`` prefix: the losses, gradient
@@ -452,9 +485,11 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
                 energies[i], recipes[name], gemm_energies[i, 0] if _has_gemm_figures(layer, recipes[name]) else None))
                 for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
             gemm_dtype = reference_dtype or compute_dtype  # the dtype the reference replay's GEMMs run in
-            handles += [layer.register_forward_hook(gemm_sqnr_hook(gemm_energies[i], recipes[name],
-                                                                   layer._forward_context.gemms, gemm_dtype))
-                        for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])]
+            shared = _shared_weights(model)
+            handles += [handle for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])
+                        for handle in gemm_sqnr_hooks(layer, gemm_energies[i], recipes[name],
+                                                      layer._forward_context.gemms, gemm_dtype,
+                                                      id(layer.weight) in shared or has_tensor_hooks(layer.weight))]
             try:
                 loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None,
                                               reference_dtype)
@@ -552,7 +587,7 @@ def sqnr_hook(energy: torch.Tensor, recipe: Recipe, fprop_energy: Optional[torch
     ``fprop_energy`` (float64 ``[2]``, an :class:`~fp8_plugin.modules.linear.FP8Linear` only):
     also adds the signal energy of its GEMM, ``sum (y - b)^2`` (the output less the bias), and,
     when the layer runs its fprop GEMM in FP8, the same error energy: the fprop figure of
-    :func:`gemm_sqnr_hook`, at no further GEMM."""
+    :func:`gemm_sqnr_hooks`, at no further GEMM."""
     def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled() and in_backward_pass():
             return  # an activation-checkpoint recomputation: this forward was counted already
@@ -573,64 +608,137 @@ def sqnr_hook(energy: torch.Tensor, recipe: Recipe, fprop_energy: Optional[torch
     return hook
 
 
+def _shared_weights(model: nn.Module) -> set[int]:
+    # ids of the parameters more than one module holds (tied weights): their gradient is not one
+    # layer's wgrad.
+    counts: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    return {key for key, n in counts.items() if n > 1}
+
+
 def _has_gemm_figures(layer: nn.Module, recipe: Optional[Recipe]) -> bool:
     # FP8 linear layers that ran in FP8 in the FP8 replay (MoE experts: their output figure only).
     return recipe is not None and isinstance(layer, FP8Linear)
 
 
-def gemm_sqnr_hook(energy: torch.Tensor, recipe: Recipe, gemms: Sequence[bool] = (True, True, True),
-                   dtype: torch.dtype = torch.float32) -> Callable:
-    """A forward hook for an :class:`~fp8_plugin.modules.linear.FP8Linear` running in high
-    precision (the reference replay) that measures its backward GEMMs' quantisation error.
+def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemms: Sequence[bool] = (True, True, True),
+                    dtype: torch.dtype = torch.float32, weight_shared: bool = False) -> list:
+    """Hooks on an :class:`~fp8_plugin.modules.linear.FP8Linear` running in high precision (the
+    reference replay) that measure its backward GEMMs' quantisation error; returns their handles.
 
-    For dgrad (``dy W``, row 1 of ``energy``) and wgrad (``dy^T x``, row 2) it adds the signal
-    energy ``sum z^2`` of the GEMM in ``dtype`` (the reference replay's GEMM dtype; FP32
-    accumulation) on the layer's unquantised input ``x`` ``[M, K]``, weight ``W`` ``[N, K]`` and
-    grad_output ``dy`` ``[M, N]`` to ``energy[j, 0]``, and the noise energy ``sum (z_fp8 - z)^2``
-    of the same GEMM on their FP8 casts under ``recipe`` (current scales, recording nothing:
-    forward format for ``x`` and ``W``, backward format for ``dy``, blocks along the reduction
-    dim as training casts them) to ``energy[j, 1]``. ``energy``: float64 ``[3, 2]`` (:data:`GEMMS`
-    order; row 0, fprop, is :func:`sqnr_hook`'s), no host sync. They are measured when the
-    backward reaches the layer's output (a tensor hook on it), and only for what the training
-    step computes: dgrad when ``x`` needs a gradient, wgrad when ``W`` does. A GEMM that
-    ``gemms`` (which GEMMs the layer ran in FP8: fprop, dgrad, wgrad) puts in high precision adds
-    signal and no noise. ``x`` is held from the forward to the backward, as autograd holds it.
+    For dgrad (``dx = dy W``, row 1 of ``energy``) and wgrad (``dW = dy^T x``, row 2) it adds the
+    signal energy ``sum z^2`` of the reference's own result ``z`` to ``energy[j, 0]``, and the
+    noise energy ``sum (z_fp8 - z)^2`` of the same GEMM on the FP8 casts of its operands under
+    ``recipe`` (current scales, recording nothing: forward format for the input ``x`` ``[M, K]``
+    and the weight ``W`` ``[N, K]``, backward format for the grad_output ``dy`` ``[M, N]``,
+    blocks along the reduction dim as training casts them; FP32 accumulation) to
+    ``energy[j, 1]``. ``energy``: float64 ``[3, 2]`` (:data:`GEMMS` order; row 0, fprop, is
+    :func:`sqnr_hook`'s), no host sync.
+
+    The reference's results are read, not recomputed: dgrad is the gradient the replay's
+    backward hands to this layer's input (an identity on the input, this call's alone), wgrad the
+    weight's gradient the replay's backward forms (a hook on the weight: the sum over the
+    layer's calls in the micro-batch, as the FP8 side sums them); so the figures cost the FP8
+    GEMMs and casts alone. ``weight_shared`` (the weight is also another module's, or has a
+    user's tensor hook, which runs first and may change the gradient): wgrad's reference is then
+    recomputed per call in ``dtype`` (the reference replay's GEMM dtype), as the weight's
+    gradient holds the other module's share too. The FP8 side runs when the
+    backward reaches the layer's output (a tensor hook on it), and only what the training step
+    computes: dgrad when ``x`` needs a gradient, wgrad when ``W`` does. A GEMM that ``gemms``
+    (which GEMMs the layer ran in FP8: fprop, dgrad, wgrad) puts in high precision adds signal
+    and no noise. ``x`` is held from the forward to the backward, as autograd holds it.
+
+    Energies of a tensor are summed in float32 (pairwise, as torch's reductions sum: for ``n``
+    non-negative terms a relative error at most ``ceil(log2 n) * 2^-24``, 1.2e-6 for a million
+    terms, 5e-6 dB; Higham, "Accuracy and Stability of Numerical Algorithms", 4.2) and added up
+    in float64.
     """
-    def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
+    current: list[dict] = [{}]  # the call in progress: its forward hook pairs with its pre-hook
+    wgrad_fp8: list[Optional[torch.Tensor]] = [None]  # sum over the calls of the FP8 wgrad
+    wgrad_pending = [False]
+    needs_wgrad = layer.weight.requires_grad
+
+    def dgrad_done(call: dict, dx: torch.Tensor) -> None:  # the reference's own dgrad of one call
+        with torch.no_grad():
+            z = dx.detach().reshape(-1, layer.in_features).float()
+            energy[1, 0] += z.square().sum()
+            fp8 = call.pop("dgrad", None)
+            if fp8 is not None:
+                energy[1, 1] += (fp8 - z).square().sum()
+
+    def pre_hook(module: FP8Linear, args: tuple):
+        call: dict = {}
+        current[0] = call
+        x = args[0]
+        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            return (_Tap.apply(x, functools.partial(dgrad_done, call)), *args[1:])
+        return None
+
+    def hook(module: FP8Linear, args: tuple, output: torch.Tensor) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             # Fires once per backward through this output: a non-reentrant checkpoint's recomputed
             # output is not on the loss's graph, a reentrant one's original output needs no grad.
-            x, needs_dgrad = args[0].detach(), args[0].requires_grad
-            output.register_hook(lambda grad: _backward_gemms(energy, recipe, gemms, dtype, layer, x, grad,
-                                                              needs_dgrad))
-    return hook
+            call, x, needs_dgrad = current[0], args[0].detach(), args[0].requires_grad
+            output.register_hook(lambda grad: backward(call, x, grad, needs_dgrad))
+
+    def backward(call: dict, x: torch.Tensor, grad: torch.Tensor, needs_dgrad: bool) -> None:
+        with torch.no_grad():
+            g = grad.detach().reshape(-1, layer.out_features)  # [M, N]
+            fp8_dgrad, fp8_wgrad = needs_dgrad and gemms[1], needs_wgrad and gemms[2]
+            qg = qg_t = None
+            if fp8_dgrad or fp8_wgrad:  # grad_output cast once for both, as the training backward casts it
+                quantizer = make_quantizer(recipe, GRAD_OUTPUT, layer.fp8_state, record=False, host=False)
+                qg, qg_t = quantizer.quantize_pair(g, columnwise=fp8_wgrad)
+            if fp8_dgrad:  # dx [M, K] = dy [M, N] @ W [N, K], on the weight's transposed FP8 copy as cached
+                call["dgrad"] = fp8_gemm(qg, layer._weight_casts(recipe, False, columnwise=True)[1], torch.float32)
+            if not needs_wgrad:
+                return
+            x2d = x.reshape(-1, layer.in_features)  # dW [N, K] = dy^T [N, M] @ x [M, K]
+            qx_t = None
+            if fp8_wgrad:  # x^T [K, M], blocks along M; one scale per tensor: the transposed cast
+                quantizer = make_quantizer(recipe, INPUT, layer.fp8_state, record=False, host=False)
+                qx_t = quantizer.quantize_pair(x2d, columnwise=True)[1] if isinstance(quantizer, PerTensorQuantizer) \
+                    else quantizer.quantize(x2d.t().contiguous())
+            x_t = x2d.t()
+            if weight_shared:
+                _gemm_energy(energy[2], dtype, g.t(), x_t, qg_t, qx_t)
+                return
+            wgrad_pending[0] = True
+            if fp8_wgrad:
+                fp8 = fp8_gemm(qg_t, qx_t, torch.float32)
+                wgrad_fp8[0] = fp8 if wgrad_fp8[0] is None else wgrad_fp8[0] + fp8
+
+    def weight_done(grad_w: torch.Tensor) -> None:  # the reference's own wgrad, over the layer's calls
+        if not wgrad_pending[0]:
+            return
+        with torch.no_grad():
+            z = (grad_w.t() if layer.weight_transposed else grad_w).detach().float()
+            energy[2, 0] += z.square().sum()
+            if wgrad_fp8[0] is not None:
+                energy[2, 1] += (wgrad_fp8[0] - z).square().sum()
+        wgrad_fp8[0], wgrad_pending[0] = None, False
+
+    handles = [layer.register_forward_pre_hook(pre_hook), layer.register_forward_hook(hook)]
+    if needs_wgrad and not weight_shared:
+        handles.append(layer.weight.register_hook(weight_done))
+    return handles
 
 
-def _weight_2d(layer: FP8Linear) -> torch.Tensor:
-    w = layer.weight.detach()
-    return w.t() if layer.weight_transposed else w  # [out_features, in_features]
+class _Tap(torch.autograd.Function):
+    """The identity on a layer's input, whose backward hands ``sink`` the gradient it receives:
+    the input's gradient from that layer alone (its dgrad), before other uses of the input add
+    theirs."""
 
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
 
-def _backward_gemms(energy: torch.Tensor, recipe: Recipe, gemms: Sequence[bool], dtype: torch.dtype,
-                    layer: FP8Linear, x: torch.Tensor, grad: torch.Tensor, needs_dgrad: bool) -> None:
-    with torch.no_grad():
-        g = grad.detach().reshape(-1, layer.out_features)  # [M, N]
-        needs_wgrad = layer.weight.requires_grad
-        fp8_dgrad, fp8_wgrad = needs_dgrad and gemms[1], needs_wgrad and gemms[2]
-        qg = qg_t = None
-        if fp8_dgrad or fp8_wgrad:  # grad_output cast once for both, as the training backward casts it
-            quantizer = make_quantizer(recipe, GRAD_OUTPUT, layer.fp8_state, record=False, host=False)
-            qg, qg_t = quantizer.quantize_pair(g, columnwise=fp8_wgrad)
-        if needs_dgrad:  # dx [M, K] = dy [M, N] @ W [N, K]: operands dy and W^T [K, N]
-            w_t = _weight_2d(layer).t()
-            # The weight's transposed FP8 copy, as the training step cast (and cached) it.
-            qw_t = layer._weight_casts(recipe, False, columnwise=True)[1] if fp8_dgrad else None
-            _gemm_energy(energy[1], dtype, g, w_t, qg if fp8_dgrad else None, qw_t)
-        if needs_wgrad:  # dW [N, K] = dy^T [N, M] @ x [M, K]: operands dy^T and x^T [K, M]
-            x_t = x.reshape(-1, layer.in_features).t()
-            qx_t = (make_quantizer(recipe, INPUT, layer.fp8_state, record=False, host=False).quantize(x_t.contiguous())
-                    if fp8_wgrad else None)
-            _gemm_energy(energy[2], dtype, g.t(), x_t, qg_t if fp8_wgrad else None, qx_t)
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        ctx.sink(grad)
+        return grad, None
 
 
 def _gemm_energy(energy: torch.Tensor, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor,
@@ -640,9 +748,9 @@ def _gemm_energy(energy: torch.Tensor, dtype: torch.dtype, a: torch.Tensor, b: t
     # ``qb`` (row-wise: blocks along K, the reduction dim, as the training GEMM's operands).
     with torch.autocast(device_kind(a.device), enabled=False):
         exact = (a.to(dtype) @ b.to(dtype).t()).float()
-    energy[0] += exact.double().square().sum()
+    energy[0] += exact.square().sum()
     if qa is not None:
-        energy[1] += (fp8_gemm(qa, qb, torch.float32) - exact).double().square().sum()
+        energy[1] += (fp8_gemm(qa, qb, torch.float32) - exact).square().sum()
 
 
 def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -771,38 +879,129 @@ def _restore_switches(layers: dict[str, nn.Module], saved: dict[str, tuple]) -> 
             layers[name].fp8_gemms = gemms
 
 
-def _verified_fallback(model: nn.Module, result: ReferenceResult, config: ReferenceCheck, low_layers: list[str],
-                       verify: Callable[[], Optional[ReferenceResult]]) -> None:
-    # Try the candidate moves, each on top of the switches as they were, with a replay; keep the
-    # first whose replay passes every threshold, undo the others. At most max_fallback_replays.
-    layers = dict(_fp8_layers(model))
+# The escalation, in order of the FP8 GEMMs each step keeps (two thirds, two thirds, one third,
+# none); each step replaces the one before (on the switches as the check found them). dgrad
+# first: its E5M2 error flows into every layer below it (a wgrad's stays in its own layer's
+# weight gradient). fprop next: a forward error, healthy in every layer's own figure, that the
+# model amplifies (a LayerNorm with a massive weight channel turns 28 dB of E4M3 noise into a
+# gradient of another sign). Then the whole backward, then FP8 off, which always passes (the
+# replay is the reference). Transformer Engine's override_linear_precision (fprop, dgrad, wgrad)
+# is the same switch, model-wide.
+ESCALATION_STEPS: tuple[tuple[str, str, Optional[tuple[bool, bool, bool]]], ...] = (
+    ("dgrad", "dgrad in high precision model-wide (fprop and wgrad stay FP8)", (True, False, True)),
+    ("fprop", "fprop in high precision model-wide (dgrad and wgrad stay FP8)", (False, True, True)),
+    ("dgrad+wgrad", "dgrad and wgrad in high precision model-wide (fprop stays FP8)", (True, False, False)),
+    ("fp8_off", "every FP8 layer in high precision (FP8 off)", None),
+)
+"""``(name, description, GEMMs left in FP8 as (fprop, dgrad, wgrad))`` of each escalation step,
+in order; ``None``: the whole layer in high precision (MoE experts modules, which have no
+per-GEMM switch, move only at that step)."""
+
+_FIGURES = ("loss_rel_diff", "grad_cosine", "grad_rel_error")
+log = logging.getLogger(__name__)
+
+
+def _figures(result: ReferenceResult) -> dict[str, float]:
+    # What a move is judged on, before and after: the check's figures and its lowest layer SQNR.
+    return {**{k: getattr(result, k) for k in _FIGURES},
+            "sqnr_min_db": min(result.layer_sqnr_db.values(), default=math.inf)}
+
+
+def _escalation_moves(layers: dict[str, nn.Module], keep: Optional[tuple[bool, bool, bool]]) -> list[Move]:
+    # The moves of one escalation step, on the switches as they are: only what it changes.
+    moves: list[Move] = []
+    for name, layer in layers.items():
+        if not layer.use_fp8:
+            continue
+        if keep is None:
+            moves.append((name, None))
+        elif isinstance(layer, FP8Linear):
+            moves += [(name, gemm) for gemm, on, stays in zip(GEMMS, layer.fp8_gemms, keep) if on and not stays]
+    return moves
+
+
+def _try(layers: dict[str, nn.Module], result: ReferenceResult, config: ReferenceCheck, moves: Sequence[Move],
+         verify: Callable[[], Optional[ReferenceResult]], stage: str, escalation: Optional[str] = None) -> bool:
+    # One replay with ``moves`` on top of the switches as they are; records it (figures before and
+    # after) in result.fallback_tried and undoes the moves.
     before = _switches(layers)
+    _apply_moves(layers, moves)
+    try:
+        replayed = verify()
+    finally:
+        _restore_switches(layers, before)
+    if replayed is not None:
+        judge(replayed, config)
+    passed = replayed is not None and replayed.passed
+    entry = {"stage": stage, "escalation": escalation,
+             "moves": [name if gemm is None else f"{name}.{gemm}" for name, gemm in moves], "passed": passed,
+             "kept": False, "failures": list(replayed.failures) if replayed is not None else [],
+             **(_figures(replayed) if replayed is not None else {}), "before": _figures(result)}
+    result.fallback_tried.append(entry)
+    if _is_rank_zero():
+        log.info("FP8 reference check at step %d: tried %s", result.step + 1, move_text(entry))
+    return passed
+
+
+def _verified_fallback(model: nn.Module, result: ReferenceResult, config: ReferenceCheck, low_layers: list[str],
+                       verify: Callable[[], Optional[ReferenceResult]]) -> list[Move]:
+    """Try the candidate moves, then the escalation; return the moves whose replay passed (empty
+    when none did), the switches left as they were. At most ``max_fallback_replays`` candidate
+    replays and ``max_escalation_replays`` escalation replays."""
+    layers = dict(_fp8_layers(model))
     candidates = _candidates(model, result, config, low_layers)
-    passed = False
+    kept: list[Move] = []
+    tried = 0
     try:
         moves = next(candidates)
-        while len(result.fallback_tried) < config.max_fallback_replays:
-            _apply_moves(layers, moves)
-            replayed = verify()
-            if replayed is not None:
-                judge(replayed, config)
-            passed = replayed is not None and replayed.passed
-            result.fallback_tried.append({
-                "moves": [name if gemm is None else f"{name}.{gemm}" for name, gemm in moves], "passed": passed,
-                "kept": False, "failures": list(replayed.failures) if replayed is not None else [],
-                **({k: getattr(replayed, k) for k in ("loss_rel_diff", "grad_cosine", "grad_rel_error")}
-                   if replayed is not None else {})})
-            _restore_switches(layers, before)
+        while tried < config.max_fallback_replays:
+            tried += 1
+            passed = _try(layers, result, config, moves, verify, "candidate")
             if passed:  # bisection goes on inside a half that passed, for a smaller move
-                kept = moves
+                kept, kept_index = list(moves), len(result.fallback_tried) - 1
             moves = candidates.send(passed)
     except StopIteration:
         pass
-    if any(t["passed"] for t in result.fallback_tried):
-        _apply_moves(layers, kept)
-        result.fallback_tried[max(i for i, t in enumerate(result.fallback_tried) if t["passed"])]["kept"] = True
-        result.fallback_layers = [name for name, gemm in kept if gemm is None]
-        result.fallback_gemms = [f"{name}.{gemm}" for name, gemm in kept if gemm is not None]
+    if kept:
+        result.fallback_tried[kept_index]["kept"] = True
+        return kept
+    # Nothing localised the drift within the cap: escalate, model-wide, one step at a time.
+    steps = 0
+    for name, _, keep in ESCALATION_STEPS:
+        if steps >= config.max_escalation_replays:
+            break
+        moves = _escalation_moves(layers, keep)
+        if not moves:  # the switches are there already: nothing to replay
+            continue
+        steps += 1
+        if _try(layers, result, config, moves, verify, "escalation", name):
+            result.fallback_tried[-1]["kept"] = True
+            result.fallback_escalation = name
+            return moves
+    return []
+
+
+def _escalation_warning(result: ReferenceResult, config: ReferenceCheck) -> None:
+    # One loud warning when the escalation ran: which step was kept (or that none was), and why.
+    steps = [t for t in result.fallback_tried if t.get("stage") == "escalation"]
+    if not steps or not _is_rank_zero():
+        return
+    candidates = len(result.fallback_tried) - len(steps)
+    why = (f"no candidate move restored the figures ({candidates} tried, max_fallback_replays="
+           f"{config.max_fallback_replays})")
+    kept = [t for t in steps if t["kept"]]
+    if kept:
+        text = f"ESCALATED to {_step_description(kept[0]['escalation'])}: {why}; {move_text(kept[0])}"
+    elif any(t["passed"] for t in steps):  # policy "raise": a diagnosis, nothing kept
+        text = f"escalation (a diagnosis, nothing kept): {why}; " + "; ".join(move_text(t) for t in steps)
+    else:
+        text = (f"ESCALATION FAILED, nothing moved: {why}, nor did any of the {len(steps)} escalation steps tried "
+                f"(max_escalation_replays={config.max_escalation_replays}): " + "; ".join(move_text(t) for t in steps))
+    warnings.warn(f"FP8 reference check at step {result.step + 1}: {text}", stacklevel=3)
+
+
+def _step_description(name: Optional[str]) -> str:
+    return next((d for n, d, _ in ESCALATION_STEPS if n == name), str(name))
 
 
 def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceCheck,
@@ -811,10 +1010,15 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
 
     Under ``"fallback"`` with ``verify`` (a replay of the checked micro-batch with the model's
     switches as they are then, returning its :class:`ReferenceResult`), a move is kept only when
-    a replay with it passes every threshold (see :func:`_candidates` for the order, and
-    ``ReferenceResult.fallback_tried`` for what was tried); when none does within
-    ``max_fallback_replays``, nothing is moved. Without ``verify``, the offending layers move
-    unverified: those under ``min_sqnr_db``, else the ``fallback_worst_k`` lowest.
+    a replay with it passes every threshold: first the candidate moves (see :func:`_candidates`
+    for the order; at most ``max_fallback_replays`` replays), then, when none passes, the
+    escalation (:data:`ESCALATION_STEPS`, at most ``max_escalation_replays`` replays, with one
+    warning naming the step); when nothing passes, nothing is moved. ``ReferenceResult.fallback_tried``
+    records every replay with its figures before and after. Without ``verify``, the offending
+    layers move unverified: those under ``min_sqnr_db``, else the ``fallback_worst_k`` lowest.
+
+    Under ``"raise"`` with ``verify``, the same replays run as a diagnosis (nothing is kept: the
+    switches stay as they were) and the error lists them with their figures.
 
     Raises:
         FP8ReferenceCheckError: a failed check under ``policy="raise"``.
@@ -822,11 +1026,21 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
     offending = judge(result, config)
     if not result.failures or config.policy == "log":
         return
-    if config.policy == "raise":
-        raise FP8ReferenceCheckError(result)
-    if config.policy == "fallback" and verify is not None:
+    if config.policy in ("fallback", "raise") and verify is not None:
         low_layers = [name for name, db in result.layer_sqnr_db.items() if db < config.min_sqnr_db]
-        _verified_fallback(model, result, config, low_layers, verify)
+        kept = _verified_fallback(model, result, config, low_layers, verify)
+        if config.policy == "raise":  # a diagnosis: the switches stay as they were
+            for entry in result.fallback_tried:
+                entry["kept"] = False
+            result.fallback_escalation = ""
+            _escalation_warning(result, config)
+            raise FP8ReferenceCheckError(result)
+        _escalation_warning(result, config)
+        _apply_moves(dict(_fp8_layers(model)), kept)
+        result.fallback_layers = [name for name, gemm in kept if gemm is None]
+        result.fallback_gemms = [f"{name}.{gemm}" for name, gemm in kept if gemm is not None]
+    elif config.policy == "raise":
+        raise FP8ReferenceCheckError(result)
     elif config.policy == "fallback":
         layers = dict(_fp8_layers(model))
         for name in offending:
@@ -834,6 +1048,10 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
         result.fallback_layers = list(offending)
     if _is_rank_zero():
         warnings.warn(f"FP8 reference check at step {result.step + 1}: {result.describe()}", stacklevel=2)
+        for entry in result.fallback_tried:
+            if entry["kept"]:
+                log.warning("FP8 reference check at step %d: moved to high precision: %s", result.step + 1,
+                            move_text(entry))
 
 
 def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,

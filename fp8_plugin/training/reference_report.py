@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from .files import atomic_write
 
-__all__ = ["CheckHistory", "summary_text", "report_data", "write_json", "write_plot", "write_reports", "with_written"]
+__all__ = ["CheckHistory", "move_text", "summary_text", "report_data", "write_json", "write_plot", "write_reports", "with_written"]
 
 
 class CheckHistory(Protocol):
@@ -30,6 +30,40 @@ class CheckHistory(Protocol):
     train_seconds: float
 
     def fallback_layers(self) -> list[tuple[int, str]]: ...
+
+
+def move_text(entry: dict[str, Any]) -> str:
+    """One replay of a verified fallback (an entry of ``ReferenceResult.fallback_tried``) as text:
+    the move, its figures before -> after, and whether it passed and was kept."""
+    moves = entry["moves"]
+    if entry.get("stage") == "escalation":
+        what = f"escalation {entry['escalation']!r} ({len(moves)} moves)"
+    else:
+        what = ", ".join(moves[:6]) + (f" and {len(moves) - 6} more" if len(moves) > 6 else "")
+    before = entry.get("before", {})
+    figures = []
+    for key, label, fmt in (("grad_cosine", "grad cosine", "{:.4f}"), ("loss_rel_diff", "loss rel diff", "{:.2%}"),
+                            ("grad_rel_error", "grad rel error", "{:.3f}"), ("sqnr_min_db", "lowest SQNR", "{:.1f} dB")):
+        if key in entry:
+            old = before.get(key)
+            figures.append(f"{label} {'?' if old is None else fmt.format(old)} -> {fmt.format(_num(entry[key]))}")
+    verdict = "passed, kept" if entry["kept"] else "passed, not kept" if entry["passed"] else "failed"
+    return f"{what}: {', '.join(figures) or 'no replay'} ({verdict})"
+
+
+def _json_ready(value: Any) -> Any:
+    # Infinite figures (an exact output's SQNR) as null, as in the checks' own dicts.
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
+
+
+def _num(value: Any) -> float:
+    return math.inf if value is None else value  # infinities are null in a JSON report
 
 
 def summary_text(checker: CheckHistory) -> str:
@@ -62,11 +96,18 @@ def summary_text(checker: CheckHistory) -> str:
     if gemms:
         lines.append("  lowest GEMM SQNR: " + ", ".join(f"{gemm} {name} {db:.1f} dB"
                                                        for gemm, (db, name) in gemms.items()))
-    fallbacks = checker.fallback_layers() + [(r.step + 1, gemm) for r in results for gemm in getattr(r, "fallback_gemms", [])]
-    if fallbacks:
-        lines.append("  moved to high precision: " + ", ".join(f"{name} (step {step})" for step, name in fallbacks))
+    kept = [(r.step + 1, t) for r in results for t in getattr(r, "fallback_tried", []) if t.get("kept")]
+    if kept:  # every move with the replay that justified it: its figures before and after
+        for step, entry in kept:
+            label = "escalated" if entry.get("stage") == "escalation" else "moved to high precision"
+            lines.append(f"  {label} at step {step}: {move_text(entry)}")
     else:
-        lines.append("  moved to high precision: none")
+        fallbacks = checker.fallback_layers() + [(r.step + 1, g) for r in results for g in getattr(r, "fallback_gemms", [])]
+        lines.append("  moved to high precision: " + (", ".join(f"{name} (step {step})" for step, name in fallbacks)
+                                                      or "none"))
+    unkept = sum(1 for r in results for t in getattr(r, "fallback_tried", []) if not t.get("kept"))
+    if unkept:
+        lines.append(f"  replays of moves not kept: {unkept} (in the JSON report's fallback_tried)")
     if failed:
         reasons = Counter(reason.split(" ")[0] + " " + reason.split(" ")[1] for r in failed for reason in r.failures)
         lines.append("  failures: " + ", ".join(f"{what} x{n}" for what, n in reasons.items()))
@@ -83,12 +124,17 @@ def report_data(checker: CheckHistory) -> dict[str, Any]:
     config = checker.config
     return {
         "config": {k: getattr(config, k) for k in ("every", "policy", "min_sqnr_db", "max_loss_rel_diff",
-                                                    "min_grad_cosine", "max_grad_rel_error", "fallback_worst_k")},
+                                                    "min_grad_cosine", "max_grad_rel_error", "fallback_worst_k",
+                                                    "min_gemm_sqnr_db", "max_fallback_replays",
+                                                    "max_escalation_replays")},
         "steps": checker.steps,
         "check_seconds": checker.check_seconds,
         "train_seconds": checker.train_seconds,
         "fallbacks": [{"step": step, "layer": name} for step, name in checker.fallback_layers()]
         + [{"step": r.step + 1, "gemm": gemm} for r in checker.results for gemm in getattr(r, "fallback_gemms", [])],
+        # Every kept move with its evidence: the figures before (the check) and after (its replay).
+        "moves": [_json_ready({"step": r.step + 1, **t}) for r in checker.results
+                  for t in getattr(r, "fallback_tried", []) if t.get("kept")],
         "checks": [r.to_dict() for r in checker.results],
     }
 

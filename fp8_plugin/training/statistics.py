@@ -133,7 +133,8 @@ class StatisticsCollector:
 
         for name, layer in model.named_modules():
             if isinstance(layer, FP8Linear) and self.config.selects(name):
-                self._handles.append(layer.register_forward_hook(self._forward_hook(name)))
+                # Ahead of other forward hooks: DeepSpeed ZeRO-3's releases the gathered weight.
+                self._handles.append(layer.register_forward_hook(self._forward_hook(name), prepend=True))
             elif isinstance(layer, FP8ExpertsMixin) and self.config.selects(name):
                 # MoE experts: each expert's cast as training made it, added up per projection.
                 self._handles.append(layer.observe_casts(self._expert_observer(name)))

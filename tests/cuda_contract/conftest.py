@@ -1,26 +1,46 @@
-"""The CUDA contract fixture: tensors on the ``meta`` device, treated by the project as a CUDA GPU.
+"""The CUDA contract fixture: the project's CUDA paths on ``meta`` tensors treated as a GPU, or on a real one.
 
-``cuda`` (parametrize it indirectly with a compute capability, e.g. ``(9, 0)``; default sm90)
-holds, for the length of one test:
+Two modes, chosen by the environment variable ``FP8_CONTRACT_DEVICE`` once per test session
+(:func:`contract_mode`):
 
-- :func:`fp8_plugin.numerics.device_kind.meta_as_cuda`: the project's own seam; every decision
-  the project makes between its CUDA and CPU paths asks it, and the GPU's compute capability is
-  read from it;
-- ``force_path("native")``: the native kernels, without the block kinds' probe GEMM (it reads its
-  result on the host, which a meta tensor cannot give); the per-device caches of
+- ``meta`` (unset or empty: the default, every machine): tensors on the ``meta`` device, which
+  the project treats as a CUDA GPU of the compute capability each test presents (sm80 to sm120).
+- ``cuda`` (a machine with a CUDA GPU: ``benchmarks/gpu_run.sh`` runs this first): the same tests
+  on real ``cuda`` tensors of the current GPU. Only that GPU's compute capability is presented: a
+  test parametrized for another one is skipped, with a reason naming the real one. Nothing of
+  ``torch.cuda`` is patched and :func:`~fp8_plugin.numerics.device_kind.meta_as_cuda` is not
+  entered. Set without a GPU, the session stops at collection (``FP8_CONTRACT_DEVICE=cuda but
+  torch.cuda.is_available() is False``) instead of running on meta tensors; any other value
+  stops it naming the valid ones. A test module opts in with ``CONTRACT_DEVICES = ("meta",
+  "cuda")`` and builds its tensors on ``cuda.device``; the tests of a module without it are
+  skipped in this mode (they build meta tensors, which on a real GPU would test nothing).
+
+``cuda`` (parametrize it indirectly with a compute capability, e.g. ``(9, 0)``; default sm90 on
+meta, the GPU's own on a real one) holds, for the length of one test:
+
+- meta mode: :func:`fp8_plugin.numerics.device_kind.meta_as_cuda`, the project's own seam; every
+  decision the project makes between its CUDA and CPU paths asks it, and the GPU's compute
+  capability is read from it;
+- ``force_path("native")`` in both modes: the native kernels, without the block kinds' probe
+  GEMM (it reads its result on the host, which a meta tensor cannot give, and on a GPU its host
+  reads would show in every test's record; ``test_the_block_probe_reads_the_host_so_tests_force_the_native_path``
+  runs the probe itself, on a GPU to its verdict); the per-device caches of
   ``fp8_plugin.numerics.gemm`` are cleared before and after, as the presented GPU changes;
 - a dispatch mode that records every aten op: the scaled GEMMs (``_scaled_mm``,
   ``_scaled_mm_v2``, ``_scaled_grouped_mm``) with their operands' shapes and strides, float32
-  ``mm`` (the emulation's GEMM), reads of a value on the host (``_local_scalar_dense``, copies
-  to the CPU: a host sync on a GPU, and an error on meta tensors anyway), copies of CPU tensors
-  to the device (a blocking host-to-device copy waits for the GPU's queue: a sync too; one made
-  by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen), CPU
-  tensors mixed into ops on meta tensors, and the rules of torch's CUDA ``_scaled_mm``
+  ``mm`` (the emulation's GEMM), reads of a device tensor's value on the host
+  (``_local_scalar_dense``, copies to the CPU: a host sync on a GPU; on meta tensors an error
+  anyway, on a real GPU they succeed, so this record is what catches them there), copies of CPU
+  tensors to the device (a blocking host-to-device copy waits for the GPU's queue: a sync too;
+  one made by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen),
+  CPU tensors mixed into ops on device tensors, and the rules of torch's CUDA ``_scaled_mm``
   (``aten/src/ATen/native/cuda/Blas.cpp``) that its meta kernel leaves out: every tensor on the
   GPU (a CPU scale passes the meta kernel), no bias with a float32 output, a bias of the output
-  dtype (BF16 or FP16), no E5M2 x E5M2.
+  dtype (BF16 or FP16), no E5M2 x E5M2. On a real GPU these are recorded before the real
+  kernel is called, which refuses them itself.
 
-The ``torch.cuda`` calls the project makes, and what this fixture does with each:
+The ``torch.cuda`` calls the project makes, and what the meta mode does with each (the cuda
+mode patches none of them):
 
 - ``torch.cuda.get_device_capability`` (numerics/gemm.py, numerics/grouped_gemm.py,
   numerics/device.py): not patched; the project reads it through ``device_kind.cuda_capability``,
@@ -29,6 +49,7 @@ The ``torch.cuda`` calls the project makes, and what this fixture does with each
   ``torch.random.fork_rng``, which the reference check calls with the device): **patched**. A CPU
   build has no CUDA generator; the stand-ins keep one generator state (a uint8 tensor, as
   torch's) per device and check that the device they are given is the meta device.
+  :meth:`Contract.device_rng_state` reads the state in either mode.
 - ``torch.cuda.synchronize`` (numerics/gemm.py ``tensorwise_choice``, timing on CPU only):
   **patched** to raise; nothing in a training step may wait for the GPU.
 - ``torch.cuda.current_device`` (``gemm.normalize_device``, which pins a bare ``"cuda"`` to the
@@ -42,7 +63,10 @@ The ``torch.cuda`` calls the project makes, and what this fixture does with each
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import pytest
 import torch
@@ -56,11 +80,43 @@ META = torch.device("meta")
 SCALED_GEMMS = ("aten._scaled_mm.default", "aten._scaled_mm_v2.default", "aten._scaled_grouped_mm.default",
                 "aten._scaled_grouped_mm_v2.default")
 _HOST_READS = ("aten._local_scalar_dense.default",)
+MODE_VARIABLE = "FP8_CONTRACT_DEVICE"
+MODES = ("meta", "cuda")
+
+
+def contract_mode(environ: Mapping[str, str], cuda_available: Callable[[], bool]) -> str:
+    """The device the contract suite runs on: ``"meta"`` or ``"cuda"`` (module docstring).
+
+    Args:
+        environ: the environment; ``FP8_CONTRACT_DEVICE`` unset or empty means ``"meta"``.
+        cuda_available: ``torch.cuda.is_available``, asked only for ``"cuda"``.
+
+    Raises:
+        pytest.UsageError: a value other than ``meta`` / ``cuda``, or ``cuda`` without a GPU.
+    """
+    value = environ.get(MODE_VARIABLE, "").strip()
+    if value in ("", "meta"):
+        return "meta"
+    if value != "cuda":
+        raise pytest.UsageError(f"{MODE_VARIABLE}={value!r} is not a contract device; valid: "
+                                f"{', '.join(MODES)} (unset: meta)")
+    if not cuda_available():
+        raise pytest.UsageError(f"{MODE_VARIABLE}=cuda but torch.cuda.is_available() is False: the real-device "
+                                "mode needs a CUDA GPU (unset the variable to run on meta tensors)")
+    return "cuda"
+
+
+# Decided once, when pytest loads this file: a wrong setting stops the session at collection.
+MODE = contract_mode(os.environ, torch.cuda.is_available)
+
+
+def sm(capability: tuple[int, int]) -> str:
+    return f"sm{capability[0]}{capability[1]}"
 
 
 @dataclass
 class Contract:
-    """What one contract test ran: the presented GPU and the aten ops seen."""
+    """What one contract test ran: the presented GPU, the device its tensors live on, the aten ops seen."""
 
     capability: tuple[int, int]
     device: torch.device = META
@@ -75,9 +131,20 @@ class Contract:
     # Broken rules of the CUDA kernels that the meta kernels do not check.
     kernel_violations: list[str] = field(default_factory=list)
 
+    @property
+    def real(self) -> bool:
+        """True on a real CUDA GPU (``FP8_CONTRACT_DEVICE=cuda``), False on meta tensors."""
+        return self.device.type == "cuda"
+
     def scaled_gemms(self) -> int:
         """Calls of torch's scaled GEMM kernels (tensorwise, block-scaled, grouped)."""
         return sum(self.ops[name] for name in SCALED_GEMMS)
+
+    def device_rng_state(self) -> torch.Tensor:
+        """The device generator's state (uint8 CPU tensor): the meta mode's stand-in, or the GPU's."""
+        if self.real:
+            return torch.cuda.get_rng_state(self.device)
+        return self.rng_states[str(self.device)]
 
     def reset(self) -> None:
         self.ops.clear()
@@ -105,29 +172,32 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func)
         c = self.contract
+        gpu = c.device.type  # "meta" or "cuda"
         c.ops[name] += 1
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         devices = {t.device.type for t in tensors}
-        if name in _HOST_READS or (name == "aten._to_copy.default" and "meta" in devices
-                                   and torch.device(kwargs.get("device") or META).type == "cpu"):
+        target = kwargs.get("device")
+        target = None if target is None else torch.device(target).type
+        # A value read on the host: from a device tensor (a CPU tensor's .item() waits for nothing).
+        if (name in _HOST_READS and gpu in devices) or (name == "aten._to_copy.default" and gpu in devices
+                                                        and target == "cpu"):
             c.host_reads.append(name)
-        if name == "aten._to_copy.default" and devices == {"cpu"} and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type == "meta":
+        if name == "aten._to_copy.default" and devices == {"cpu"} and target == gpu:
             c.to_device_copies.append(f"{name}: {[tuple(t.shape) for t in tensors]}")
-        if "meta" in devices and "cpu" in devices:
+        if gpu in devices and "cpu" in devices:
             c.mixed_devices.append(f"{name}: {[(t.device.type, tuple(t.shape)) for t in tensors]}")
         if name in ("aten.mm.default", "aten.addmm.default") and any(t.dtype == torch.float32 for t in tensors):
             c.float32_mm += 1
         if name in SCALED_GEMMS:
             c.gemms.append((name, [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]))
-            c.kernel_violations += _cuda_rules(name, tensors, args, kwargs)
+            c.kernel_violations += _cuda_rules(name, tensors, args, kwargs, gpu)
         return func(*args, **kwargs)
 
 
-def _cuda_rules(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> list[str]:
+def _cuda_rules(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict, gpu: str) -> list[str]:
     # Checks of torch's CUDA scaled GEMMs (aten/src/ATen/native/cuda/Blas.cpp) that the meta
     # kernels leave out.
-    broken = [f"{name}: a tensor on {t.device} (all must be on the GPU)" for t in tensors if t.device.type != "meta"]
+    broken = [f"{name}: a tensor on {t.device} (all must be on the GPU)" for t in tensors if t.device.type != gpu]
     if name != "aten._scaled_mm.default":
         return broken
     mat1, mat2 = args[0], args[1]
@@ -162,19 +232,41 @@ def _no_synchronize(device=None):
     raise AssertionError(f"torch.cuda.synchronize({device}) called: a host sync")
 
 
-@pytest.fixture
-def cuda(request, monkeypatch):
-    """Meta tensors as a CUDA GPU of compute capability ``request.param`` (default (9, 0))."""
-    capability = getattr(request, "param", (9, 0))
+def _meta_gpu(capability: tuple[int, int], monkeypatch):
     contract = Contract(capability)
     get_rng_state, set_rng_state = _rng_stand_ins(contract)
     monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
     monkeypatch.setattr(torch.cuda, "synchronize", _no_synchronize)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return contract, meta_as_cuda(capability)
+
+
+def _real_gpu(request, asked):
+    if "cuda" not in getattr(request.module, "CONTRACT_DEVICES", ("meta",)):
+        pytest.skip(f"{MODE_VARIABLE}=cuda: {request.module.__name__} builds its tensors on the meta device "
+                    "(no CONTRACT_DEVICES = ('meta', 'cuda')); it runs in the meta mode")
+    device = torch.device("cuda", torch.cuda.current_device())
+    real = torch.cuda.get_device_capability(device)
+    if asked is not None and tuple(asked) != real:
+        pytest.skip(f"{MODE_VARIABLE}=cuda: presents {sm(tuple(asked))}, but this GPU "
+                    f"({torch.cuda.get_device_name(device)}) is {sm(real)}; the meta mode covers {sm(tuple(asked))}")
+    return Contract(real, device)
+
+
+@pytest.fixture
+def cuda(request, monkeypatch):
+    """A CUDA GPU of compute capability ``request.param`` (default (9, 0)): meta tensors treated
+    as one, or with ``FP8_CONTRACT_DEVICE=cuda`` the real GPU (skipped for another capability).
+    Tests build their tensors on ``cuda.device``."""
+    asked = getattr(request, "param", None)
+    if MODE == "cuda":
+        contract, seam = _real_gpu(request, asked), contextlib.nullcontext()
+    else:
+        contract, seam = _meta_gpu(asked or (9, 0), monkeypatch)
     gemm._native_gemm.cache_clear()
     try:
-        with meta_as_cuda(capability), gemm.force_path("native"), _Recorder(contract):
+        with seam, gemm.force_path("native"), _Recorder(contract):
             yield contract
     finally:
         gemm._native_gemm.cache_clear()

@@ -9,6 +9,10 @@ shapes); the fixture adds the rules of the CUDA kernels the meta kernels leave o
 every read of a value on the host. What passes here calls the kernels as a GPU needs them
 called; what it cannot show is the kernels' numerics and speed (docs/cuda_contract.md).
 
+With ``FP8_CONTRACT_DEVICE=cuda`` on a machine with a GPU the same tests run on real ``cuda``
+tensors (conftest.py): only the GPU's own compute capability, and the refusals the harness tests
+expect are then the CUDA kernels' own. Every tensor is made on ``cuda.device`` for that reason.
+
 The GPU's expected native kernels are taken from NVIDIA's documents, not from the code under
 test: FP8 tensor cores from compute capability 8.9 (Ada; cuBLASLt FP8 GEMMs), 128-blockwise
 scaling in cuBLAS on Hopper (sm90; Transformer Engine's Float8BlockScaling), MXFP8 on Blackwell
@@ -73,6 +77,7 @@ from fp8_plugin.training.core import FP8Training
 from fp8_plugin.training.reference_check import _restore_rng_state, capture_rng_state
 
 META = torch.device("meta")
+CONTRACT_DEVICES = ("meta", "cuda")  # tensors on cuda.device: these tests run on a real GPU too (conftest.py)
 SM = {"sm80": (8, 0), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -98,15 +103,15 @@ def cap(sm: str):
     return pytest.param(SM[sm], id=sm)
 
 
-def run_layer(recipe, dtype, bias, tokens, features, transposed=False):
-    """One FP8Linear forward and backward on meta tensors; returns layer, input, output.
+def run_layer(device, recipe, dtype, bias, tokens, features, transposed=False):
+    """One FP8Linear forward and backward on ``device``; returns layer, input, output.
     ``transposed``: the weight stored ``[in, out]``, as a converted GPT-2 Conv1D keeps it."""
     in_features, out_features = features
-    layer = FP8Linear(in_features, out_features, bias=bias, device=META, dtype=dtype, recipe=recipe)
+    layer = FP8Linear(in_features, out_features, bias=bias, device=device, dtype=dtype, recipe=recipe)
     if transposed:
-        layer.weight = nn.Parameter(torch.empty(in_features, out_features, device=META, dtype=dtype))
+        layer.weight = nn.Parameter(torch.empty(in_features, out_features, device=device, dtype=dtype))
         layer.weight_transposed = True
-    x = torch.empty(*tokens, in_features, device=META, dtype=dtype, requires_grad=True)
+    x = torch.empty(*tokens, in_features, device=device, dtype=dtype, requires_grad=True)
     with fp8_plugin.autocast():
         y = layer(x)
     y.backward(torch.empty_like(y))
@@ -124,7 +129,7 @@ def test_fp8_linear_forward_and_backward_run_the_native_kernels(cuda, recipe_nam
                                                                  transposed):
     # "ragged": 120 tokens (M of fprop / dgrad, K of wgrad) and features that are multiples of
     # 16 but not of 128 or 32: every block kernel needs padding somewhere.
-    layer, x, y = run_layer(RECIPES[recipe_name](), dtype, bias, tokens, features, transposed)
+    layer, x, y = run_layer(cuda.device, RECIPES[recipe_name](), dtype, bias, tokens, features, transposed)
     assert y.shape == (*tokens, features[1]) and y.dtype == dtype and y.is_contiguous()
     assert x.grad.shape == x.shape and x.grad.dtype == dtype
     assert layer.weight.grad.shape == tuple(layer.weight.shape) and layer.weight.grad.dtype == dtype
@@ -145,7 +150,7 @@ def test_fp8_linear_forward_and_backward_run_the_native_kernels(cuda, recipe_nam
 def test_a_gemm_kept_in_high_precision_leaves_the_others_on_the_kernels(cuda, recipe_name, high):
     # Transformer Engine's override_linear_precision: True runs that GEMM in high precision.
     recipe = RECIPES[recipe_name](override_linear_precision=high)
-    layer, x, y = run_layer(recipe, torch.bfloat16, True, (3, 40), (256, 384))
+    layer, x, y = run_layer(cuda.device, recipe, torch.bfloat16, True, (3, 40), (256, 384))
     assert y.shape == (3, 40, 384) and x.grad.shape == x.shape and layer.weight.grad.shape == (384, 256)
     assert cuda.scaled_gemms() == 2 and cuda.float32_mm == 0
     assert cuda.ops["aten.mm.default"] + cuda.ops["aten.addmm.default"] == 1  # the one in BF16, as nn.Linear
@@ -157,7 +162,7 @@ def test_a_gemm_kept_in_high_precision_leaves_the_others_on_the_kernels(cuda, re
 def test_without_a_native_kernel_the_layer_runs_the_emulation(cuda, recipe_name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "FP8 GEMM emulated ...": once per process
-        layer, x, y = run_layer(RECIPES[recipe_name](), torch.bfloat16, True, (2, 64), (256, 384))
+        layer, x, y = run_layer(cuda.device, RECIPES[recipe_name](), torch.bfloat16, True, (2, 64), (256, 384))
     assert y.shape == (2, 64, 384) and x.grad.shape == x.shape
     assert cuda.scaled_gemms() == 0 and cuda.float32_mm == 3
     cuda.clean()
@@ -166,15 +171,15 @@ def test_without_a_native_kernel_the_layer_runs_the_emulation(cuda, recipe_name)
 @pytest.mark.parametrize("cuda", [cap(sm) for sm in SM], indirect=True)
 def test_native_kernels_per_compute_capability(cuda):
     sm = next(name for name, value in SM.items() if value == cuda.capability)
-    assert device_kind(META) == "cuda" and cuda_capability(META) == cuda.capability
+    assert device_kind(cuda.device) == "cuda" and cuda_capability(cuda.device) == cuda.capability
     expected = {"tensorwise": sm != "sm80", "blockwise": sm == "sm90", "mxfp8": sm in ("sm100", "sm120")}
     for kind, native in expected.items():
-        support = gemm.native_gemm(kind, META)
+        support = gemm.native_gemm(kind, cuda.device)
         assert support.native == native, (kind, support)
         if not native:
             assert ("8.9" in support.reason) if kind == "tensorwise" else (f"not {sm}" in support.reason)
     # "auto" picks MXFP8 where its GEMMs are native, else delayed scaling (docs/recipes.md).
-    auto = fp8_plugin.numerics.device.auto_recipe(device=META)
+    auto = fp8_plugin.numerics.device.auto_recipe(device=cuda.device)
     assert isinstance(auto, fp8_plugin.MXFP8BlockScaling if expected["mxfp8"] else fp8_plugin.DelayedScaling)
     cuda.clean()
 
@@ -190,14 +195,16 @@ def test_meta_is_cuda_only_inside_the_seam():
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_a_bare_cuda_device_is_pinned_to_the_current_index(cuda):
-    assert gemm.normalize_device("cuda") == torch.device("cuda", 0)
-    assert gemm.normalize_device(META) == META and gemm.normalize_device("cuda:1") == torch.device("cuda", 1)
+    index = torch.cuda.current_device()  # 0 in the meta mode (the fixture's stand-in)
+    assert gemm.normalize_device("cuda") == torch.device("cuda", index)
+    assert gemm.normalize_device(cuda.device) == cuda.device
+    assert gemm.normalize_device("cuda:1") == torch.device("cuda", 1)
 
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_block_kinds_need_torch_scaled_mm(cuda, monkeypatch):
     monkeypatch.delattr(F, "scaled_mm")
-    support = gemm.native_gemm("blockwise", META)
+    support = gemm.native_gemm("blockwise", cuda.device)
     assert not support.native and "has no torch.nn.functional.scaled_mm" in support.reason
 
 
@@ -205,16 +212,24 @@ def test_block_kinds_need_torch_scaled_mm(cuda, monkeypatch):
 def test_the_block_probe_reads_the_host_so_tests_force_the_native_path(cuda):
     # Outside force_path("native") a block kind is probed once per device: a small GEMM whose
     # result is compared on the host with the emulation. On meta tensors that read fails, as the
-    # fixture's record shows; on a GPU it is one sync per device and process, before training.
+    # fixture's record shows; on a GPU it is one sync per device and process, before training,
+    # and the probe's verdict there is the kernel's numerics against the emulation.
     kind = "blockwise" if cuda.capability == (9, 0) else "mxfp8"
     gemm._native_gemm.cache_clear()
-    with gemm.force_path("auto"), pytest.raises(RuntimeError, match="meta"):
-        gemm.native_gemm(kind, META)
-    assert cuda.host_reads == ["aten._local_scalar_dense.default"]
+    if cuda.real:
+        with gemm.force_path("auto"):
+            support = gemm.native_gemm(kind, cuda.device)
+        assert support.native and torch.bfloat16 in support.out_dtypes, support
+        # Its operands are made on the host, its errors read back: syncs, once per device.
+        assert cuda.to_device_copies and "aten._local_scalar_dense.default" in cuda.host_reads
+    else:
+        with gemm.force_path("auto"), pytest.raises(RuntimeError, match="meta"):
+            gemm.native_gemm(kind, cuda.device)
+        assert cuda.host_reads == ["aten._local_scalar_dense.default"]
     assert cuda.scaled_gemms() >= 1  # the probe reached its kernel before the read
 
 
-def quantized(rows, cols, dtype=E4M3, block=None, device=META):
+def quantized(device, rows, cols, dtype=E4M3, block=None):
     data = torch.empty(rows, cols, dtype=dtype, device=device)
     if block is None:
         return QuantizedTensor(data, torch.ones((), device=device))
@@ -226,7 +241,7 @@ def quantized(rows, cols, dtype=E4M3, block=None, device=META):
 def test_tensorwise_auto_path_on_cuda_takes_the_kernel_untimed(cuda):
     before = gemm.tensorwise_choice.cache_info()
     with gemm.force_path("auto"):
-        out = gemm.fp8_gemm(quantized(32, 64), quantized(48, 64), torch.bfloat16)
+        out = gemm.fp8_gemm(quantized(cuda.device, 32, 64), quantized(cuda.device, 48, 64), torch.bfloat16)
     assert out.shape == (32, 48) and cuda.scaled_gemms() == 1
     assert gemm.tensorwise_choice.cache_info() == before  # no timing on a GPU
     cuda.clean()
@@ -235,14 +250,15 @@ def test_tensorwise_auto_path_on_cuda_takes_the_kernel_untimed(cuda):
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_e5m2_by_e5m2_is_emulated_on_cuda(cuda):
     # cuBLASLt has no E5M2 x E5M2 FP8 GEMM (torch's CUDA _scaled_mm refuses the pair).
-    supported, reason = gemm.scaled_mm_supported(quantized(32, 64, E5M2), quantized(48, 64, E5M2))
+    a, b = quantized(cuda.device, 32, 64, E5M2), quantized(cuda.device, 48, 64, E5M2)
+    supported, reason = gemm.scaled_mm_supported(a, b)
     assert not supported and reason == "E5M2 x E5M2 has no CUDA kernel"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = gemm.fp8_gemm(quantized(32, 64, E5M2), quantized(48, 64, E5M2), torch.bfloat16)
+        out = gemm.fp8_gemm(a, b, torch.bfloat16)
     assert out.shape == (32, 48) and cuda.scaled_gemms() == 0 and cuda.float32_mm == 1
     # E5M2 x E4M3 (HYBRID dgrad / wgrad) has a kernel.
-    assert gemm.scaled_mm_supported(quantized(32, 64, E5M2), quantized(48, 64))[0]
+    assert gemm.scaled_mm_supported(quantized(cuda.device, 32, 64, E5M2), quantized(cuda.device, 48, 64))[0]
     cuda.clean()
 
 
@@ -264,8 +280,8 @@ PADDING = [
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gemm_pads_to_the_kernels_multiples(cuda, kind, block_a, block_b, mkn, kernel_mkn, out_dtype):
     m, k, n = mkn
-    a, b = quantized(m, k, block=block_a), quantized(n, k, block=block_b)
-    bias = torch.empty(n, device=META, dtype=torch.bfloat16)
+    a, b = quantized(cuda.device, m, k, block=block_a), quantized(cuda.device, n, k, block=block_b)
+    bias = torch.empty(n, device=cuda.device, dtype=torch.bfloat16)
     out = gemm.fp8_gemm(a, b, out_dtype, bias)
     assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
     assert len(cuda.gemms) == 1
@@ -279,8 +295,8 @@ def test_gemm_pads_to_the_kernels_multiples(cuda, kind, block_a, block_b, mkn, k
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tensorwise_bias_follows_the_cuda_kernel_rules(cuda, out_dtype, bias_dtype):
-    bias = torch.empty(48, device=META, dtype=bias_dtype)
-    out = gemm.fp8_gemm(quantized(32, 64), quantized(48, 64), out_dtype, bias)
+    bias = torch.empty(48, device=cuda.device, dtype=bias_dtype)
+    out = gemm.fp8_gemm(quantized(cuda.device, 32, 64), quantized(cuda.device, 48, 64), out_dtype, bias)
     assert out.shape == (32, 48) and out.dtype == out_dtype
     kernel_bias = [operands[4:5] for _, operands in cuda.gemms][0]
     if out_dtype == torch.float32:
@@ -295,60 +311,91 @@ def test_tensorwise_bias_follows_the_cuda_kernel_rules(cuda, out_dtype, bias_dty
 def test_block_kernel_output_dtype_fallback(cuda, kind):
     # A kernel the probe found not to write float32: bfloat16 from the kernel, then the cast.
     block = (1, 128) if kind == "blockwise" else (1, 32)
-    a, b = quantized(128, 256, block=block), quantized(128, 256, block=block)
+    a, b = quantized(cuda.device, 128, 256, block=block), quantized(cuda.device, 128, 256, block=block)
     support = gemm.NativeGemm(True, "", (torch.bfloat16,))
-    out = gemm._native(kind, support, a, b, torch.float32, torch.empty(128, device=META))
+    out = gemm._native(kind, support, a, b, torch.float32, torch.empty(128, device=cuda.device))
     assert out.dtype == torch.float32 and out.shape == (128, 128)
     assert cuda.gemms[0][0] == "aten._scaled_mm_v2.default"
     cuda.clean()
 
 
 # ---------------------------------------------------------------------------------------------
-# The harness bites: wrong layouts and shapes fail, as they would on a GPU.
+# The harness bites: wrong layouts and shapes fail, as they would on a GPU. On meta tensors the
+# refusal is the meta kernel's; with FP8_CONTRACT_DEVICE=cuda it is the CUDA kernel's own, in
+# its own words (aten/src/ATen/native/cuda/Blas.cpp and ScaledBlas.cpp), so both are matched.
 
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_harness_refuses_a_row_major_second_operand(cuda):
-    a = quantized(64, 64)
-    b = QuantizedTensor(torch.empty(64, 48, dtype=E4M3, device=META).t(), torch.ones((), device=META))  # [48, 64], column-major
-    with pytest.raises(RuntimeError, match="mat2 must be col_major"):
+    dev = cuda.device
+    a = quantized(dev, 64, 64)
+    b = QuantizedTensor(torch.empty(64, 48, dtype=E4M3, device=dev).t(), torch.ones((), device=dev))  # column-major
+    with pytest.raises(RuntimeError, match="mat2 must be col_major|row-major and column-major"):
         gemm.fp8_gemm(a, b, torch.bfloat16)
 
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_harness_refuses_a_contraction_dim_off_16(cuda):
-    one = torch.ones((), device=META)
-    a, b = torch.empty(64, 60, dtype=E4M3, device=META), torch.empty(48, 60, dtype=E4M3, device=META)
+    dev = cuda.device
+    one = torch.ones((), device=dev)
+    a, b = torch.empty(64, 60, dtype=E4M3, device=dev), torch.empty(48, 60, dtype=E4M3, device=dev)
     with pytest.raises(RuntimeError, match="divisible by 16"):
         torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_harness_refuses_a_wrong_block_scale_shape(cuda):
-    a = quantized(128, 256, block=(1, 128))
-    b = quantized(128, 256, block=(128, 128))
-    b = QuantizedTensor(b.data, torch.ones(2, 1, device=META), (128, 128))  # the grid is [1, 2]
-    with pytest.raises(RuntimeError, match="scale b must have shape"):
+    dev = cuda.device
+    a = quantized(dev, 128, 256, block=(1, 128))
+    b = quantized(dev, 128, 256, block=(128, 128))
+    b = QuantizedTensor(b.data, torch.ones(2, 1, device=dev), (128, 128))  # the grid is [1, 2]
+    with pytest.raises(RuntimeError, match="scale b must have shape" if not cuda.real else "(?i)scal"):
         gemm.fp8_gemm(a, b, torch.bfloat16)
 
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
-def test_harness_flags_what_the_meta_kernels_accept(cuda):
-    a = QuantizedTensor(torch.empty(32, 64, dtype=E4M3, device=META), torch.ones(()))  # a CPU scale
-    gemm.fp8_gemm(a, quantized(48, 64), torch.bfloat16)
+def test_harness_flags_a_cpu_scale(cuda):
+    if cuda.real:
+        pytest.skip("a CPU scale given to the CUDA kernel: recorded by the same rule on meta tensors; not run on "
+                    "a GPU, where a kernel reading a host pointer could break the CUDA context for the session")
+    a = QuantizedTensor(torch.empty(32, 64, dtype=E4M3, device=cuda.device), torch.ones(()))  # a CPU scale
+    gemm.fp8_gemm(a, quantized(cuda.device, 48, 64), torch.bfloat16)
     assert any("a tensor on cpu" in v for v in cuda.kernel_violations)
     assert cuda.mixed_devices
-    cuda.reset()
-    one = torch.ones((), device=META)
-    torch._scaled_mm(torch.empty(32, 64, dtype=E4M3, device=META), torch.empty(48, 64, dtype=E4M3, device=META).t(),
-                     one, one, bias=torch.empty(48, device=META), out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
+def test_harness_flags_a_bias_with_a_float32_output(cuda):
+    # The meta kernel accepts it; the CUDA kernel refuses it (Blas.cpp), after the record.
+    dev = cuda.device
+    one = torch.ones((), device=dev)
+    operands = (torch.empty(32, 64, dtype=E4M3, device=dev), torch.empty(48, 64, dtype=E4M3, device=dev).t(), one, one)
+    bias = torch.empty(48, device=dev)
+    if cuda.real:
+        with pytest.raises((RuntimeError, ValueError), match="Bias is not supported when out_dtype is set to Float32"):
+            torch._scaled_mm(*operands, bias=bias, out_dtype=torch.float32)
+    else:
+        torch._scaled_mm(*operands, bias=bias, out_dtype=torch.float32)
     assert cuda.kernel_violations == ["Bias is not supported when out_dtype is set to Float32"]
-    cuda.reset()
-    with pytest.raises(RuntimeError, match="meta"):
-        torch.empty((), device=META).item()
-    assert cuda.host_reads == ["aten._local_scalar_dense.default"]
-    torch.ones(3).to(META)  # a blocking host-to-device copy
+
+
+@pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
+def test_harness_records_host_reads_and_host_to_device_copies(cuda):
+    # On meta tensors a host read raises as well; on a GPU it succeeds, and the record is what
+    # fails a test's clean().
+    value = torch.zeros((), device=cuda.device)
+    if cuda.real:
+        assert value.item() == 0.0
+        assert value.cpu().item() == 0.0  # a device-to-host copy; the CPU tensor's .item() is no sync
+        assert cuda.host_reads == ["aten._local_scalar_dense.default", "aten._to_copy.default"]
+    else:
+        with pytest.raises(RuntimeError, match="meta"):
+            value.item()
+        assert cuda.host_reads == ["aten._local_scalar_dense.default"]
+    torch.ones(3).to(cuda.device)  # a blocking host-to-device copy
     assert cuda.to_device_copies == ["aten._to_copy.default: [(3,)]"]
+    with pytest.raises(AssertionError):
+        cuda.clean()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +426,7 @@ MODEL_CASES = [("llama", "sm90", "delayed"), ("gpt2", "sm89", "current"), ("llam
 @pytest.mark.parametrize("cuda,model_name,recipe_name", [(SM[sm], m, r) for m, sm, r in MODEL_CASES],
                          indirect=["cuda"], ids=[f"{m}-{sm}-{r}" for m, sm, r in MODEL_CASES])
 def test_training_step_of_a_converted_model_runs_native_without_a_host_sync(cuda, model_name, recipe_name):
-    with torch.device(META):
+    with torch.device(cuda.device):
         model = (tiny_llama if model_name == "llama" else tiny_gpt2)().to(torch.bfloat16)
     # As the Lightning and Accelerate adapters drive it (fp8_plugin/lightning/precision.py,
     # fp8_plugin/accelerate/accelerator.py); the model is in bf16, as CUDA autocast is off here.
@@ -388,11 +435,11 @@ def test_training_step_of_a_converted_model_runs_native_without_a_host_sync(cuda
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert len(layers) == {"llama": 14, "gpt2": 8}[model_name]  # 7 / 4 linear layers per block, lm_head stays
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.zeros(2, 24, dtype=torch.long, device=META)  # 48 tokens: padded for every kernel
+    ids = torch.zeros(2, 24, dtype=torch.long, device=cuda.device)  # 48 tokens: padded for every kernel
     cuda.reset()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")  # torch.autocast("cuda")
-        with run.forward_context(device_kind(META)):
+        with run.forward_context(device_kind(cuda.device)):
             loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     if recipe_name == "delayed":
@@ -410,7 +457,7 @@ def test_training_step_of_a_converted_model_runs_native_without_a_host_sync(cuda
 def test_the_fault_check_is_the_steps_one_host_read(cuda):
     # Deciding whether to take the optimizer step (non-finite gradients, amax events) needs the
     # host, as GradScaler's does: FP8Training.before_optimizer_step reads one tensor, once.
-    with torch.device(META):
+    with torch.device(cuda.device):
         # Wide enough for FP8 on a GPU (skip_small)
         model = nn.Sequential(nn.Linear(64, 2048), nn.Linear(2048, 2048)).to(torch.bfloat16)
     run = FP8Training(fp8_plugin.DelayedScaling(), compute_dtype=torch.bfloat16)
@@ -419,11 +466,15 @@ def test_the_fault_check_is_the_steps_one_host_read(cuda):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         with run.forward_context():
-            out = model(torch.empty(32, 64, device=META, dtype=torch.bfloat16))
+            # Zeros: finite gradients on a GPU too, where the check's verdict is read.
+            out = model(torch.zeros(32, 64, device=cuda.device, dtype=torch.bfloat16))
     out.sum().backward()
     cuda.clean()
-    with pytest.raises(RuntimeError, match="meta"):
-        run.before_optimizer_step()
+    if cuda.real:
+        assert run.before_optimizer_step() is True
+    else:
+        with pytest.raises(RuntimeError, match="meta"):
+            run.before_optimizer_step()
     assert cuda.host_reads == ["aten._to_copy.default"]
 
 
@@ -460,19 +511,20 @@ def one_process_group():
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 def test_fsdp_fp8_all_gather_hooks_on_one_rank(cuda, one_process_group, transposed):
     rows, cols = (256, 200) if transposed else (200, 256)  # stored layout; 200 rows: an uneven shard
-    layer = FP8Linear(256, 200, bias=False, device=META, dtype=torch.bfloat16, recipe=fp8_plugin.Float8CurrentScaling())
+    dev = cuda.device
+    layer = FP8Linear(256, 200, bias=False, device=dev, dtype=torch.bfloat16, recipe=fp8_plugin.Float8CurrentScaling())
     layer.weight_transposed = transposed
     mesh = _RankOfTwo(one_process_group)
-    shard = FP8AllGatherWeight(torch.empty(rows // 2 - 4, cols, device=META, dtype=torch.bfloat16))
-    x = torch.empty(3, 40, 256, device=META, dtype=torch.bfloat16, requires_grad=True)
+    shard = FP8AllGatherWeight(torch.empty(rows // 2 - 4, cols, device=dev, dtype=torch.bfloat16))
+    x = torch.empty(3, 40, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
     with fp8_plugin.autocast():  # FSDP gathers in the forward: a training gather
         (data,), (scale_inv,) = shard.fsdp_pre_all_gather(mesh, torch.Size((rows, cols)), (cols, 1), layer, None)
         assert data.dtype == E4M3 and data.shape == (rows // 2, cols) and data.is_contiguous()  # FSDP's padded shard
-        assert scale_inv.shape == () and scale_inv.dtype == torch.float32 and scale_inv.device == META
-        empty = FP8AllGatherWeight(torch.empty(0, cols, device=META, dtype=torch.bfloat16))
+        assert scale_inv.shape == () and scale_inv.dtype == torch.float32 and scale_inv.device == dev
+        empty = FP8AllGatherWeight(torch.empty(0, cols, device=dev, dtype=torch.bfloat16))
         (empty_data,), _ = empty.fsdp_pre_all_gather(mesh, torch.Size((rows, cols)), (cols, 1), layer, None)
         assert empty_data.shape == (rows // 2, cols)
-        gathered_data = torch.empty(rows, cols, dtype=E4M3, device=META)  # what the all-gather returns
+        gathered_data = torch.empty(rows, cols, dtype=E4M3, device=dev)  # what the all-gather returns
         weight, inner = shard.fsdp_post_all_gather((gathered_data,), (scale_inv,), torch.bfloat16)
         assert isinstance(weight, FP8GatheredWeight) and inner == (gathered_data,) and weight.dtype == torch.bfloat16
         assert shard.fsdp_post_all_gather((gathered_data,), (scale_inv,), torch.bfloat16, out=weight) is None
@@ -494,23 +546,28 @@ def test_fsdp_fp8_all_gather_hooks_on_one_rank(cuda, one_process_group, transpos
 
 @pytest.mark.parametrize("cuda", [cap("sm90")], indirect=True)
 def test_reference_check_captures_and_restores_the_cuda_rng(cuda):
+    dev = cuda.device
     cpu_before = torch.get_rng_state()
-    state = capture_rng_state(META)
-    assert state.device == META and state.device_state.dtype == torch.uint8
+    state = capture_rng_state(dev)
+    assert state.device == dev and state.device_state.dtype == torch.uint8
     captured = state.device_state.clone()
     # The training forward draws its dropout masks: both generators move on.
     torch.rand(3)
-    torch.cuda.set_rng_state(torch.Generator().manual_seed(99).get_state(), META)
+    if cuda.real:
+        torch.rand(3, device=dev)
+        assert not torch.equal(cuda.device_rng_state(), captured)
+    else:
+        torch.cuda.set_rng_state(torch.Generator().manual_seed(99).get_state(), dev)
     _restore_rng_state(state)  # the replay starts where the training forward started
-    assert torch.equal(cuda.rng_states["meta"], captured)
+    assert torch.equal(cuda.device_rng_state(), captured)
     assert torch.equal(torch.get_rng_state(), cpu_before)
     # FP8Training keeps the state with the replay when a check is due.
-    with torch.device(META):
+    with torch.device(dev):
         model = nn.Sequential(nn.Linear(64, 2048)).to(torch.bfloat16)
     run = FP8Training(fp8_plugin.DelayedScaling(), reference_check=fp8_plugin.ReferenceCheck(every=1))
     run.convert(model)
     assert len(run.report.swapped) == 1
-    run.capture_replay(lambda: torch.zeros((), device=META))
+    run.capture_replay(lambda: torch.zeros((), device=dev))
     _, kept = run.reference._capture
-    assert kept.device == META and torch.equal(kept.device_state, cuda.rng_states["meta"])
+    assert kept.device == dev and torch.equal(kept.device_state, cuda.device_rng_state())
     cuda.clean()

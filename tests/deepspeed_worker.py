@@ -1,0 +1,272 @@
+"""A real Accelerate loop under DeepSpeed ZeRO on CPU (gloo), started by tests/test_deepspeed.py
+under torchrun with two processes. ``--precision fp8`` uses fp8_plugin.accelerate.Accelerator,
+``--precision bf16`` plain Accelerate (the reference run); both with DeepSpeed's bf16.
+``--precision fp16`` runs :func:`fp16_skips` instead (DeepSpeed's fp16 and its loss scaler).
+
+It trains ``--steps`` optimizer steps of ``--grad-accum`` micro-batches, saves the state
+(``accelerator.save_state``: DeepSpeed's save_checkpoint) after ``--save-at`` steps, trains on,
+then loads that state and trains the same last steps again; writes what it saw to
+``<out>/rank<R>.pt``.
+
+    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16] [--steps N] [--grad-accum K] [--from-env]
+
+With ``--from-env`` (under ``accelerate launch --config_file ...``) the Accelerator takes
+everything from the environment the launcher sets from the config file.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fp8_plugin.modules.linear  # noqa: E402
+from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
+from fp8_plugin.modules.linear import FP8Linear  # noqa: E402
+
+
+def _start_deepspeed_on_cpus() -> None:
+    """Two shims for this CPU-only test machine, neither touching what is under test.
+
+    Accelerate starts DeepSpeed's process group only with an accelerator backend (nccl, ...):
+    on a machine without one it sees a single process, while DeepSpeed then joins the real
+    (gloo) group, so the data would not be sharded. Here Accelerate's backend choice answers
+    gloo / multi-CPU instead, after which Accelerate starts DeepSpeed's group itself.
+    DeepSpeed's CPU back end also JIT-compiles a shared-memory all-reduce that serves only its
+    inference path: skipped (plain gloo collectives are used either way).
+    """
+    import importlib
+
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    # (deepspeed.comm re-exports the torch package as ``torch``: the module is looked up by path.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    prepare_backend = PartialState._prepare_backend
+
+    def cpu_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, distributed_type = prepare_backend(self, cpu, sagemaker_dp, backend)
+        if distributed_type == DistributedType.NO and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen, distributed_type
+
+    PartialState._prepare_backend = cpu_backend
+
+
+_start_deepspeed_on_cpus()
+FP8_GEMMS = [0]
+_fp8_gemm = fp8_plugin.modules.linear.fp8_gemm
+
+
+def _counting_gemm(*args, **kwargs):
+    FP8_GEMMS[0] += 1
+    return _fp8_gemm(*args, **kwargs)
+
+
+fp8_plugin.modules.linear.fp8_gemm = _counting_gemm
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+def ds_config(stage: int, grad_accum: int, precision: str = "bf16") -> dict:
+    # fp16: DeepSpeed's dynamic loss scaler, from 2**8 (no overflow of this tiny model's gradients).
+    half = {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}} \
+        if precision == "fp16" else {"bf16": {"enabled": True}}
+    return {**half,
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": grad_accum,
+        "zero_optimization": {
+            "stage": stage,
+            # Partition every parameter under ZeRO-3 (the default keeps small ones whole).
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def full_fp32_weights(model) -> dict:
+    # The FP32 master weights, whole, on every rank (ZeRO partitions them across ranks).
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(p).clone() for name, p in model.module.named_parameters()}
+
+
+def fp8_state(model) -> dict:
+    return {name: {k: v.clone() for k, v in m.fp8_state.get_extra_state().items()}
+            for name, m in model.module.named_modules() if isinstance(m, FP8Linear)}
+
+
+def fp16_skips(args) -> None:
+    """DeepSpeed fp16 with FP8: a non-finite gradient (an inf input on rank 0 in optimizer step
+    2) makes DeepSpeed's dynamic loss scaler skip that step on both ranks; the FP8 step still
+    ends (one amax reduction), and the skip is counted."""
+    from deepspeed.accelerator import get_accelerator
+
+    from fp8_plugin.accelerate import Accelerator
+
+    # DeepSpeed's CPU back end allows fp16 only where oneDNN has fast fp16 kernels (a speed
+    # gate): fp16 itself computes on any CPU.
+    get_accelerator().is_fp16_supported = lambda: True
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.grad_accum, "fp16"))
+    accelerator = Accelerator(mixed_precision="fp8", fp8_compute_dtype=torch.float16, deepspeed_plugin=plugin,
+                              gradient_accumulation_steps=args.grad_accum)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    n = 16 * args.steps * args.grad_accum * accelerator.num_processes
+    data = torch.utils.data.TensorDataset(torch.randn(n, 32, generator=generator) * 3,
+                                          torch.randn(n, 16, generator=generator))
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    run = accelerator.fp8_runs[0]
+    applied, skips, weights, reduces = [], [], [full_fp32_weights(model)], []
+    for index, (x, y) in enumerate(loader):
+        step, last = divmod(index, args.grad_accum)
+        if step == 1 and last == args.grad_accum - 1 and accelerator.process_index == 0:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x.to(torch.float16)).float(), y)
+            accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            applied.append(model.was_step_applied())
+            skips.append(int(run.faults._scaler_skipped))  # loss-scaler skips in a row, as counted
+            weights.append(full_fp32_weights(model))
+            reduces.append(MAX_ALL_REDUCES[len(sum(reduces, [])):])
+    result = {
+        "applied": applied,
+        "weights": weights,
+        "max_all_reduces": reduces,
+        "optimizer_steps": run.optimizer_steps,
+        "scaler_skips": skips,
+        "train_fp8_gemms": FP8_GEMMS[0],
+        "fp8_state": fp8_state(model),
+        "param_dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp16"))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--from-env", action="store_true", help="the Accelerator from accelerate launch's environment")
+    args = parser.parse_args()
+
+    if args.precision == "fp16":
+        return fp16_skips(args)
+    if args.precision == "fp8":
+        from fp8_plugin.accelerate import Accelerator
+    else:
+        from accelerate import Accelerator
+    if args.from_env:  # what `accelerate launch` set from a config file: DeepSpeed, precision, fp8_config
+        accelerator = Accelerator()
+    else:
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.grad_accum))
+        # The FP8 run samples the per-layer statistics every 2 optimizer steps.
+        fp8 = {"fp8_statistics": 2} if args.precision == "fp8" else {}
+        accelerator = Accelerator(mixed_precision=args.precision, deepspeed_plugin=plugin,
+                                  gradient_accumulation_steps=args.grad_accum, **fp8)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    n = 16 * args.steps * args.grad_accum * accelerator.num_processes
+    data = torch.utils.data.TensorDataset(torch.randn(n, 32, generator=generator) * 3,
+                                          torch.randn(n, 16, generator=generator))
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = list(loader)
+    per_step = args.grad_accum
+
+    def train(steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            for x, y in batches[step * per_step:(step + 1) * per_step]:
+                input_amaxes.append(float(x.to(torch.bfloat16).abs().max()))
+                with accelerator.accumulate(model):
+                    # DeepSpeed's bf16 casts the model to bf16: the inputs too (both runs alike).
+                    loss = nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                losses.append(loss.item())
+            reduces.append(MAX_ALL_REDUCES[len(sum(reduces, [])):])
+            statistics.append(accelerator.fp8_reference_metrics() if args.precision == "fp8" else {})
+        return losses
+
+    reduces: list[list[int]] = []
+    input_amaxes: list[float] = []  # per micro-batch: the largest magnitude of the bf16 inputs
+    statistics: list[dict] = []  # per optimizer step: the fp8_stats/ figures it formed
+    losses = train(range(args.save_at))
+    checkpoint = args.out / "checkpoint"
+    accelerator.save_state(str(checkpoint))
+    losses += train(range(args.save_at, args.steps))
+    train_gemms = FP8_GEMMS[0]
+    result = {
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "zero_stage": model.zero_optimization_stage(),
+        "param_dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
+        "losses": losses,
+        "max_all_reduces": reduces,
+        "input_amaxes": input_amaxes,
+        "statistics": statistics,
+        "train_fp8_gemms": train_gemms,
+        "fp8_layers": sorted(n for n, m in model.module.named_modules() if isinstance(m, FP8Linear)),
+        "weight_cache": [m.cache_fp8_weights for m in model.module.modules() if isinstance(m, FP8Linear)],
+        "fp8_state": fp8_state(model),
+        "weights": full_fp32_weights(model),
+    }
+    # The consolidated weights (gathered across ranks under ZeRO-3) load into the plain model.
+    consolidated = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        plain = make_model()
+        plain.load_state_dict({k: v.float() for k, v in consolidated.items()}, strict=True)
+        result["consolidated_matches_master"] = all(
+            torch.equal(p, result["weights"][name].to(torch.bfloat16).float()) for name, p in plain.named_parameters())
+    # Resume: the state saved after save_at steps, then the same last steps again.
+    accelerator.load_state(str(checkpoint))
+    result["resumed_losses"] = train(range(args.save_at, args.steps))
+    result["resumed_fp8_state"] = fp8_state(model)
+    result["resumed_weights"] = full_fp32_weights(model)
+    if args.stage == 3:
+        # ZeRO-3 gathers each weight into a fresh buffer for each forward and updates the
+        # partitions outside the parameter. A weight changed that way (here: doubled through
+        # DeepSpeed's GatheredParameters, no optimizer step, no FP8 hook) must reach the next
+        # forward; a cached FP8 copy keyed on the parameter's version and address would not.
+        import deepspeed
+
+        x = batches[0][0].to(torch.bfloat16)
+        last = model.module[4]
+        with torch.no_grad():
+            before = model(x).float()
+            with deepspeed.zero.GatheredParameters([last.weight, last.bias], modifier_rank=0):
+                last.weight.data.mul_(2)
+                last.bias.data.mul_(2)
+            after = model(x).float()
+        result["regathered_ratio"] = (after / before).flatten()
+
+    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

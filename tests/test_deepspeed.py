@@ -1,0 +1,353 @@
+"""FP8 under DeepSpeed ZeRO 1, 2 and 3 through fp8_plugin.accelerate.Accelerator (and FP8Trainer,
+Lightning's DeepSpeedStrategy with FP8DeepSpeedPrecision or an "fp8-*" string): two processes
+on CPU (gloo) under torchrun (tests/deepspeed_worker.py), against a plain-Accelerate DeepSpeed
+BF16 run of the same model and batches; and the set-ups refused at start-up."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+WORKER = Path(__file__).with_name("deepspeed_worker.py")
+TIMEOUT_S = 120
+# 3 FP8 layers x 3 roles (input, weight, grad_output): the element count of one amax reduction.
+AMAX_ELEMENTS = 9
+# The statistics of a sampled step: 3 layers x 3 roles x 3 extremes (amax, smallest and largest
+# scale) in one MAX all-reduce (the counts and energies go in one SUM all-reduce).
+STATS_EXTREMES = 27
+# Every FP8 run samples the per-layer statistics every this many optimizer steps.
+STATS_EVERY = 2
+STEPS, GRAD_ACCUM = 4, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(out: Path, stage: int, precision: str) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={_free_port()}", str(WORKER), str(out), "--stage", str(stage),
+                           "--precision", precision, "--steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM)],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    return r0, r1
+
+
+def _check_statistics(logged: list, r0: dict, r1: dict, prefix: str) -> None:
+    # logged: (optimizer step, fp8_stats/ figures) of the sampled steps; prefix: the layers' path.
+    assert [step for step, _ in logged] == list(range(STATS_EVERY, STEPS + 1, STATS_EVERY))
+    for step, metrics in logged:
+        assert len(metrics) == 3 * 3 * 7  # layers x roles x figures
+        assert all(f"fp8_stats/{prefix}{layer}/{role}/sqnr_db" in metrics
+                   for layer in "024" for role in ("input", "weight", "grad_output"))
+        first = (step - 1) * GRAD_ACCUM  # the step's micro-batches, on each rank
+        expected = max(r["input_amaxes"][i] for r in (r0, r1) for i in range(first, first + GRAD_ACCUM))
+        assert metrics[f"fp8_stats/{prefix}0/input/amax"] == expected  # MAX-reduced across ranks
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[name].keys() == b[name].keys() and all(torch.equal(v, b[name][k]) for k, v in a[name].items()) for name in a)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_and_resumes(tmp_path, stage):
+    r0, r1 = run_worker(tmp_path / "fp8", stage, "fp8")
+    ref0, _ = run_worker(tmp_path / "bf16", stage, "bf16")
+    assert r0["distributed_type"] == "DistributedType.DEEPSPEED" and r0["zero_stage"] == stage
+    assert r0["world_size"] == 2 and r0["losses"] != r1["losses"]  # the ranks saw different data
+    assert r0["param_dtypes"] == ["torch.bfloat16"]  # DeepSpeed's bf16 holds the model (FP32 masters in ZeRO)
+    # Every layer in FP8: forward + wgrad for the first (its input needs no grad), + dgrad for
+    # the two others, per micro-batch; none under the BF16 reference.
+    assert r0["fp8_layers"] == ["0", "2", "4"]
+    assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3)
+    assert ref0["train_fp8_gemms"] == 0
+    # Identical FP8 state (scales, amax histories) and FP32 master weights on both ranks.
+    assert _equal_states(r0["fp8_state"], r1["fp8_state"])
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+    # One amax reduction (a MAX all-reduce of every layer's amaxes) per optimizer step, however
+    # many micro-batches: the MAX all-reduces of each step are DeepSpeed's own (those of the
+    # BF16 run, step by step: overflow checks, the checkpoint) plus exactly one of ours.
+    # A step that samples the statistics adds their one MAX all-reduce.
+    assert len(r0["max_all_reduces"]) == len(ref0["max_all_reduces"]) == STEPS + (STEPS - 2)
+    numbers = list(range(1, STEPS + 1)) + list(range(3, STEPS + 1))  # the resumed run redoes steps 3, 4
+    for number, fp8_step, bf16_step in zip(numbers, r0["max_all_reduces"], ref0["max_all_reduces"], strict=True):
+        sampled = [STATS_EXTREMES] if number % STATS_EVERY == 0 else []
+        assert sorted(fp8_step) == sorted(bf16_step + [AMAX_ELEMENTS] + sampled)
+    # The per-layer statistics (Accelerator(fp8_statistics=2)), formed at steps 2 and 4 and read
+    # with fp8_reference_metrics(): identical on both ranks, every layer and role, and the input
+    # amax of the first layer is the largest magnitude of that step's bf16 inputs on both ranks.
+    _check_statistics([(n, m) for n, m in zip(numbers[:STEPS], r0["statistics"]) if m], r0, r1, "")
+    assert r0["statistics"] == r1["statistics"]
+    # Losses within the FP8 bound of the DeepSpeed BF16 run: each FP8 GEMM rounds both operands
+    # to E4M3/E5M2 (relative step 2**-3 for E4M3, half of it per rounding), so a product errs by
+    # at most ~2**-3 of the operands' magnitudes; over these few steps the loss curves stay
+    # within that fraction of the loss's own scale.
+    bound = 2**-3 * ref0["losses"][0]
+    assert len(r0["losses"]) == len(ref0["losses"]) == STEPS * GRAD_ACCUM
+    assert all(abs(a - b) <= bound for a, b in zip(r0["losses"], ref0["losses"]))
+    # save_state after 2 steps, load_state, the same last steps again: bit for bit (losses, FP8
+    # state, FP32 master weights).
+    for r in (r0, r1):
+        assert r["resumed_losses"] == r["losses"][2 * GRAD_ACCUM:]
+        assert _equal_states(r["resumed_fp8_state"], r["fp8_state"])
+        assert all(torch.equal(v, r["resumed_weights"][k]) for k, v in r["weights"].items())
+    # The consolidated model state (ZeRO-3: gathered from the partitions) is vanilla: it loads
+    # strictly into the unconverted model, and holds the bf16 copies of the FP32 masters.
+    assert r0["consolidated_matches_master"] is True
+    if stage == 3:
+        # ZeRO-3 re-gathers each weight for each forward: no FP8 copy is kept across gathers,
+        # and a weight changed through DeepSpeed's partitions (doubled, no FP8 hook) reaches
+        # the next forward (a stale cached copy would give back the same outputs).
+        assert r0["weight_cache"] == [False, False, False]
+        assert not torch.equal(r0["regathered_ratio"], torch.ones_like(r0["regathered_ratio"]))
+    else:
+        assert r0["weight_cache"] == [True, True, True]
+
+
+def test_deepspeed_refuses_what_cannot_work_at_start_up_naming_it():
+    from fp8_plugin.accelerate.accelerator import _check_deepspeed_setup
+    from fp8_plugin.accelerate.settings import resolve_settings
+    from fp8_plugin.training.deepspeed_engine import check_deepspeed_config
+
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    _check_deepspeed_setup(resolve_settings(), config)  # the plain FP8 set-up passes
+    with pytest.raises(ValueError, match="FP8 reference checks \\(Accelerator\\(fp8_reference_every\\)=5\\) are not "
+                                         "supported with distributed_type=DEEPSPEED: .*torch.autograd.grad"):
+        _check_deepspeed_setup(resolve_settings(reference_every=5), config)
+    with pytest.raises(ValueError, match="Accelerator\\(fp8_nonfinite\\)='raise' is not supported with "
+                                         "distributed_type=DEEPSPEED: .*fp16 dynamic loss scaler"):
+        _check_deepspeed_setup(resolve_settings(nonfinite="raise"), config)
+    with pytest.raises(ValueError, match="autotp_size=2 is not supported.*ZeRO stages 0-3 with data parallelism"):
+        check_deepspeed_config({"tensor_parallel": {"autotp_size": 2}}, "Accelerator")
+    with pytest.raises(ValueError, match="zero_optimization.stage=4 is not valid; valid: 0, 1, 2, 3"):
+        check_deepspeed_config({"zero_optimization": {"stage": 4}}, "Accelerator")
+    from fp8_plugin.lightning.deepspeed_precision import FP8DeepSpeedPrecision
+
+    with pytest.raises(ValueError, match="FP8DeepSpeedPrecision\\(precision='32-true'\\) is not supported; valid: "
+                                         "'bf16-mixed', '16-mixed'"):
+        FP8DeepSpeedPrecision(precision="32-true")
+    assert FP8DeepSpeedPrecision().fp8.compute_dtype == torch.bfloat16
+    assert FP8DeepSpeedPrecision(precision="16-mixed").fp8.compute_dtype == torch.float16
+
+
+def test_accelerate_launch_with_the_example_config_trains_zero3_in_fp8(tmp_path):
+    # `accelerate launch` with examples/accelerate_fp8_deepspeed.yaml (two processes, ZeRO-3,
+    # mixed_precision fp8, an fp8_config): everything reaches the Accelerator through the
+    # environment the launcher sets.
+    root = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    out = tmp_path / "out"
+    proc = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                           str(root / "examples" / "accelerate_fp8_deepspeed.yaml"),
+                           "--main_process_port", str(_free_port()), str(WORKER), str(out), "--stage", "3",
+                           "--from-env"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["distributed_type"] == "DistributedType.DEEPSPEED" and r0["zero_stage"] == 3
+    assert r0["world_size"] == 2 and r0["losses"] != r1["losses"]
+    # The config's gradient_accumulation_steps (2) and fp8_config amax_history_length (16).
+    assert r0["train_fp8_gemms"] == STEPS * 2 * (2 + 3 + 3)
+    assert all(state["amax_history"].shape[-1] == 16 for state in r0["fp8_state"].values())
+    assert _equal_states(r0["fp8_state"], r1["fp8_state"])
+    assert all(step.count(AMAX_ELEMENTS) == 1 for step in r0["max_all_reduces"])
+    assert r0["resumed_losses"] == r0["losses"][2 * 2:]
+    assert _equal_states(r0["resumed_fp8_state"], r0["fp8_state"])
+
+
+def test_fp16_dynamic_loss_scaler_skips_a_step_with_non_finite_fp8_gradients(tmp_path):
+    # DeepSpeed fp16 (ZeRO-2) with FP8: rank 0 feeds an inf in the last micro-batch of optimizer
+    # step 2. Its FP8 casts see a non-finite amax, its gradients are non-finite, and DeepSpeed's
+    # dynamic loss scaler (its overflow check spans the ranks) skips that step on both.
+    r0, r1 = run_worker(tmp_path, 2, "fp16")
+    assert r0["param_dtypes"] == ["torch.float16"]  # DeepSpeed's fp16 holds the model
+    assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3)
+    for r in (r0, r1):
+        assert r["applied"] == [True, False, True, True]
+        # The FP32 master weights move at every step but the skipped one.
+        w = r["weights"]
+        moved = [not all(torch.equal(w[i][k], w[i + 1][k]) for k in w[i]) for i in range(STEPS)]
+        assert moved == [True, False, True, True]
+        # The skip reaches the FP8 step's count of loss-scaler skips in a row; each step, the
+        # skipped one included, still makes its one amax reduction.
+        assert r["scaler_skips"] == [0, 1, 0, 0] and r["optimizer_steps"] == STEPS
+        assert all(step.count(AMAX_ELEMENTS) == 1 for step in r["max_all_reduces"])
+    # Scales and amax histories agree on both ranks (the inf amax was reduced, then left out of
+    # the scales); the count of non-finite casts is each rank's own: rank 0 cast the inf input
+    # and its gradient (input and grad_output of every layer), rank 1 none.
+    for name, state in r0["fp8_state"].items():
+        other = r1["fp8_state"][name]
+        for key in ("amax_history", "scale", "initialized"):
+            assert torch.equal(state[key], other[key]), (name, key)
+        assert state["scale"].isfinite().all()
+        assert state["nonfinite_amax_count"].tolist() == [1, 0, 1]
+        assert other["nonfinite_amax_count"].tolist() == [0, 0, 0]
+
+
+TRAINER_WORKER = Path(__file__).with_name("deepspeed_trainer_worker.py")
+
+
+def run_trainer_worker(out: Path, stage: int, precision: str) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={_free_port()}", str(TRAINER_WORKER), str(out), "--stage", str(stage),
+                           "--precision", precision], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(tmp_path, stage):
+    # FP8Trainer(args=TrainingArguments(deepspeed=<dict>, bf16=True)): 4 optimizer steps of 2
+    # micro-batches, checkpoints every 2 (DeepSpeed's save_checkpoint), then a second Trainer
+    # resumes from checkpoint-2 (its load_checkpoint); against the plain Trainer alike.
+    r0, r1 = run_trainer_worker(tmp_path / "fp8", stage, "fp8")
+    ref0, _ = run_trainer_worker(tmp_path / "bf16", stage, "bf16")
+    assert r0["world_size"] == 2 and r0["zero_stage"] == stage
+    assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3) and ref0["train_fp8_gemms"] == 0
+    assert _equal_states(r0["fp8_state"], r1["fp8_state"])
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+    # Each step's MAX all-reduces: DeepSpeed's own (those of the plain run) plus one amax
+    # reduction, and on the steps that sample the statistics (fp8_statistics=2) their extremes.
+    assert len(r0["max_all_reduces"]) == len(ref0["max_all_reduces"]) == STEPS
+    for number, (fp8_step, bf16_step) in enumerate(zip(r0["max_all_reduces"], ref0["max_all_reduces"]), 1):
+        sampled = [STATS_EXTREMES] if number % STATS_EVERY == 0 else []
+        assert sorted(fp8_step) == sorted(bf16_step + [AMAX_ELEMENTS] + sampled)
+    # The statistics in the Trainer's logs at steps 2 and 4, every layer and role, the same on
+    # both ranks (reduced over DeepSpeed's data-parallel group).
+    assert [step for step, _ in r0["statistics"]] == list(range(STATS_EVERY, STEPS + 1, STATS_EVERY))
+    assert all(len(metrics) == 3 * 3 * 7 and all(f"fp8_stats/{layer}/{role}/amax" in metrics for layer in "024"
+                                                 for role in ("input", "weight", "grad_output"))
+               for _, metrics in r0["statistics"])
+    assert r0["statistics"] == r1["statistics"]
+    # The logged losses (mean over ranks) within the FP8 bound of the DeepSpeed BF16 run (as in
+    # the Accelerate test: 2**-3, E4M3's relative step, of the loss's own scale).
+    assert len(r0["losses"]) == len(ref0["losses"]) == STEPS
+    assert all(abs(a - b) <= 2**-3 * ref0["losses"][0] for a, b in zip(r0["losses"], ref0["losses"]))
+    # The model file the Trainer saved (ZeRO-3: consolidated) loads strictly into the plain model.
+    assert r0["saved_model_matches_master"] is True
+    # Resumed from checkpoint-2: steps 3 and 4 again, bit for bit (the first two entries of the
+    # resumed log come from the checkpoint's trainer state).
+    for r in (r0, r1):
+        assert r["resumed_losses"][2:] == r["losses"][2:]
+        assert _equal_states(r["resumed_fp8_state"], r["fp8_state"])
+        assert all(torch.equal(v, r["resumed_weights"][k]) for k, v in r["weights"].items())
+
+
+LIGHTNING_WORKER = Path(__file__).with_name("deepspeed_lightning_worker.py")
+
+
+def run_lightning_worker(out: Path, stage: int, precision: str) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={_free_port()}", str(LIGHTNING_WORKER), str(out), "--stage", str(stage),
+                           "--precision", precision], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_deepspeed_strategy_with_fp8_precision_plugin(tmp_path, stage):
+    # Trainer(strategy=DeepSpeedStrategy(stage), plugins=[FP8DeepSpeedPrecision()]) against
+    # Lightning's own DeepSpeed precision="bf16-mixed" on the same model and batches.
+    r0, r1 = run_lightning_worker(tmp_path / "fp8", stage, "fp8")
+    ref0, _ = run_lightning_worker(tmp_path / "bf16", stage, "bf16")
+    assert r0["world_size"] == 2 and r0["zero_stage"] == stage and r0["inputs"] != r1["inputs"]
+    assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3) and ref0["train_fp8_gemms"] == 0
+    assert _equal_states(r0["fp8_state"], r1["fp8_state"])
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+    assert r0["inputs"] == ref0["inputs"]  # the same batches as the BF16 run
+    for number, (fp8_step, bf16_step) in enumerate(zip(r0["max_all_reduces"], ref0["max_all_reduces"], strict=True), 1):
+        sampled = [STATS_EXTREMES] if number % STATS_EVERY == 0 else []
+        assert sorted(fp8_step) == sorted(bf16_step + [AMAX_ELEMENTS] + sampled)
+    # FP8DeepSpeedPrecision(statistics=2): logged on rank zero at steps 2 and 4 (engine.step()
+    # at the boundary ends the FP8 step). Besides the input amax (as above), each weight's amax
+    # is that of the bf16 copy of the FP32 master weights the step's forwards ran on (under
+    # ZeRO-3 the weight DeepSpeed gathered for the forward): rounding to nearest is monotonic,
+    # so it is the bf16 rounding of the masters' largest magnitude.
+    logged = [(step, m) for step, m in r0["logged"] if any(k.startswith("fp8_stats/") for k in m)]
+    _check_statistics(logged, r0, r1, "net.")
+    assert r1["logged"] == []
+    for step, metrics in logged:
+        for layer, amax in r0["weight_amaxes"][step - 1].items():
+            bf16 = float(torch.tensor(amax).to(torch.bfloat16))
+            assert metrics[f"fp8_stats/net.{layer}/weight/amax"] == bf16, (step, layer)
+    # Within the FP8 bound of the BF16 run (2**-3 of the loss's scale, as above).
+    assert all(abs(a - b) <= 2**-3 * ref0["losses"][0] for a, b in zip(r0["losses"], ref0["losses"], strict=True))
+    # fit(ckpt_path=<step-2 checkpoint>) through DeepSpeed's load_checkpoint: the same last two
+    # steps again, bit for bit. (The resumed fit's ModelCheckpoint writes step=2.ckpt once more
+    # after its first micro-batch, in the middle of an accumulation: that save must not settle
+    # the step's amaxes early, or the second micro-batch casts with other scales.)
+    for r in (r0, r1):
+        assert r["resumed_inputs"] == r["inputs"][2 * GRAD_ACCUM:]
+        assert r["resumed_losses"] == r["losses"][2 * GRAD_ACCUM:]
+        assert _equal_states(r["resumed_fp8_state"], r["fp8_state"])
+        assert all(torch.equal(v, r["resumed_weights"][k]) for k, v in r["weights"].items())
+
+
+def test_lightning_trainer_fp8_string_with_deepspeed_stage_2_string_trains_in_fp8(tmp_path):
+    # Trainer(precision="fp8-hybrid", strategy="deepspeed_stage_2"), two processes: Lightning
+    # resolves the strategy name, the string becomes FP8DeepSpeedPrecision on DeepSpeed's bf16.
+    r0, r1 = run_lightning_worker(tmp_path, 2, "fp8-string")
+    assert r0["precision_plugin"] == "FP8DeepSpeedPrecision" and r0["recipe_format"] == "HYBRID"
+    assert r0["world_size"] == 2 and r0["zero_stage"] == 2 and r0["bf16_enabled"]
+    # 3 forward + 2 dgrad + 3 wgrad FP8 GEMMs per micro-batch (the first layer's input needs no dgrad).
+    assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3)
+    assert _equal_states(r0["fp8_state"], r1["fp8_state"])
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+    for step in r0["max_all_reduces"]:
+        assert AMAX_ELEMENTS in step  # one amax reduction per optimizer step
+
+
+def test_fp8_precision_strings_with_deepspeed_strategies_get_fp8_deepspeed_precision():
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from fp8_plugin.lightning.deepspeed_precision import FP8DeepSpeedPrecision
+    from fp8_plugin.numerics.formats import Format
+    from fp8_plugin.numerics.recipes import AutoRecipe, DelayedScaling, Float8CurrentScaling
+
+    flags = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    cases = [("fp8-hybrid", "deepspeed_stage_2", 2, AutoRecipe, Format.HYBRID, "bf16-mixed", torch.bfloat16),
+             ("fp8-delayed", DeepSpeedStrategy(stage=3), 3, DelayedScaling, Format.HYBRID, "bf16-mixed",
+              torch.bfloat16),
+             ("FP8-Current", "deepspeed_stage_3_offload", 3, Float8CurrentScaling, Format.HYBRID, "bf16-mixed",
+              torch.bfloat16),
+             ("fp8-e4m3-float16", "deepspeed_stage_1", 1, AutoRecipe, Format.E4M3, "16-mixed", torch.float16)]
+    for precision, strategy, stage, recipe_type, fmt, ds_precision, compute_dtype in cases:
+        trainer = pl.Trainer(precision=precision, strategy=strategy, **flags)
+        plugin = trainer.precision_plugin
+        assert type(plugin) is FP8DeepSpeedPrecision, (precision, strategy)
+        assert isinstance(trainer.strategy, DeepSpeedStrategy)
+        assert trainer.strategy.config["zero_optimization"]["stage"] == stage
+        assert type(plugin.fp8.recipe) is recipe_type and plugin.fp8.recipe.fp8_format is fmt
+        assert plugin.precision == ds_precision and plugin.fp8.compute_dtype == compute_dtype
+
+    with pytest.raises(ValueError, match=r"precision='fp8-e5m2' is not a valid FP8 precision; valid: fp8-hybrid, "
+                                         r"fp8-e4m3, fp8-hybrid-float16, fp8-e4m3-float16, fp8-delayed"):
+        pl.Trainer(precision="fp8-e5m2", strategy="deepspeed_stage_2", **flags)
+    with pytest.raises(ValueError, match="choose one"):
+        pl.Trainer(precision="fp8-hybrid", strategy="deepspeed_stage_2", plugins=[FP8DeepSpeedPrecision()], **flags)
+    # Fabric has no FP8 DeepSpeed plugin: refused at construction, naming the loops that have one.
+    import lightning as L
+
+    with pytest.raises(ValueError, match="strategy='deepspeed_stage_3' is not supported by Fabric: .*the Lightning "
+                                         "Trainer and fp8_plugin.accelerate.Accelerator have one.*Valid strategies"):
+        L.Fabric(precision="fp8-hybrid", strategy="deepspeed_stage_3", accelerator="cpu", devices=1)
+    with pytest.raises(TypeError, match="FP8DeepSpeedPrecision\\(...\\)\\] is the FP8 plugin of the Trainer; Fabric "
+                                        "takes fp8_plugin.fabric.FP8Precision"):
+        L.Fabric(plugins=[FP8DeepSpeedPrecision()], accelerator="cpu", devices=1)

@@ -1,0 +1,304 @@
+"""The escalation of a verified fallback (fp8_plugin/training/reference_check.py,
+``ESCALATION_STEPS``): when no candidate move restores a failed check's figures within
+``max_fallback_replays``, model-wide steps are tried in order, each kept only when a replay with
+it passes; every replay is recorded with its figures before and after; under ``"raise"`` the
+same replays are a diagnosis whose text the error carries. CPU, a few seconds each."""
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_plugin as fp
+from fp8_plugin.training import reference_check as rc
+from fp8_plugin.training.reference_check import ESCALATION_STEPS, ReferenceCheck, ReferenceChecker
+from reference import count_fp8_gemms
+
+
+def _moved_switches(model):
+    # Every switch a fallback may have changed: (use_fp8, fp8_gemms) of each FP8 linear layer.
+    return {n: (m.use_fp8, m.fp8_gemms) for n, m in model.named_modules() if isinstance(m, fp.FP8Linear)}
+
+
+def _assert_every_kept_move_was_justified(result, config):
+    # No move kept without a replay that passed every threshold, after failing before it.
+    for entry in result.fallback_tried:
+        assert set(entry["before"]) == {"loss_rel_diff", "grad_cosine", "grad_rel_error", "sqnr_min_db"}
+        assert entry["before"]["grad_cosine"] == result.grad_cosine  # the check's own figure
+        if entry["kept"]:
+            assert entry["passed"] and entry["failures"] == []
+            assert entry["grad_cosine"] >= config.min_grad_cosine > entry["before"]["grad_cosine"]
+    assert sum(t["kept"] for t in result.fallback_tried) == (1 if result.fallback_layers + result.fallback_gemms else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A massive activation: one LayerNorm weight channel 3e4 times the others
+
+
+def _massive_activation_bert():
+    """A tiny BERT classifier (4 layers of width 384) whose layer-2 attention LayerNorm has one
+    weight channel scaled by 3e4: the hidden state's channel 5 is then 3e4 times the others,
+    as in the massive activations of trained transformers. Dropout off: the replays are exact."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=200, hidden_size=384, num_hidden_layers=4, num_attention_heads=6,
+                        intermediate_size=768, max_position_embeddings=64, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(config).train()
+    with torch.no_grad():
+        model.bert.encoder.layer[2].attention.output.LayerNorm.weight[5] *= 3e4
+    fp.convert_model(model, fp.DelayedScaling(), exclude=["classifier"])
+    gen = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 200, (8, 16), generator=gen),
+             "labels": torch.randint(0, 3, (8,), generator=gen)}
+    return model, batch
+
+
+def _bert_loss(model, batch):
+    return model(**batch).loss
+
+
+def _grads(model, batch, fp8):
+    # One training forward and backward (BF16 autocast, FP8 on or off), its gradients in float64.
+    model.zero_grad()
+    with torch.autocast("cpu", torch.bfloat16), fp.autocast(enabled=fp8):
+        _bert_loss(model, batch).backward()
+    grads = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad()
+    return grads
+
+
+def _cosine(a, b):
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def test_massive_activation_is_localised_by_verified_replays_to_one_layer():
+    model, batch = _massive_activation_bert()
+    with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()  # a training step's backward: delayed scales for the check
+    fp.update_pending_scales(model)
+    model.zero_grad()
+    assert gemms.count == 24 * 3  # 24 FP8 linear layers, each fprop, dgrad and wgrad in FP8
+    # By hand, outside the check: FP8 gradients against FP8-off ones, float64 cosine.
+    reference = _grads(model, batch, fp8=False)
+    config = ReferenceCheck(policy="fallback")
+    assert _cosine(_grads(model, batch, fp8=True), reference) < config.min_grad_cosine
+    with pytest.warns(UserWarning, match="moved to high precision: bert.encoder.layer.0.attention.output.dense"):
+        result = fp.reference_check(model, batch, _bert_loss, config=config)
+    assert not result.passed and result.grad_cosine < config.min_grad_cosine
+    # Every layer's own figures are healthy (the drift is the model's amplification of healthy
+    # FP8 noise through the LayerNorm), so no GEMM is under min_gemm_sqnr_db: the candidates are
+    # the GEMM furthest below its band, then bisection over the layers, each half kept only
+    # when its replay passes. It ends, within max_fallback_replays, at one layer of layer 0,
+    # whose forward noise the planted LayerNorm amplifies most: 3 GEMMs of 72 moved.
+    assert all(db > config.min_sqnr_db for db in result.layer_sqnr_db.values())
+    assert all(db >= config.min_gemm_sqnr_db for f in result.gemm_sqnr_db.values() for db in f.values())
+    tried = result.fallback_tried
+    assert len(tried) <= config.max_fallback_replays and all(t["stage"] == "candidate" for t in tried)
+    assert [len(t["moves"]) for t in tried] == [1, 12, 6, 3, 3, 1]  # worst GEMM, then halves
+    assert [t["passed"] for t in tried] == [False, True, True, False, True, True]
+    for bigger, smaller in zip(tried[1:], tried[2:]):  # each bisection step inside the last half that passed
+        passed_before = [t for t in tried[1:tried.index(smaller)] if t["passed"]][-1]
+        assert set(smaller["moves"]) < set(passed_before["moves"])
+    _assert_every_kept_move_was_justified(result, config)
+    assert result.fallback_layers == ["bert.encoder.layer.0.attention.output.dense"] and result.fallback_gemms == []
+    assert result.fallback_escalation == ""
+    assert [n for n, (use, _) in _moved_switches(model).items() if not use] == result.fallback_layers
+    # After the check's work: the gradient cosine, by hand again, is at or above the threshold,
+    # the next check passes, and the other 23 layers still run their three GEMMs in FP8.
+    assert _cosine(_grads(model, batch, fp8=True), reference) >= config.min_grad_cosine
+    after = fp.reference_check(model, batch, _bert_loss, config=config)
+    assert after.passed and after.fallback_tried == [], after.describe()
+    with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()
+    assert gemms.count == 23 * 3
+
+
+def test_massive_activation_without_candidates_escalates_to_fprop_the_first_step_that_passes():
+    # The same model with no candidate replay allowed: the escalation's steps, in order, each
+    # with its replay. The forward's E4M3 noise, amplified through the planted LayerNorm, is
+    # what turns the gradient: every dgrad in high precision does not restore it, every fprop does.
+    model, batch = _massive_activation_bert()
+    with torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()
+    fp.update_pending_scales(model)
+    model.zero_grad()
+    config = ReferenceCheck(policy="fallback", max_fallback_replays=0)
+    with pytest.warns(UserWarning) as caught:
+        result = fp.reference_check(model, batch, _bert_loss, config=config)
+    assert [(t["stage"], t["escalation"], t["passed"]) for t in result.fallback_tried] == [
+        ("escalation", "dgrad", False), ("escalation", "fprop", True)]
+    assert len(result.fallback_tried[0]["moves"]) == len(result.fallback_tried[1]["moves"]) == 24
+    _assert_every_kept_move_was_justified(result, config)
+    assert result.fallback_escalation == "fprop"
+    assert sum(str(w.message).count("ESCALATED to fprop in high precision model-wide") for w in caught) == 1
+    assert set(_moved_switches(model).values()) == {(True, (False, True, True))}
+    # By hand, outside the check: the gradients now agree with FP8 off.
+    assert _cosine(_grads(model, batch, fp8=True), _grads(model, batch, fp8=False)) >= config.min_grad_cosine
+    with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()
+    assert gemms.count == 24 * 2  # dgrad and wgrad of every layer still in FP8
+
+
+# ---------------------------------------------------------------------------------------------
+# The escalation's order, caps and records, on a stand-in replay
+
+
+def _linears(n=4):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(n)])
+    fp.convert_model(model, fp.DelayedScaling())
+    result = fp.reference_check(model, torch.randn(4, 16), lambda m, x: m(x).square().mean(),
+                                compute_dtype=torch.float32)
+    return model, result
+
+
+def _failed(result, cosine=0.1):
+    # The check's figures, failed on the gradient cosine.
+    return dataclasses.replace(result, grad_cosine=cosine, failures=[], fallback_tried=[])
+
+
+def test_no_localisation_escalates_in_order_and_keeps_the_first_step_that_passes():
+    # The stand-in replay passes only when every layer's dgrad and wgrad run in high precision:
+    # drift no single layer, GEMM or half explains, that the backward in high precision ends.
+    model, checked = _linears()
+    result = _failed(checked)
+    replays = []
+
+    def verify():
+        switches = _moved_switches(model)
+        replays.append(switches)
+        backward_hp = all(use and not gemms[1] and not gemms[2] for use, gemms in switches.values())
+        return dataclasses.replace(result, grad_cosine=0.9 if backward_hp else 0.1, failures=[])
+
+    config = ReferenceCheck(policy="fallback", max_fallback_replays=3)
+    with pytest.warns(UserWarning, match=r"ESCALATED to dgrad and wgrad in high precision model-wide.*"
+                                         r"grad cosine 0\.1000 -> 0\.9000"):
+        rc.apply_policy(model, result, config, verify=verify)
+    stages = [(t["stage"], t["escalation"]) for t in result.fallback_tried]
+    assert stages == [("candidate", None)] * 3 + [("escalation", "dgrad"), ("escalation", "fprop"),
+                                                  ("escalation", "dgrad+wgrad")]
+    # Each escalation replay ran with exactly its step's switches, on every layer.
+    assert set(replays[3].values()) == {(True, (True, False, True))}
+    assert set(replays[4].values()) == {(True, (False, True, True))}
+    assert set(replays[5].values()) == {(True, (True, False, False))}
+    assert [t["grad_cosine"] for t in result.fallback_tried] == [0.1] * 5 + [0.9]
+    _assert_every_kept_move_was_justified(result, config)
+    assert result.fallback_escalation == "dgrad+wgrad"
+    assert sorted(result.fallback_gemms) == sorted(f"{i}.{g}" for i in range(4) for g in ("dgrad", "wgrad"))
+    assert set(_moved_switches(model).values()) == {(True, (True, False, False))}
+    # The summary and the JSON report name the move with its evidence, before and after.
+    checker = ReferenceChecker(config)
+    checker.results.append(result)
+    assert "escalated at step 1: escalation 'dgrad+wgrad' (8 moves): grad cosine 0.1000 -> 0.9000" in checker.summary()
+    assert "replays of moves not kept: 5" in checker.summary()
+    from fp8_plugin.training.reference_report import report_data
+    moves = report_data(checker)["moves"]
+    assert len(moves) == 1 and moves[0]["escalation"] == "dgrad+wgrad"
+    assert moves[0]["before"]["grad_cosine"] == 0.1 and moves[0]["grad_cosine"] == 0.9
+
+
+def test_escalation_within_its_cap_that_restores_nothing_moves_nothing_and_says_so():
+    model, checked = _linears()
+    result = _failed(checked)
+    calls = []
+
+    def verify():  # nothing short of FP8 off would pass, and the cap stops before it
+        calls.append(1)
+        return dataclasses.replace(result, grad_cosine=0.1, failures=[])
+
+    config = ReferenceCheck(policy="fallback", max_fallback_replays=0, max_escalation_replays=2)
+    with pytest.warns(UserWarning, match=r"ESCALATION FAILED, nothing moved: no candidate move restored the figures "
+                                         r"\(0 tried, max_fallback_replays=0\), nor did any of the 2 escalation"):
+        rc.apply_policy(model, result, config, verify=verify)
+    assert len(calls) == 2 and [t["escalation"] for t in result.fallback_tried] == ["dgrad", "fprop"]
+    assert result.fallback_layers == result.fallback_gemms == [] and result.fallback_escalation == ""
+    assert set(_moved_switches(model).values()) == {(True, (True, True, True))}
+    # A cap of 0 turns the escalation off: the candidates alone, as before it existed.
+    result = _failed(checked)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc.apply_policy(model, result, dataclasses.replace(config, max_escalation_replays=0), verify=verify)
+    assert result.fallback_tried == [] and not any("ESCALAT" in str(w.message) for w in caught)
+
+
+def test_an_escalation_step_already_in_place_is_skipped_without_a_replay():
+    model, checked = _linears()
+    for layer in model:
+        layer.fp8_gemms = (True, False, True)  # dgrad already in high precision everywhere
+    result = _failed(checked)
+    rc.apply_policy(model, result, ReferenceCheck(policy="log"), verify=None)  # judge only
+    config = ReferenceCheck(policy="fallback", max_fallback_replays=0, max_escalation_replays=1)
+    with pytest.warns(UserWarning, match="ESCALATED to fprop"):
+        rc.apply_policy(model, result, config,
+                        verify=lambda: dataclasses.replace(result, grad_cosine=0.9, failures=[]))
+    assert [t["escalation"] for t in result.fallback_tried] == ["fprop"]
+    # The step's moves: what it changes on the switches as they were, fprop only.
+    assert sorted(result.fallback_gemms) == [f"{i}.fprop" for i in range(4)]
+    assert set(_moved_switches(model).values()) == {(True, (False, False, True))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Under "raise": a diagnosis, nothing kept, the error says what was tried
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.down(torch.relu(self.up(x)))).float(), y)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(32, 64, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+
+
+def _loss(model, batch):
+    return model(*batch)
+
+
+def test_raise_policy_error_lists_every_replay_with_its_figures_and_moves_nothing():
+    model = _Net()
+    fp.convert_model(model, fp.DelayedScaling(), exclude=["head"])
+    with fp.autocast():
+        _loss(model, _batch()).backward()
+    fp.update_pending_scales(model)
+    model.zero_grad()
+    # A grad_output scale 2^40 times too small: down's dy flushes to zero in its dgrad and wgrad.
+    model.down.fp8_state.scale[2] *= 2.0**-40
+    config = ReferenceCheck(policy="raise")
+    with pytest.raises(fp.FP8ReferenceCheckError) as raised:
+        fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
+    result, text = raised.value.result, str(raised.value)
+    assert [t["moves"] for t in result.fallback_tried] == [["down.dgrad", "down.wgrad"]]
+    entry = result.fallback_tried[0]
+    assert entry["passed"] and not entry["kept"] and entry["grad_cosine"] >= config.min_grad_cosine
+    assert result.fallback_gemms == result.fallback_layers == []
+    assert {n: s for n, s in _moved_switches(model).items()} == {"up": (True, (True, True, True)),
+                                                                 "down": (True, (True, True, True))}
+    # The text: the check's figures, and the replay's before -> after, in the report's format.
+    assert f"grad cosine {result.grad_cosine:.4f}" in text and "replays tried (nothing kept under policy 'raise')" in text
+    assert (f"1. down.dgrad, down.wgrad: grad cosine {result.grad_cosine:.4f} -> {entry['grad_cosine']:.4f}"
+            in text), text
+    assert "(passed, not kept)" in text and "this restored the figures (not kept)" in text
+    # With no candidate allowed, the diagnosis escalates: the steps, in order, until one passes.
+    with pytest.raises(fp.FP8ReferenceCheckError) as raised, pytest.warns(
+            UserWarning, match=r"escalation \(a diagnosis, nothing kept\): no candidate move restored"):
+        fp.reference_check(model, _batch(), _loss, compute_dtype=torch.float32,
+                           config=dataclasses.replace(config, max_fallback_replays=0))
+    tried = raised.value.result.fallback_tried
+    names = [name for name, _, _ in ESCALATION_STEPS]
+    assert [t["escalation"] for t in tried] == names[:len(tried)] and tried[-1]["passed"]
+    assert not any(t["passed"] for t in tried[:-1]) and not any(t["kept"] for t in tried)
+    assert f"escalation {tried[-1]['escalation']!r}" in str(raised.value)
+    assert set(_moved_switches(model).values()) == {(True, (True, True, True))}
+    assert math.isfinite(raised.value.result.grad_cosine)
