@@ -1,14 +1,17 @@
 """A real Accelerate loop under DeepSpeed ZeRO on CPU (gloo), started by tests/test_deepspeed.py
 under torchrun with two processes. ``--precision fp8`` uses fp8_plugin.accelerate.Accelerator,
 ``--precision bf16`` plain Accelerate (the reference run); both with DeepSpeed's bf16.
-``--precision fp16`` runs :func:`fp16_skips` instead (DeepSpeed's fp16 and its loss scaler).
+``--precision fp16`` runs :func:`fp16_skips` instead (DeepSpeed's fp16 and its loss scaler);
+``--model llama`` runs :func:`llama_saves_pretrained` instead (a transformers model trained in FP8,
+saved with ``save_pretrained`` as Accelerate documents for ZeRO-3).
 
 It trains ``--steps`` optimizer steps of ``--grad-accum`` micro-batches, saves the state
 (``accelerator.save_state``: DeepSpeed's save_checkpoint) after ``--save-at`` steps, trains on,
 then loads that state and trains the same last steps again; writes what it saw to
 ``<out>/rank<R>.pt``.
 
-    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16] [--steps N] [--grad-accum K] [--from-env]
+    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16] [--model net|llama] [--steps N]
+        [--grad-accum K] [--from-env]
 
 With ``--from-env`` (under ``accelerate launch --config_file ...``) the Accelerator takes
 everything from the environment the launcher sets from the config file.
@@ -159,11 +162,64 @@ def fp16_skips(args) -> None:
     accelerator.end_training()
 
 
+def make_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                        max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def llama_saves_pretrained(args) -> None:
+    """A tiny LlamaForCausalLM trained in FP8 through fp8_plugin.accelerate.Accelerator, then
+    saved the way Accelerate documents for ZeRO-3: ``accelerator.get_state_dict(model)`` (which
+    gathers the 16-bit weights from the partitions when
+    ``stage3_gather_16bit_weights_on_model_save`` is on), then ``save_pretrained`` of the
+    unwrapped model with that state dict into ``<out>/pretrained``. The test loads it with plain
+    transformers in its own process: here transformers sees DeepSpeed's ZeRO-3 config and would
+    load through ``deepspeed.zero.Init`` (collectives on the loading rank alone)."""
+    from fp8_plugin.accelerate import Accelerator
+
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.grad_accum))
+    accelerator = Accelerator(mixed_precision="fp8", deepspeed_plugin=plugin,
+                              gradient_accumulation_steps=args.grad_accum)
+    model = make_llama()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    n = 16 * args.steps * args.grad_accum * accelerator.num_processes
+    data = torch.utils.data.TensorDataset(torch.randint(1, 128, (n, 16), generator=generator))
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for (ids,) in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    result = {
+        "zero_stage": model.zero_optimization_stage(),
+        "train_fp8_gemms": FP8_GEMMS[0],
+        "fp8_layers": sorted(n for n, m in model.module.named_modules() if isinstance(m, FP8Linear)),
+        "initial_weights": initial,
+        "weights": full_fp32_weights(model),  # the FP32 masters, gathered from the partitions
+    }
+    state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
+    saved = args.out / "pretrained"
+    accelerator.unwrap_model(model).save_pretrained(saved, is_main_process=accelerator.is_main_process,
+                                                    state_dict=state_dict)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp16"))
+    parser.add_argument("--model", default="net", choices=("net", "llama"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=2)
@@ -172,6 +228,8 @@ def main() -> None:
 
     if args.precision == "fp16":
         return fp16_skips(args)
+    if args.model == "llama":
+        return llama_saves_pretrained(args)
     if args.precision == "fp8":
         from fp8_plugin.accelerate import Accelerator
     else:

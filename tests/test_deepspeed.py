@@ -32,12 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(out: Path, stage: int, precision: str) -> tuple[dict, dict]:
+def run_worker(out: Path, stage: int, precision: str, model: str = "net", steps: int = STEPS,
+               grad_accum: int = GRAD_ACCUM) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={_free_port()}", str(WORKER), str(out), "--stage", str(stage),
-                           "--precision", precision, "--steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM)],
+                           "--precision", precision, "--model", model, "--steps", str(steps),
+                           "--grad-accum", str(grad_accum)],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
@@ -114,6 +116,47 @@ def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_an
         assert not torch.equal(r0["regathered_ratio"], torch.ones_like(r0["regathered_ratio"]))
     else:
         assert r0["weight_cache"] == [True, True, True]
+
+
+def test_zero3_fp8_trained_transformers_model_saved_pretrained_loads_into_plain_transformers(tmp_path):
+    # A tiny LlamaForCausalLM trained 2 optimizer steps in FP8 under ZeRO-3 (every parameter
+    # partitioned), saved as Accelerate documents: accelerator.get_state_dict(model) (gathered
+    # from the partitions, stage3_gather_16bit_weights_on_model_save), then save_pretrained of
+    # the unwrapped model with that state dict. It loads here, in a process without DeepSpeed
+    # or fp8_plugin's conversion, with plain transformers.
+    import safetensors.torch
+    from transformers import LlamaForCausalLM
+
+    from fp8_plugin.modules.linear import FP8Linear
+
+    steps = 2
+    r0, r1 = run_worker(tmp_path, 3, "fp8", model="llama", steps=steps, grad_accum=1)
+    assert r0["zero_stage"] == 3
+    # It trained in FP8: the 7 projections of each of the 2 decoder layers (lm_head stays in
+    # high precision) ran forward, dgrad and wgrad in FP8 for each micro-batch.
+    projections = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+                   "self_attn.q_proj", "self_attn.v_proj")
+    assert r0["fp8_layers"] == [f"model.layers.{i}.{p}" for i in (0, 1) for p in projections]
+    assert r0["train_fp8_gemms"] == steps * 14 * 3
+    masters = r0["weights"]
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in masters.items())
+    assert all(not torch.equal(masters[k], v) for k, v in r0["initial_weights"].items())  # every weight trained
+    # The saved file: the model's own keys only (no FP8 scales or amax histories), each the bf16
+    # rounding of its FP32 master (DeepSpeed's bf16 model copy is the masters cast to bf16).
+    saved = tmp_path / "pretrained"
+    tensors = safetensors.torch.load_file(saved / "model.safetensors")
+    assert tensors.keys() == masters.keys()
+    assert all(torch.equal(v, masters[k].to(torch.bfloat16)) for k, v in tensors.items())
+    # Plain from_pretrained: strict (nothing missing, unexpected or mismatched), the saved bf16
+    # weights as they are, and no FP8 module.
+    plain, info = LlamaForCausalLM.from_pretrained(saved, output_loading_info=True)
+    assert type(plain) is LlamaForCausalLM
+    assert {k: list(v) for k, v in info.items()} == {"missing_keys": [], "unexpected_keys": [],
+                                                     "mismatched_keys": [], "error_msgs": []}
+    assert not any(isinstance(m, FP8Linear) for m in plain.modules())
+    loaded = dict(plain.named_parameters())
+    assert loaded.keys() == masters.keys()
+    assert all(torch.equal(p, masters[k].to(torch.bfloat16)) for k, p in loaded.items())
 
 
 def test_deepspeed_refuses_what_cannot_work_at_start_up_naming_it():
