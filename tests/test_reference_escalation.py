@@ -16,6 +16,7 @@ import fp8_plugin as fp
 from fp8_plugin.training import reference_check as rc
 from fp8_plugin.training.reference_check import ESCALATION_STEPS, ReferenceCheck, ReferenceChecker
 from reference import count_fp8_gemms
+from test_gemm_precision import Net, _batch  # the two-layer net of the per-GEMM tests
 
 
 def _moved_switches(model):
@@ -245,29 +246,12 @@ def test_an_escalation_step_already_in_place_is_skipped_without_a_replay():
 # Under "raise": a diagnosis, nothing kept, the error says what was tried
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.up = nn.Linear(64, 128)
-        self.down = nn.Linear(128, 64)
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x, y):
-        return nn.functional.cross_entropy(self.head(self.down(torch.relu(self.up(x)))).float(), y)
-
-
-def _batch():
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(32, 64, generator=gen), torch.randint(0, 4, (32,), generator=gen)
-
-
 def _loss(model, batch):
     return model(*batch)
 
 
 def test_raise_policy_error_lists_every_replay_with_its_figures_and_moves_nothing():
-    model = _Net()
+    model = Net()
     fp.convert_model(model, fp.DelayedScaling(), exclude=["head"])
     with fp.autocast():
         _loss(model, _batch()).backward()
