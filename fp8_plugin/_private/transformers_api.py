@@ -15,6 +15,10 @@ converters its FP8 quantizer adds at load time. :func:`set_save_conversions_with
 that, as ``HfQuantizer.update_weight_conversions`` does (the converters' original patterns,
 ``WeightConverter.copy``). tests/test_export.py checks the keys, dtypes and shapes written and
 loads them back with transformers: a release that changes this fails loudly.
+:func:`saved_tensors` asks transformers which checkpoint tensors ``save_pretrained`` would write
+for some of a model's tensors (``core_model_loading.revert_weight_conversion``, the function
+``save_pretrained`` itself calls; not in transformers' documented API), so that the export can
+refuse a layout before writing anything.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-__all__ = ["trainer_accelerator_class", "set_save_conversions_with_scales"]
+__all__ = ["trainer_accelerator_class", "set_save_conversions_with_scales", "saved_tensors"]
 
 
 @contextlib.contextmanager
@@ -81,3 +85,12 @@ def set_save_conversions_with_scales(model: Any, suffix: str = "_scale_inv") -> 
             out.append(converter.copy([s + suffix for s in sources], [t + suffix for t in targets],
                                       operations=operations))
     model._weight_conversions = out
+
+
+def saved_tensors(model: Any, tensors: dict) -> dict:
+    """The checkpoint tensors ``model.save_pretrained`` would write for ``tensors`` (model
+    names -> tensors, meta tensors allowed): its weight conversions reverted, as
+    ``save_pretrained`` does (names -> tensors as they would be stored)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
-from .._private.transformers_api import set_save_conversions_with_scales
+from .._private.transformers_api import saved_tensors, set_save_conversions_with_scales
 from ..modules.backends import BACKENDS
 from ..modules.convert import convert_model
 from ..modules.experts import FP8ExpertsMixin
@@ -418,15 +418,13 @@ def _serialized_experts_refusal(model: nn.Module, module: nn.Module, name: str) 
     layout transformers' FP8 loader merges into its FP8 experts, or dequantizes per expert. A
     family whose checkpoints hold the 3-D tensors themselves has no such layout: from_pretrained
     with dequantize=True would load their E4M3 values without their ``*_scale_inv``."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     tensors = {}
     for proj in _expert_projections(module):
         experts, rows, cols = getattr(module, proj).shape
         grid = tuple(-(-d // b) for d, b in zip((rows, cols), WEIGHT_BLOCK_SIZE))
         tensors[f"{name}.{proj}"] = torch.empty(experts, rows, cols, dtype=_FP8_DTYPE, device="meta")
         tensors[f"{name}.{proj}_scale_inv"] = torch.empty(experts, *grid, dtype=torch.float32, device="meta")
-    written = revert_weight_conversion(model, tensors)
+    written = saved_tensors(model, tensors)
     scales = {k: v for k, v in written.items() if k.endswith(".weight_scale_inv")}
     weights = {k: v for k, v in written.items() if k not in scales}
     if weights and len(scales) == len(weights) and all(
