@@ -18,6 +18,7 @@ import fp8_plugin.modules.linear
 from amax_reductions import MAX_ALL_REDUCES  # counts every amax all-reduce
 from fp8_plugin.accelerate import Accelerator
 from fp8_plugin.modules.linear import FP8Linear
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 FP8_GEMMS = [0]
 _fp8_gemm = fp8_plugin.modules.linear.fp8_gemm
@@ -107,6 +108,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
+    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
     accelerator.end_training()  # the reference checks' summary, printed by the main process
 
 

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from torch import nn
 
 from fp8_plugin.lightning.deepspeed_precision import FP8DeepSpeedPrecision
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 STEPS, GRAD_ACCUM, BATCH = 4, 2, 16
 
@@ -184,6 +185,7 @@ def main() -> None:
         result["resumed_fp8_state"] = fp8_state(resumed.strategy.model)
         result["resumed_weights"] = full_fp32_weights(resumed.strategy.model)
     torch.save(result, args.out / f"rank{trainer.global_rank}.pt")
+    tear_down_process_group()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ STEPS, GRAD_ACCUM, BATCH = 4, 2, 16
 # DeepSpeed off: on this GPU-less machine its check answers yes (a shim of the test, like the
 # Accelerate one in deepspeed_worker).
 import transformers.training_args  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 transformers.training_args.is_torch_bf16_gpu_available = lambda: True
 
@@ -129,6 +130,7 @@ def main() -> None:
         result["resumed_fp8_state"] = fp8_state(resumed.model_wrapped)
         result["resumed_weights"] = full_fp32_weights(resumed.model_wrapped)
     torch.save(result, args.out / f"rank{trainer.args.process_index}.pt")
+    tear_down_process_group()
 
 
 if __name__ == "__main__":

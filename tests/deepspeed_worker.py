@@ -31,6 +31,7 @@ from torch import nn  # noqa: E402
 import fp8_plugin.modules.linear  # noqa: E402
 from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
 from fp8_plugin.modules.linear import FP8Linear  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 
 def _start_deepspeed_on_cpus() -> None:
@@ -158,7 +159,7 @@ def fp16_skips(args) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
+    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
     accelerator.end_training()
 
 
@@ -210,7 +211,7 @@ def llama_saves_pretrained(args) -> None:
                                                     state_dict=state_dict)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
+    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
     accelerator.end_training()
 
 
@@ -322,7 +323,7 @@ def main() -> None:
         result["regathered_ratio"] = (after / before).flatten()
 
     torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
+    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
     accelerator.end_training()
 
 

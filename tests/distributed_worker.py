@@ -15,7 +15,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 import fp8_plugin  # noqa: E402,F401  (registers the precision strings)
 from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
 from fp8_plugin import FP8Linear  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 STEPS = 6  # two epochs of three steps: checkpoints at an epoch end resume exactly
 GLOBAL_BATCH = 16
@@ -232,11 +232,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     run(args.scenario, args.out)
-    # Tear gloo down before the interpreter does: its threads abort the process otherwise. (On
-    # an error the rank exits at once and torchrun stops the others.)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    tear_down_process_group()
 
 
 if __name__ == "__main__":

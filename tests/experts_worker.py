@@ -15,7 +15,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
@@ -24,6 +23,7 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 import fp8_plugin  # noqa: E402,F401  (registers the precision strings)
 from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
 from fp8_plugin.modules.experts import FP8ExpertsMixin, expert_gemm_counts  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 STEPS = 4
 GLOBAL_BATCH = 4
@@ -100,9 +100,7 @@ def main() -> None:
     result = {"experts_state": state, "losses": record.losses, "max_all_reduces": record.max_all_reduces,
               "gemms": record.gemms, "report": str(trainer.precision_plugin.report)}
     torch.save(result, args.out / f"{args.scenario}-rank{rank}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    tear_down_process_group()
 
 
 if __name__ == "__main__":

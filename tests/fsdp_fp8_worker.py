@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import fp8_plugin  # noqa: E402
 from fp8_plugin import FP8Linear  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 RECIPES = {"current": fp8_plugin.Float8CurrentScaling(), "delayed": fp8_plugin.DelayedScaling()}
 STEPS = 4
@@ -70,8 +71,7 @@ def main() -> None:
     recipe = RECIPES[args.recipe]
     for run, fp8_all_gather in (("fp8-gather", True), ("hp-gather", False)):
         torch.save(train(recipe, fp8_all_gather), args.out / f"{run}-rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    tear_down_process_group()
 
 
 if __name__ == "__main__":

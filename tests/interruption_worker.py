@@ -26,7 +26,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch import nn  # noqa: E402
@@ -35,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 import fp8_plugin  # noqa: E402,F401  (registers the precision strings)
 import fp8_plugin.numerics.gemm  # noqa: E402
 import fp8_plugin.modules.linear  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 EPOCHS = 4
 STEPS_PER_EPOCH = 3
@@ -196,10 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     count_fp8_gemms()
     fit(args.out, args.run, args.ckpt)
-    # Tear gloo down before the interpreter does: its threads abort the process otherwise.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    tear_down_process_group()
 
 
 if __name__ == "__main__":

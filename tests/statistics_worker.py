@@ -18,6 +18,7 @@ import fp8_plugin  # noqa: E402
 from fp8_plugin import FP8Linear, FP8Statistics  # noqa: E402
 from fp8_plugin.modules.autocast import new_step_id  # noqa: E402
 from fp8_plugin.training.statistics import StatisticsCollector  # noqa: E402
+from dist_teardown import tear_down_process_group  # noqa: E402
 
 
 def main(out: Path) -> None:
@@ -32,7 +33,7 @@ def main(out: Path) -> None:
         layer(x).sum().backward()
     collector.end_step()
     torch.save({"metrics": collector.pop_metrics(), "x": x}, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    tear_down_process_group()
 
 
 if __name__ == "__main__":
