@@ -337,3 +337,24 @@ def test_padding_to_the_kernel_alignment_keeps_the_product_exactly(block_a, bloc
         with force_path("native"):
             got = fp8_gemm(pa, pb, torch.float32)
         assert torch.equal(got[:m, :n].double(), expected)
+
+
+@pytest.mark.parametrize("dtype_a, dtype_b", [(torch.float8_e5m2, torch.float8_e4m3fn),
+                                              (torch.float8_e4m3fn, torch.float8_e4m3fn)], ids=["dgrad", "fprop"])
+def test_fp8_gemm_in_bf16_is_within_one_bf16_rounding_of_the_float64_product(dtype_a, dtype_b):
+    # FP8 values are exact in bfloat16 and their products exact in float32; the BF16 GEMM sums
+    # in float32 and rounds each output once to bfloat16 (2^-8), then the float32 product of the
+    # scales is applied: the bound of a float32-accumulated GEMM with a bfloat16 output cast.
+    gen = torch.Generator().manual_seed(7)
+    m, k, n = 33, 1024, 48
+    data_a = (torch.randn(m, k, generator=gen) * 40).to(dtype_a)
+    data_b = (torch.randn(n, k, generator=gen) * 40).to(dtype_b)
+    scale_a, scale_b = torch.tensor(0.0123), torch.tensor(3.7e-3)  # not powers of two
+    got = gemm.fp8_gemm_in_bf16(QuantizedTensor(data_a, scale_a), QuantizedTensor(data_b, scale_b))
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    expected = (data_a.double() * scale_a.item()) @ (data_b.double() * scale_b.item()).t()
+    assert_within_bound(got, expected, scaled_gemm_error_bound(data_a, scale_a.item(), data_b, scale_b.item(),
+                                                               torch.bfloat16))
+    with pytest.raises(ValueError, match="per-tensor scales only"):
+        gemm.fp8_gemm_in_bf16(QuantizedTensor(data_a, torch.ones(m, k // 128), (1, 128)),
+                              QuantizedTensor(data_b, scale_b))

@@ -64,9 +64,9 @@ from .._private.torch_api import has_tensor_hooks, in_backward_pass
 from ..modules.autocast import replay
 from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
-from ..numerics.device import bf16_matmul_is_fast
+from ..numerics.device import bf16_matmul_is_fast, bf16_matmul_speedup
 from ..numerics.device_kind import device_kind
-from ..numerics.gemm import fp8_gemm
+from ..numerics.gemm import fp8_gemm, fp8_gemm_in_bf16, forced_path, gemm_kind, scaled_mm_supported
 from ..numerics.quantizers import GRAD_OUTPUT, INPUT, PerTensorQuantizer, QuantizedTensor, make_quantizer
 from ..numerics.recipes import GEMMS, Recipe
 from .reference_report import move_text, summary_text, with_written, write_reports
@@ -633,7 +633,12 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
     ``recipe`` (current scales, recording nothing: forward format for the input ``x`` ``[M, K]``
     and the weight ``W`` ``[N, K]``, backward format for the grad_output ``dy`` ``[M, N]``,
     blocks along the reduction dim as training casts them; FP32 accumulation) to
-    ``energy[j, 1]``. ``energy``: float64 ``[3, 2]`` (:data:`GEMMS` order; row 0, fprop, is
+    ``energy[j, 1]``. On a CPU whose BF16 GEMMs are at least
+    :data:`BF16_FIGURES_SPEEDUP_REQUIRED` times faster than float32 ones (timed once per process,
+    :func:`~fp8_plugin.numerics.device.bf16_matmul_speedup`), where the FP8 GEMM would be the
+    float32 emulation, per-tensor operands are multiplied as a BF16 GEMM of their FP8 values
+    (:func:`~fp8_plugin.numerics.gemm.fp8_gemm_in_bf16`: one more rounding, of at most 2^-8
+    relative per output). ``energy``: float64 ``[3, 2]`` (:data:`GEMMS` order; row 0, fprop, is
     :func:`sqnr_hook`'s), no host sync.
 
     The reference's results are read, not recomputed: dgrad is the gradient the replay's
@@ -691,7 +696,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
                 quantizer = make_quantizer(recipe, GRAD_OUTPUT, layer.fp8_state, record=False, host=False)
                 qg, qg_t = quantizer.quantize_pair(g, columnwise=fp8_wgrad)
             if fp8_dgrad:  # dx [M, K] = dy [M, N] @ W [N, K], on the weight's transposed FP8 copy as cached
-                call["dgrad"] = fp8_gemm(qg, layer._weight_casts(recipe, False, columnwise=True)[1], torch.float32)
+                call["dgrad"] = _figure_gemm(qg, layer._weight_casts(recipe, False, columnwise=True)[1])
             if not needs_wgrad:
                 return
             x2d = x.reshape(-1, layer.in_features)  # dW [N, K] = dy^T [N, M] @ x [M, K]
@@ -706,7 +711,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
                 return
             wgrad_pending[0] = True
             if fp8_wgrad:
-                fp8 = fp8_gemm(qg_t, qx_t, torch.float32)
+                fp8 = _figure_gemm(qg_t, qx_t)
                 wgrad_fp8[0] = fp8 if wgrad_fp8[0] is None else wgrad_fp8[0] + fp8
 
     def weight_done(grad_w: torch.Tensor) -> None:  # the reference's own wgrad, over the layer's calls
@@ -723,6 +728,27 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
     if needs_wgrad and not weight_shared:
         handles.append(layer.weight.register_hook(weight_done))
     return handles
+
+
+# A BF16 GEMM must be this many times faster than a float32 one for the figures to use it.
+BF16_FIGURES_SPEEDUP_REQUIRED = 1.25
+
+
+def _figure_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    # The FP8 GEMM of a per-GEMM figure, float32 [M, N]: fp8_gemm, except where that would be
+    # the float32 emulation of per-tensor operands on a CPU whose BF16 GEMMs are clearly faster
+    # than float32 ones. There the same product as a BF16 GEMM of the FP8 values
+    # (fp8_gemm_in_bf16: one more rounding, 2^-8 relative, moving a figure near its band by
+    # under 0.01 dB); these two GEMMs per layer are most of what the figures add to a check.
+    if (forced_path() is None and gemm_kind(a, b) == "tensorwise" and a.data.device.type == "cpu"
+            and not scaled_mm_supported(a, b)[0] and _cpu_bf16_is_faster()):
+        return fp8_gemm_in_bf16(a, b)
+    return fp8_gemm(a, b, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_bf16_is_faster() -> bool:
+    return bf16_matmul_speedup("cpu")[0] >= BF16_FIGURES_SPEEDUP_REQUIRED
 
 
 class _Tap(torch.autograd.Function):
@@ -750,7 +776,7 @@ def _gemm_energy(energy: torch.Tensor, dtype: torch.dtype, a: torch.Tensor, b: t
         exact = (a.to(dtype) @ b.to(dtype).t()).float()
     energy[0] += exact.square().sum()
     if qa is not None:
-        energy[1] += (fp8_gemm(qa, qb, torch.float32) - exact).square().sum()
+        energy[1] += (_figure_gemm(qa, qb) - exact).square().sum()
 
 
 def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
