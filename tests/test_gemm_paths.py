@@ -358,3 +358,23 @@ def test_fp8_gemm_in_bf16_is_within_one_bf16_rounding_of_the_float64_product(dty
     with pytest.raises(ValueError, match="per-tensor scales only"):
         gemm.fp8_gemm_in_bf16(QuantizedTensor(data_a, torch.ones(m, k // 128), (1, 128)),
                               QuantizedTensor(data_b, scale_b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_fp8_value_is_exact_in_bf16(dtype):
+    # Decoded from the bits (OCP OFP8 v1.0, 5.3): E4M3 bias 7, S.1111.111 NaN; E5M2 bias 15,
+    # exponent 11111 inf / NaN; subnormals at the least exponent.
+    mantissa_bits, bias = (3, 7) if dtype == torch.float8_e4m3fn else (2, 15)
+    bits = torch.arange(256, dtype=torch.uint8)
+    got = gemm.fp8_values_in_bf16(bits.view(dtype))
+    assert got.dtype == torch.bfloat16
+    for byte, value in zip(range(256), got.double().tolist()):
+        sign = -1.0 if byte & 0x80 else 1.0
+        exponent, mantissa = (byte & 0x7F) >> mantissa_bits, byte & ((1 << mantissa_bits) - 1)
+        if dtype == torch.float8_e4m3fn and (byte & 0x7F) == 0x7F or dtype == torch.float8_e5m2 and exponent == 31:
+            expected = sign * math.inf if dtype == torch.float8_e5m2 and mantissa == 0 else math.nan
+        elif exponent == 0:
+            expected = sign * mantissa * 2.0 ** (1 - bias - mantissa_bits)
+        else:
+            expected = sign * (1 + mantissa / 2**mantissa_bits) * 2.0 ** (exponent - bias)
+        assert value == expected or math.isnan(value) and math.isnan(expected), (byte, value, expected)

@@ -61,12 +61,16 @@ def test_out_of_range_values_saturate_to_max(dtype):
         assert torch.tensor([1e9]).to(dtype).float().isinf().all()
 
 
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", FP8)
-def test_infinities_are_kept_not_saturated(dtype):
+def test_infinities_are_kept_not_saturated(dtype, input_dtype):
     # OCP OFP8: E5M2 has inf, E4M3 (fn) has none and maps inf to NaN. An inf must survive the
-    # cast so that GradScaler sees the overflow; a large finite value still saturates.
-    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e30])
+    # cast so that GradScaler sees the overflow; a large finite value still saturates. The cast
+    # works on a temporary of its own: the input is left as it was.
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e30], dtype=input_dtype)
+    before = x.clone()
     q = quantize(x, torch.tensor(2.0**100), dtype).float()
+    torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
     if dtype == torch.float8_e5m2:
         assert q[0].item() == float("inf") and q[1].item() == -float("inf")
     else:

@@ -77,16 +77,23 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
         (a transposed view: GPT-2's Conv1D weight, a columnwise copy): the FP8 GEMM kernels read
         their operands row-major and refuse any other layout.
     """
-    return saturate(x.to(torch.float32) * scale, x, dtype).to(dtype, memory_format=torch.contiguous_format)
+    # One float32 temporary, scaled and saturated in place: on CPU each further full-size
+    # temporary costs about as much as the arithmetic (fresh pages).
+    scaled = x * scale if x.dtype == torch.float32 else x.to(torch.float32).mul_(scale)
+    return saturate(scaled, x, dtype).to(dtype, memory_format=torch.contiguous_format)
 
 
 def saturate(scaled: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``scaled`` (float32 ``x * scale``) clamped to +-max of ``dtype`` where ``x`` is finite;
-    infinities of ``x`` stay infinite (see :func:`quantize`)."""
+    infinities of ``x`` stay infinite (see :func:`quantize`). ``scaled`` is a temporary of the
+    caller's: it may be overwritten, and may be the tensor returned."""
     bound = fp8_max(dtype)
+    infinite = torch.isinf(x)
+    if dtype == torch.float8_e5m2:  # E5M2 keeps an infinity: scaled's own, from before the clamp
+        clamped = scaled.clamp(-bound, bound)
+        return torch.where(infinite, scaled, clamped, out=clamped)
     # E4M3 (fn) has no inf, and torch's CPU cast would saturate one: make it the format's NaN.
-    overflow = scaled if dtype == torch.float8_e5m2 else torch.full_like(scaled, float("nan"))
-    return torch.where(torch.isinf(x), overflow, scaled.clamp(-bound, bound))
+    return scaled.clamp_(-bound, bound).masked_fill_(infinite, float("nan"))
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -66,7 +66,8 @@ from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from ..numerics.device import bf16_matmul_is_fast, bf16_matmul_speedup
 from ..numerics.device_kind import device_kind
-from ..numerics.gemm import fp8_gemm, fp8_gemm_in_bf16, forced_path, gemm_kind, scaled_mm_supported
+from ..numerics.formats import fp8_dtype
+from ..numerics.gemm import fp8_gemm, fp8_gemm_in_bf16, fp8_values_in_bf16, forced_path, scaled_mm_supported
 from ..numerics.quantizers import GRAD_OUTPUT, INPUT, PerTensorQuantizer, QuantizedTensor, make_quantizer
 from ..numerics.recipes import GEMMS, Recipe
 from .reference_report import move_text, summary_text, with_written, write_reports
@@ -669,8 +670,8 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             z = dx.detach().reshape(-1, layer.in_features).float()
             energy[1, 0] += z.square().sum()
             fp8 = call.pop("dgrad", None)
-            if fp8 is not None:
-                energy[1, 1] += (fp8 - z).square().sum()
+            if fp8 is not None:  # the figure's own tensor: its error computed in place
+                energy[1, 1] += fp8.sub_(z).square_().sum()
 
     def pre_hook(module: FP8Linear, args: tuple):
         call: dict = {}
@@ -692,9 +693,11 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             g = grad.detach().reshape(-1, layer.out_features)  # [M, N]
             fp8_dgrad, fp8_wgrad = needs_dgrad and gemms[1], needs_wgrad and gemms[2]
             qg = qg_t = None
+            in_bf16 = False
             if fp8_dgrad or fp8_wgrad:  # grad_output cast once for both, as the training backward casts it
                 quantizer = make_quantizer(recipe, GRAD_OUTPUT, layer.fp8_state, record=False, host=False)
-                qg, qg_t = quantizer.quantize_pair(g, columnwise=fp8_wgrad)
+                in_bf16 = _figures_in_bf16(quantizer, g.device)
+                qg, qg_t = _figure_casts(quantizer, g, fp8_wgrad, in_bf16)
             if fp8_dgrad:  # dx [M, K] = dy [M, N] @ W [N, K], on the weight's transposed FP8 copy as cached
                 call["dgrad"] = _figure_gemm(qg, layer._weight_casts(recipe, False, columnwise=True)[1])
             if not needs_wgrad:
@@ -703,7 +706,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             qx_t = None
             if fp8_wgrad:  # x^T [K, M], blocks along M; one scale per tensor: the transposed cast
                 quantizer = make_quantizer(recipe, INPUT, layer.fp8_state, record=False, host=False)
-                qx_t = quantizer.quantize_pair(x2d, columnwise=True)[1] if isinstance(quantizer, PerTensorQuantizer) \
+                qx_t = _figure_casts(quantizer, x2d, True, in_bf16)[1] if isinstance(quantizer, PerTensorQuantizer) \
                     else quantizer.quantize(x2d.t().contiguous())
             x_t = x2d.t()
             if weight_shared:
@@ -712,7 +715,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             wgrad_pending[0] = True
             if fp8_wgrad:
                 fp8 = _figure_gemm(qg_t, qx_t)
-                wgrad_fp8[0] = fp8 if wgrad_fp8[0] is None else wgrad_fp8[0] + fp8
+                wgrad_fp8[0] = fp8 if wgrad_fp8[0] is None else wgrad_fp8[0].add_(fp8)
 
     def weight_done(grad_w: torch.Tensor) -> None:  # the reference's own wgrad, over the layer's calls
         if not wgrad_pending[0]:
@@ -721,7 +724,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             z = (grad_w.t() if layer.weight_transposed else grad_w).detach().float()
             energy[2, 0] += z.square().sum()
             if wgrad_fp8[0] is not None:
-                energy[2, 1] += (wgrad_fp8[0] - z).square().sum()
+                energy[2, 1] += wgrad_fp8[0].sub_(z).square_().sum()
         wgrad_fp8[0], wgrad_pending[0] = None, False
 
     handles = [layer.register_forward_pre_hook(pre_hook), layer.register_forward_hook(hook)]
@@ -734,14 +737,34 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
 BF16_FIGURES_SPEEDUP_REQUIRED = 1.25
 
 
-def _figure_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-    # The FP8 GEMM of a per-GEMM figure, float32 [M, N]: fp8_gemm, except where that would be
-    # the float32 emulation of per-tensor operands on a CPU whose BF16 GEMMs are clearly faster
-    # than float32 ones. There the same product as a BF16 GEMM of the FP8 values
+def _figures_in_bf16(grad_quantizer, device: torch.device) -> bool:
+    # Whether a layer's dgrad and wgrad figures multiply as BF16 GEMMs of the FP8 values
     # (fp8_gemm_in_bf16: one more rounding, 2^-8 relative, moving a figure near its band by
-    # under 0.01 dB); these two GEMMs per layer are most of what the figures add to a check.
-    if (forced_path() is None and gemm_kind(a, b) == "tensorwise" and a.data.device.type == "cpu"
-            and not scaled_mm_supported(a, b)[0] and _cpu_bf16_is_faster()):
+    # under 0.01 dB): per-tensor casts, on a CPU where the FP8 GEMM of the grad_output with a
+    # forward-format operand would be the float32 emulation and BF16 GEMMs are clearly faster
+    # than float32 ones. These two GEMMs per layer are most of what the figures add to a check.
+    if not isinstance(grad_quantizer, PerTensorQuantizer) or device.type != "cpu" or forced_path() is not None:
+        return False
+    one = torch.ones(())  # scaled_mm_supported reads dtypes, blocks and the device alone
+    pairing = [QuantizedTensor(torch.zeros(1, 1, dtype=dtype), one)
+               for dtype in (grad_quantizer.dtype, fp8_dtype(grad_quantizer.recipe.fp8_format, backward=False))]
+    return not scaled_mm_supported(*pairing)[0] and _cpu_bf16_is_faster()
+
+
+def _figure_casts(quantizer, x: torch.Tensor, columnwise: bool,
+                  in_bf16: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+    # quantize_pair, or for BF16 figures the per-tensor cast's FP8 values once in bfloat16 (exact)
+    # and the columnwise operand a transposed view of them: one scale, the same values.
+    if not in_bf16:
+        return quantizer.quantize_pair(x, columnwise=columnwise)
+    row = quantizer.quantize(x)
+    row = QuantizedTensor(fp8_values_in_bf16(row.data), row.scale_inv)
+    return row, (QuantizedTensor(row.data.t(), row.scale_inv) if columnwise else None)
+
+
+def _figure_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    # The FP8 GEMM of a per-GEMM figure, float32 [M, N] and the caller's to overwrite.
+    if a.data.dtype == torch.bfloat16:  # cast by _figure_casts for BF16 figures
         return fp8_gemm_in_bf16(a, b)
     return fp8_gemm(a, b, torch.float32)
 
@@ -776,7 +799,7 @@ def _gemm_energy(energy: torch.Tensor, dtype: torch.dtype, a: torch.Tensor, b: t
         exact = (a.to(dtype) @ b.to(dtype).t()).float()
     energy[0] += exact.square().sum()
     if qa is not None:
-        energy[1] += (_figure_gemm(qa, qb) - exact).square().sum()
+        energy[1] += _figure_gemm(qa, qb).sub_(exact).square_().sum()
 
 
 def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
