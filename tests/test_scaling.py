@@ -79,6 +79,15 @@ def test_infinities_are_kept_not_saturated(dtype, input_dtype):
     assert q[3].item() == MAX[dtype]  # 1e30 * 2^100 is inf in float32, but x is finite
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_a_cast_of_a_tensor_that_requires_grad_runs_under_autograd(dtype):
+    # The cast works in place on its own temporary; autograd must accept that with grad enabled.
+    x = torch.tensor([1.0, -1e9, float("inf")], requires_grad=True)
+    q = quantize(x * 1.0, torch.tensor(1.0), dtype).float()
+    assert q[:2].tolist() == [1.0, -MAX[dtype]]
+    assert q[2].item() == float("inf") if dtype == torch.float8_e5m2 else math.isnan(q[2].item())
+
+
 def test_scale_formula_and_guards():
     prev = torch.tensor([7.0, 7.0, 7.0, 7.0])
     a = torch.tensor([2.0, 0.0, float("inf"), float("nan")])
