@@ -90,7 +90,10 @@ def saturate(scaled: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch
     bound = fp8_max(dtype)
     infinite = torch.isinf(x)
     if dtype == torch.float8_e5m2:  # E5M2 keeps an infinity: scaled's own, from before the clamp
-        return torch.where(infinite, scaled, scaled.clamp(-bound, bound))  # no out=: autograd refuses it
+        clamped = scaled.clamp(-bound, bound)
+        if torch.is_grad_enabled() and scaled.requires_grad:  # autograd refuses out=
+            return torch.where(infinite, scaled, clamped)
+        return torch.where(infinite, scaled, clamped, out=clamped)
     # E4M3 (fn) has no inf, and torch's CPU cast would saturate one: make it the format's NaN.
     return scaled.clamp_(-bound, bound).masked_fill_(infinite, float("nan"))
 
