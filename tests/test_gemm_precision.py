@@ -17,10 +17,10 @@ from torch import nn
 import fp8_plugin as fp
 from fp8_plugin.accelerate.settings import resolve_settings
 from fp8_plugin.numerics.device import resolve_recipe
+from fp8_plugin.numerics.gemm import fp8_gemm_in_bf16
 from fp8_plugin.numerics.quantizers import STATE_VERSION
 from fp8_plugin.training import reference_check as fp8_reference_check
 from fp8_plugin.training.reference_check import ReferenceCheck, ReferenceChecker
-from fp8_plugin.numerics.gemm import fp8_gemm_in_bf16
 from reference import E4M3_MAX, E5M2_MAX, count_fp8_gemms, cpu_scaled_mm_uses_onednn, fp8_operand
 
 # Round-to-nearest noise of one operand, relative power E[err^2 / x^2] = 2^(-2m) / 12 * E[1/m^2]
