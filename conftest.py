@@ -52,6 +52,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+def _interpret_triton_without_a_gpu() -> None:
+    # The fused cast kernels' tests (tests/test_kernels_tensorwise.py) run Triton's interpreter on
+    # CPU tensors. It must be on before triton is first imported in the process: triton decorates
+    # its standard library (tl.max, ...) at import, and another test's torch.compile may import it
+    # first. On a machine with a GPU it stays off: the kernels run compiled there.
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_without_a_gpu()
+
 import pytest  # noqa: E402
 from sybil import Sybil  # noqa: E402
 from sybil.evaluators.python import PythonEvaluator  # noqa: E402

@@ -1,73 +1,146 @@
 #!/usr/bin/env bash
-# One command on a GPU answers both "does it run" and "how fast":
-#   1. the machine: torch, CUDA, the GPU torch reports, which FP8 recipes run natively there;
-#   2. the CUDA contract suite (tests/cuda_contract) -- the project's CUDA code paths -- twice:
-#      a. on the GPU itself (FP8_CONTRACT_DEVICE=cuda): the tests of this GPU's compute capability,
-#         on real cuda tensors, every host sync caught by the suite's op recorder;
-#      b. on meta tensors treated as a GPU (the default mode): every compute capability the suite
-#         presents (sm80 to sm120), checked against this machine's torch;
-#   3. the benchmark suite (benchmarks/suite.py) -- FP8 against BF16, layer to model.
-# Everything goes under one folder (default runs/benchmarks/gpu-<UTC time>); each step runs even
-# when an earlier one fails, and the exit status is non-zero if any failed. Without a GPU step 2a
-# stops at collection ("FP8_CONTRACT_DEVICE=cuda but torch.cuda.is_available() is False").
+# The first command to run on a GPU: at most 5 minutes, the most valuable answers first, every
+# step under its own time limit, all results in one archive (benchmarks/README.md, "GPU protocol").
 #
-#   benchmarks/gpu_run.sh                          # on one H100 / H200: about 6 minutes by estimate
-#   benchmarks/gpu_run.sh OUTPUT_DIR --batch-size 4   # arguments after the folder go to suite.py
-#   PYTHON=.venv/bin/python benchmarks/gpu_run.sh /tmp/check --device cpu --quick --sections memory
+#   benchmarks/gpu_run.sh [OUTPUT_DIR] [--device cuda|cpu]
 #
-# Needs torch, transformers, lightning and accelerate (and pytest for step 2; without it step 2
-# is reported as not run); downloads nothing.
+#   1. device.txt     date, commit, torch / CUDA / Triton versions, the GPU as torch reports it,
+#                     describe_device() (which recipes run natively), nvidia-smi;
+#   2. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
+#                     against the emulation, one line each (crash-isolated);
+#   3. contract.txt   the CUDA contract suite on the GPU itself (FP8_CONTRACT_DEVICE=cuda);
+#   4. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
+#   5. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
+#   6. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling);
+#   7. contract_meta.log  the contract suite on meta tensors against this machine's torch, with the
+#                     time left (GPU run only).
+#
+# OUTPUT_DIR (default runs/benchmarks/gpu-<UTC time>) receives two files: gpu_run.tar.gz (all of the
+# above, and each step's log) and summary.txt (one line per step: passed / failed / timed out, and
+# seconds). The device machine returns at most 8 files: these two leave room.
+#
+# --device cpu rehearses the same command on a CPU (tests/test_gpu_run.py runs it): the probe on
+# CPU, the contract suite on meta tensors in step 3, the layer and model steps at CPU sizes.
+#
+# PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 290);
+# CONTRACT_TESTS the contract suite's tests (default tests/cuda_contract), LAYER_SHAPES the layer
+# shapes of steps 4 and 6 (MxKxN,...; the last one is compiled) and COMPILE_VARIANTS the layers
+# compiled in step 6 (default bf16,delayed,current): the test suite's rehearsal narrows them.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$(command -v python || command -v python3)}
-OUTPUT=${1:-runs/benchmarks/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
-shift $(( $# > 0 ? 1 : 0 ))
+PYTHON=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-290}
+CONTRACT_TESTS=${CONTRACT_TESTS:-tests/cuda_contract}
+COMPILE_VARIANTS=${COMPILE_VARIANTS:-bf16,delayed,current}
+LAYER_SHAPES=${LAYER_SHAPES:-}
+DEVICE=cuda
+OUTPUT=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE=${2:-}; shift 2 ;;
+        --device=*) DEVICE=${1#--device=}; shift ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -*) echo "gpu_run.sh: unknown option $1; valid: --device cuda|cpu" >&2; exit 2 ;;
+        *) OUTPUT=$1; shift ;;
+    esac
+done
+case "$DEVICE" in
+    cuda|cpu) ;;
+    *) echo "gpu_run.sh: --device $DEVICE is not a device; valid: cuda, cpu" >&2; exit 2 ;;
+esac
+OUTPUT=${OUTPUT:-runs/benchmarks/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUTPUT"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+START=$(date +%s)
+: > "$OUTPUT/summary.txt"
+failures=0
 
-echo "== 1. machine -> $OUTPUT/device.txt"
-{
+# step NAME CAP_S COMMAND...: run COMMAND under `timeout` (CAP_S, or what is left of the budget
+# if less), its output to $WORK/NAME.log and the screen, one summary line.
+step() {
+    local name=$1 cap=$2; shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    local limit=$(( cap < left ? cap : left ))
+    if [ "$limit" -lt 5 ]; then
+        echo "$name: not run (budget of ${BUDGET_S} s spent)" | tee -a "$OUTPUT/summary.txt"
+        failures=$((failures + 1))
+        return
+    fi
+    echo "== $name (at most ${limit} s)"
+    local began=$(date +%s)
+    # bash -c: a step may be one of this script's functions (exported below).
+    timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$WORK/$name.log"
+    local status=${PIPESTATUS[0]}
+    local took=$(( $(date +%s) - began ))
+    local verdict
+    case $status in
+        0) verdict=passed ;;
+        124|137) verdict="TIMED OUT after ${limit} s" ;;
+        *) verdict="FAILED (exit $status)" ;;
+    esac
+    [ "$status" = 0 ] || failures=$((failures + 1))
+    echo "$name: $verdict in ${took} s" | tee -a "$OUTPUT/summary.txt"
+}
+
+device_report() {
     echo "date (UTC): $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (uncommitted changes)')"
     "$PYTHON" - <<'EOF'
 import torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError as err:
+    print(f"triton: not importable ({err})")
 for i in range(torch.cuda.device_count()):
     major, minor = torch.cuda.get_device_capability(i)
     print(f"cuda:{i}: {torch.cuda.get_device_name(i)} (sm{major}{minor})")
 from fp8_plugin.numerics.device import describe_device
 print(describe_device())
 EOF
-    command -v nvidia-smi >/dev/null && nvidia-smi
-} > "$OUTPUT/device.txt" 2>&1
-cat "$OUTPUT/device.txt"
-
-# The contract suite in one mode: $1 = cuda or meta; its exit status.
-contract_suite() {
-    local mode=$1
-    echo "== 2$([ "$mode" = cuda ] && echo a || echo b). CUDA contract suite, FP8_CONTRACT_DEVICE=$mode -> $OUTPUT/cuda_contract_$mode.txt"
-    if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
-        echo "not run: pytest is not installed for $PYTHON" | tee "$OUTPUT/cuda_contract_$mode.txt"
-        return 127
-    fi
-    # --confcutdir tests: the repository root's conftest.py (the docs' examples, Sybil) is not
-    # needed here, and Sybil may not be installed on the GPU machine. -ra lists every skip with
-    # its reason (on the GPU: the tests of other compute capabilities).
-    FP8_CONTRACT_DEVICE=$mode "$PYTHON" -m pytest -q -ra -p no:cacheprovider --confcutdir tests \
-        --junitxml "$OUTPUT/cuda_contract_$mode.xml" tests/cuda_contract 2>&1 | tee "$OUTPUT/cuda_contract_$mode.txt"
-    return "${PIPESTATUS[0]}"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi; fi
 }
-contract_suite cuda; contract_cuda=$?
-contract_suite meta; contract_meta=$?
 
-echo "== 3. benchmark suite -> $OUTPUT/suite.md, suite.json, suite.log"
-"$PYTHON" benchmarks/suite.py --output "$OUTPUT/suite.json" "$@" 2>&1 | tee "$OUTPUT/suite.log"
-suite=${PIPESTATUS[0]}
+contract() {
+    # --confcutdir tests: the root conftest.py (the docs' examples, Sybil) is not needed here.
+    FP8_CONTRACT_DEVICE=$1 "$PYTHON" -m pytest -q -ra -p no:cacheprovider --confcutdir tests \
+        --junitxml "$WORK/contract_$1.xml" $CONTRACT_TESTS
+}
 
-passed() { [ "$1" = 0 ] && echo passed || echo "FAILED or not run (exit $1)"; }
-summary="contract suite on the GPU: $(passed "$contract_cuda"); contract suite on meta: $(passed "$contract_meta"); \
-benchmark suite: $([ "$suite" = 0 ] && echo ran || echo "FAILED (exit $suite)")"
-echo "$summary" | tee "$OUTPUT/summary.txt"
-echo "results: $OUTPUT"
-[ "$contract_cuda" = 0 ] && [ "$contract_meta" = 0 ] && [ "$suite" = 0 ]
+export -f device_report contract
+export PYTHON WORK CONTRACT_TESTS
+
+if [ "$DEVICE" = cuda ]; then
+    SHAPES=4096x2048x2048,16384x8192x8192; BIG=16384x8192x8192; MODEL="--models 125m --batch-size 4 --seq-len 1024"
+    CONTRACT=cuda
+else
+    SHAPES=128x128x128,256x256x256; BIG=256x256x256; MODEL="--models tiny"; CONTRACT=meta
+fi
+if [ -n "$LAYER_SHAPES" ]; then SHAPES=$LAYER_SHAPES; BIG=${LAYER_SHAPES##*,}; fi
+
+step device 45 device_report
+cp "$WORK/device.log" "$WORK/device.txt"
+step probe 60 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
+step contract 100 contract "$CONTRACT"
+cp "$WORK/contract.log" "$WORK/contract.txt"
+step layer 45 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
+    --steps 5 --warmup 2 --output "$WORK/layer.json"
+# shellcheck disable=SC2086  # MODEL holds several arguments
+step model 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections model $MODEL \
+    --steps 3 --warmup 1 --output "$WORK/model.json"
+step compiled 100 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$BIG" \
+    --steps 5 --warmup 2 --compile --compile-variants "$COMPILE_VARIANTS" --output "$WORK/compiled.json"
+if [ "$DEVICE" = cuda ]; then
+    step contract_meta 120 contract meta
+fi
+
+took=$(( $(date +%s) - START ))
+echo "total: ${took} s of a ${BUDGET_S}-s budget; ${failures} step(s) not passed" | tee -a "$OUTPUT/summary.txt"
+cp "$OUTPUT/summary.txt" "$WORK/summary.txt"
+tar -czf "$OUTPUT/gpu_run.tar.gz" -C "$WORK" .
+echo "results: $OUTPUT/gpu_run.tar.gz, $OUTPUT/summary.txt"
+[ "$failures" = 0 ]

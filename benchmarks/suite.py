@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="layer shapes MxKxN, comma-separated (default: the device's LLM shapes)")
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile(fullgraph=True) variants, at the largest layer shape")
+    p.add_argument("--compile-variants", type=_list,
+                   help=f"the layer variants compiled with --compile, of: {','.join(layers.VARIANTS)} (default: all; "
+                        "each compiles for up to a minute on a GPU)")
     p.add_argument("--models", type=_list, help=f"model sizes, of: {','.join(models.MODEL_SIZES)} "
                                                 "(default: GPU 125m,1b; CPU tiny)")
     p.add_argument("--batch-size", type=int, help="model batch (default: GPU 8, CPU 2)")
@@ -89,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=Path("runs/benchmarks/suite.json"),
                    help="JSON file to write; the markdown goes next to it as .md (default runs/benchmarks/suite.json)")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.compile_variants or ()) - set(layers.VARIANTS))
+    if unknown:
+        p.error(f"--compile-variants {','.join(unknown)}: not a layer variant; valid: {','.join(layers.VARIANTS)}")
     unknown = set(args.sections) - set(SECTIONS) or set(args.models or ()) - set(models.MODEL_SIZES)
     if unknown:
         p.error(f"unknown section or model size: {', '.join(sorted(unknown))}")
@@ -135,7 +141,8 @@ def run_sections(args: argparse.Namespace, device: torch.device, env: dict, log)
     results = {}
     if "layer" in args.sections:
         compile_shapes = [max(args.shapes, key=math.prod)] if args.compile else []
-        results["layer"] = layers.run(args.shapes, args.steps, args.warmup, device, compile_shapes, log)
+        results["layer"] = layers.run(args.shapes, args.steps, args.warmup, device, compile_shapes, log,
+                                      compile_variants=args.compile_variants)
     batch = (args.batch_size, args.seq_len)
     if "model" in args.sections:
         results["model"] = models.run(args.models, *batch, args.steps, args.warmup, device, log)

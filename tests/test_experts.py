@@ -505,6 +505,38 @@ def test_statistics_sample_each_expert_projections_casts():
     assert not experts._fp8_observers
 
 
+def test_experts_casts_observed_at_once_give_the_per_expert_figures_added_up():
+    # The observers get every row at once, each with its expert's scale (no host read); the
+    # figures must be those of each expert's cast alone, added up (extremes: the largest).
+    from fp8_plugin.numerics.quantizers import WEIGHT, QuantizedTensor
+    from fp8_plugin.training.statistics import cast_statistics
+
+    model = tiny_mixtral()
+    convert_model(model)
+    train_steps(model, 1)
+    seen = []
+    handle = model.model.layers[0].mlp.experts.observe_casts(lambda *call: seen.append(call))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with autocast():
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    handle.remove()
+    assert sorted((proj, role) for proj, role, _, _ in seen) == [(p, r) for p in ("down_proj", "gate_up_proj")
+                                                               for r in range(3)]
+    for proj, role, rows, cast in seen:
+        scale_inv = cast.scale_inv[:, 0]
+        starts = [0] + [i + 1 for i in (scale_inv[1:] != scale_inv[:-1]).nonzero().flatten().tolist()]
+        parts = [cast_statistics(rows[a:b], QuantizedTensor(cast.data[a:b], scale_inv[a]), cast.data.dtype)
+                 for a, b in zip(starts, starts[1:] + [rows.shape[0]])]
+        # The weights: a run of rows per expert (4 experts, 4 scales); tokens: the experts routed to.
+        assert len(parts) == 4 if role == WEIGHT else 1 <= len(parts) <= 4
+        whole = cast_statistics(rows, cast, cast.data.dtype)
+        parts = torch.stack(parts)
+        assert torch.equal(whole[:3], parts[:, :3].max(0).values), (proj, role)  # amax, -scale_min, scale_max
+        assert torch.equal(whole[3:7], parts[:, 3:7].sum(0)), (proj, role)  # counts: exact
+        torch.testing.assert_close(whole[7:], parts[:, 7:].sum(0), rtol=1e-12, atol=0)  # energies: float64 sums
+
+
 def test_reference_check_measures_each_experts_module_and_falls_it_back():
     from fp8_plugin.training.reference_check import ReferenceCheck, reference_check
 

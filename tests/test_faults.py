@@ -227,6 +227,25 @@ def test_loss_scaler_skips_overflowing_steps_itself_and_the_streak_limit_still_h
         fit(Net(), (x, y), plugin=plugin)
 
 
+def test_loss_scaler_skips_known_on_the_host_count_the_same_streak():
+    # Accelerate (and DeepSpeed) know on the host whether their scaler skipped a step: they hand
+    # the monitor a bool, and the streak and its limit are those of a device tensor's.
+    from fp8_plugin.training.faults import FaultMonitor
+
+    model = nn.Linear(4, 4)
+    for skipped in (torch.tensor(True), True):
+        monitor = FaultMonitor(FaultPolicy(max_consecutive_skips=2))
+        streak = []
+        for flag in (True, False, True, True):
+            monitor.scaler_step(torch.tensor(flag) if isinstance(skipped, torch.Tensor) else flag)
+            monitor.check(model, step=len(streak) + 2, loss_scaled=True)
+            streak.append(monitor.consecutive_skips)
+        assert streak == [1, 0, 1, 2]
+        monitor.scaler_step(skipped)
+        with pytest.raises(FP8NonFiniteError, match="3 optimizer steps in a row"):
+            monitor.check(model, step=6, loss_scaled=True)
+
+
 def test_fault_policy_arguments_are_checked_at_construction():
     with pytest.raises(ValueError, match=r"nonfinite='ignore' is invalid; valid: 'skip', 'raise'"):
         FP8Precision(nonfinite="ignore")

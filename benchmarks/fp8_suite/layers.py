@@ -208,14 +208,17 @@ def torchao_status() -> Optional[str]:
 
 
 def run(shapes: list[Shape], steps: int, warmup: int, device: torch.device, compile_shapes: list[Shape],
-        log: Callable[[str], None]) -> dict:
-    """Every variant at every shape (and compiled at ``compile_shapes``), with speed-ups."""
+        log: Callable[[str], None], compile_variants: Optional[list[str]] = None) -> dict:
+    """Every variant at every shape (and compiled at ``compile_shapes``: ``compile_variants``, or
+    all), with speed-ups."""
     torchao_skip = torchao_status()
     results: list[LayerResult] = []
     plan = [(shape, False) for shape in shapes] + [(shape, True) for shape in compile_shapes]
     for shape, compiled in plan:
         baseline = None
         for variant in VARIANTS:
+            if compiled and compile_variants is not None and variant not in compile_variants:
+                continue
             if variant == TORCHAO and torchao_skip:
                 results.append(LayerResult(*shape, variant, compiled, error=torchao_skip))
                 continue

@@ -299,9 +299,14 @@ class Accelerator(_AccelerateAccelerator):
 
     def fp8_reference_metrics(self) -> dict[str, float]:
         """The figures (``fp8_ref/...``; ``fp8_ref/model<i>/...`` with several models) of the
-        reference checks run since the last call, once (the latest of each key); empty when
-        none ran. They also go to ``accelerator.log`` (the trackers) at each check's step."""
+        reference checks run since the last call, and the sampled statistics (``fp8_stats/...``),
+        once (the latest of each key); empty when none ran. They also go to ``accelerator.log``
+        (the trackers) at each check's or sample's step. Reads the statistics on the host (one
+        read per model sampled since the last call)."""
         metrics, self._fp8_reference_pending = self._fp8_reference_pending, {}
+        for run in self.fp8_runs:
+            if run.statistics is not None:  # sampled since the last call and not logged yet
+                metrics.update(self._model_keys(run, run.statistics.pop_metrics()))
         return metrics
 
     def fp8_reference_summary(self) -> str:
@@ -344,17 +349,27 @@ class Accelerator(_AccelerateAccelerator):
         super().end_training()
 
     def _log_reference(self, runs: list[FP8Training]) -> None:
-        # After an optimizer step of ``runs``: the figures of the checks it ran, to the trackers
-        # (main process only) and to fp8_reference_metrics().
+        # After an optimizer step of ``runs``: the figures of the checks it ran and of the
+        # statistics it sampled, to the trackers (main process only) and to
+        # fp8_reference_metrics(). Without a tracker the statistics stay on the device until
+        # fp8_reference_metrics() reads them (the transformers Trainer at its logging steps):
+        # no host read in the step.
         for run in runs:
-            metrics = run.pop_metrics()
+            metrics = run.reference.pop_metrics() if run.reference is not None else {}
+            if self.trackers and run.statistics is not None:
+                metrics.update(run.statistics.pop_metrics())
             if not metrics:
                 continue
-            if len(self.fp8_runs) > 1:
-                index = self.fp8_runs.index(run)
-                metrics = {_model_key(key, index): value for key, value in metrics.items()}
+            metrics = self._model_keys(run, metrics)
             self._fp8_reference_pending.update(metrics)
             self.log(metrics, step=run.optimizer_steps)
+
+    def _model_keys(self, run: FP8Training, metrics: dict[str, float]) -> dict[str, float]:
+        # "fp8_ref/..." -> "fp8_ref/model<i>/..." (and fp8_stats) when several models are prepared.
+        if len(self.fp8_runs) <= 1:
+            return metrics
+        index = self.fp8_runs.index(run)
+        return {_model_key(key, index): value for key, value in metrics.items()}
 
     def _convert(self, obj: Any) -> None:
         settings = self.fp8_settings
@@ -515,7 +530,8 @@ class _FP8StepOptimizer(AcceleratedOptimizer):
             # What Accelerate does for a step its GradScaler skips: optimizer_step_was_skipped
             # is True, and the schedulers it prepared do not step.
             output, self._is_overflow = None, True
-        scaler_skipped = torch.tensor(bool(self._is_overflow)) if loss_scaled else None
+        # Accelerate knows on the host whether its GradScaler skipped the step (GradScaler read it).
+        scaler_skipped = bool(self._is_overflow) if loss_scaled else None
         for run in runs:
             run.after_optimizer_step(scaler_skipped)
         accelerator = self._fp8_accelerator() if self._fp8_accelerator is not None else None

@@ -148,7 +148,8 @@ class FP8Precision(MixedPrecision):
 
     def statistics_metrics(self) -> dict[str, float]:
         """The per-layer FP8 statistics (``fp8_stats/...``) of the last sampled step, once; empty
-        when none was sampled since the last call. For ``fabric.log_dict``."""
+        when none was sampled since the last call. For ``fabric.log_dict``: the figures wait on
+        the device until this call reads them (one host read)."""
         return self.fp8.statistics.pop_metrics() if self.fp8.statistics is not None else {}
 
     def reference_summary(self) -> str:

@@ -114,9 +114,12 @@ class FP8DeepSpeedPrecision(DeepSpeedPrecision):
 
 def _log_metrics(trainer: Any, runs: list[FP8Training]) -> None:
     # After an FP8 step (engine.step() at a boundary): the sampled statistics, reduced on every
-    # rank, go to the loggers on rank zero under the FP8 step's number.
+    # rank, go to the loggers on rank zero under the FP8 step's number. Where no logger takes
+    # them they stay on the device: no host read in the step.
+    if not (trainer.is_global_zero and trainer.loggers):
+        return
     for run in runs:
         metrics = run.pop_metrics()
-        if metrics and trainer.is_global_zero:
+        if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=run.optimizer_steps)

@@ -163,21 +163,19 @@ class _Info:
     record_backward: bool
     transposed: bool
     out_dtype: torch.dtype
-    observers: tuple = ()  # statistics: called with (role, high-precision rows, their cast) per expert
+    observers: tuple = ()  # statistics: called with (role, high-precision rows, their cast)
 
 
 def _observe(observers: tuple, role: int, x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor,
-             offsets: torch.Tensor) -> None:
-    # Statistics only (observers attached): each expert's rows, sliced with the offsets read on
-    # the host. Training without statistics never comes here.
-    ends = offsets.tolist()
-    counts = [end - start for start, end in zip([0] + ends[:-1], ends)]
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            for fn in observers:
-                fn(role, x[start:start + count], QuantizedTensor(data[start:start + count], scale_inv[e]))
-        start += count
+             group_of_row: torch.Tensor) -> None:
+    # Statistics only (observers attached): every row at once, each with its expert's scale, a
+    # (1, cols) block scale gathered on the device. No host read: experts' row counts are never
+    # needed on the host. Training without statistics never comes here.
+    if x.shape[0] == 0:  # no rows routed: nothing was cast
+        return
+    cast = QuantizedTensor(data, scale_inv[group_of_row].unsqueeze(1), (1, data.shape[1]))
+    for fn in observers:
+        fn(role, x, cast)
 
 
 def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.Tensor, dtype: torch.dtype,
@@ -217,7 +215,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
             sx_inv = divide(1.0, sx)
             out = grouped_gemm(qx, sx_inv, qw, sw_inv, offsets, info.out_dtype, "fprop")
             if info.observers and info.record_forward:
-                _observe(info.observers, INPUT, x, qx, sx_inv, offsets)
+                _observe(info.observers, INPUT, x, qx, sx_inv, group_of_row)
         ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row, offsets)
         ctx.states, ctx.info = states, info
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
@@ -236,7 +234,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
         qg = quantize_groups(grad_out, sg, group_of_row, dtype)
         sg_inv = divide(1.0, sg)
         if info.observers and info.record_backward:
-            _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, offsets)
+            _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, group_of_row)
         if need_x:  # dgrad: g_e [m, N] @ W_e [N, K]
             grad_x = grouped_gemm(qg, sg_inv, qw.transpose(1, 2).contiguous(), sw_inv, offsets, ctx.x_dtype, "dgrad")
         if need_w:  # wgrad: g_e.T [N, m] @ x_e [m, K]
@@ -295,9 +293,10 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
         record_forward, record_backward: record the amaxes of input and weight / of grad_output
             (training casts).
         out_dtype: the output dtype; None means ``x``'s.
-        observers: callables ``(role, rows, cast)`` given each expert's high-precision rows
-            ``[m, K]`` (weight: ``[N, K]``) and their :class:`QuantizedTensor` at every
-            recording cast (per-layer statistics).
+        observers: callables ``(role, rows, cast)`` given the high-precision rows of every
+            expert at once (``x``'s ``[S, K]``; the weight's ``[E * N, K]``) and their
+            :class:`QuantizedTensor` with each row's expert's scale (a ``(1, K)`` block scale
+            ``[rows, 1]``) at every recording cast (per-layer statistics), without a host read.
         weight_cast: the weight's cast from :func:`cast_expert_weights` under this recipe and
             these scales (a cache's); None casts it here.
 
@@ -316,9 +315,9 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
     qw, sw_inv = weight_cast
     if info.observers and record_forward:
         w = weight.detach().transpose(1, 2) if transposed else weight.detach()
-        rows = torch.full((1,), w.shape[1], dtype=torch.int32, device=w.device)
-        for e in range(qw.shape[0]):
-            _observe(info.observers, WEIGHT, w[e], qw[e], sw_inv[e:e + 1], rows)
+        experts, n = w.shape[0], w.shape[1]
+        rows_of = torch.arange(experts, device=w.device).repeat_interleave(n)  # each weight row's expert
+        _observe(info.observers, WEIGHT, w.reshape(experts * n, -1), qw.reshape(experts * n, -1), sw_inv, rows_of)
     if offsets is None:
         offsets = group_offsets(expert_of_row, weight.shape[0])
     out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, offsets, states, info, qw, sw_inv)
@@ -424,10 +423,12 @@ class FP8ExpertsMixin:
         return cast
 
     def observe_casts(self, fn: Callable[[str, int, torch.Tensor, QuantizedTensor], None]) -> RemovableHandle:
-        """Call ``fn(projection, role, rows, cast)`` for each expert at every recording FP8 cast
-        (training forwards and their backward): ``rows`` the high-precision tensor (an expert's
-        tokens ``[m, K]``, or its weight ``[N, K]``), ``cast`` its :class:`QuantizedTensor`.
-        Per-layer statistics use it. Returns a handle whose ``remove()`` stops the calls."""
+        """Call ``fn(projection, role, rows, cast)`` at every recording FP8 cast (training forwards
+        and their backward): ``rows`` the high-precision rows of all experts (the routed tokens
+        ``[S, K]`` sorted by expert, or the weights ``[E * N, K]``), ``cast`` their
+        :class:`QuantizedTensor`, each row with its expert's scale (block ``(1, K)``, so that
+        nothing is read on the host). Per-layer statistics use it. Returns a handle whose
+        ``remove()`` stops the calls."""
         handle = RemovableHandle(self._fp8_observers)
         self._fp8_observers[handle.id] = fn
         return handle

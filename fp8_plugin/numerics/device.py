@@ -13,9 +13,10 @@ from typing import Optional, Union
 import torch
 
 from .device_kind import cuda_capability, device_kind
-from .formats import Format
+from .formats import Format, parse_format
 from . import gemm as _gemm
 from .gemm import NATIVE_SPEEDUP_REQUIRED, native_gemm, normalize_device
+from .kernels import fused_casts
 from .recipes import AutoRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["describe_device", "DeviceReport", "RecipeSupport", "GemmPairing", "auto_recipe", "resolve_recipe",
@@ -63,14 +64,25 @@ def auto_recipe(fp8_format: Union[Format, str] = Format.HYBRID, device: Device =
 
     Per-tensor delayed scaling is the fastest recipe on Hopper and Ada (one scale per tensor,
     no extra pass over the data) and native on CPU; on Blackwell MXFP8 is native and its finer
-    scales cost nothing extra (NVIDIA Transformer Engine docs, "FP8 recipes").
+    scales cost nothing extra (NVIDIA Transformer Engine docs, "FP8 recipes"). MXFP8 keeps
+    ``fp8_format`` where the probe of the device's block kernel
+    (:func:`fp8_plugin.numerics.gemm_support.probe_block_kind`) found every pairing of that
+    format native; for ``Format.HYBRID`` on a GPU whose MXFP8 kernel refuses E5M2 x E4M3, it is
+    ``MXFP8BlockScaling(fp8_format=Format.E4M3)``, Transformer Engine's default for MXFP8.
 
     Args:
         fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
         device: the training device; None as in :func:`default_device`.
     """
     target = default_device(device)
-    if native_gemm("mxfp8", target).native:
+    mxfp8 = native_gemm("mxfp8", target)
+    if mxfp8.native:
+        fp8_format = parse_format(fp8_format)
+        if fp8_format is Format.HYBRID and not mxfp8.pairing_out_dtypes(torch.float8_e5m2, torch.float8_e4m3fn):
+            # The probe found no native E5M2 x E4M3 block GEMM: HYBRID's dgrad and wgrad would run
+            # emulated. E4M3 everywhere is TE's default for MXFP8 (its 32-element blocks give
+            # gradients the range E5M2 gives per-tensor scales).
+            return MXFP8BlockScaling(fp8_format=Format.E4M3)
         return MXFP8BlockScaling(fp8_format=fp8_format)
     return DelayedScaling(fp8_format=fp8_format)
 
@@ -143,6 +155,9 @@ class DeviceReport:
     # (64x128x128: _scaled_mm 0.12 ms, emulation 0.31 ms)".
     pairings: list[GemmPairing] = field(default_factory=list)
     gemm_paths: list[str] = field(default_factory=list)
+    # How per-tensor FP8 casts run (delayed and current scaling): the fused Triton kernels, or
+    # the torch ops and why (fp8_plugin.numerics.kernels.fused_casts).
+    casts: str = ""
 
     def __str__(self) -> str:
         header = ("recipe", "scaling", "GEMM", "native")
@@ -152,7 +167,11 @@ class DeviceReport:
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(2, "  ".join("-" * w for w in widths))
         if self.auto is not None:
-            lines.append(f'recipe "auto" (precision strings fp8-hybrid / fp8-e4m3): {type(self.auto).__name__}')
+            fmt = getattr(self.auto, "fp8_format", None)
+            lines.append(f'recipe "auto" (precision strings fp8-hybrid / fp8-e4m3): {type(self.auto).__name__}'
+                         + (f" ({fmt.name} for fp8-hybrid)" if fmt is not None else ""))
+        if self.casts:
+            lines.append(f"per-tensor FP8 casts: {self.casts}")
         if self.gemm_paths:
             lines.append("tensorwise GEMM path per operand pairing (what training runs here):")
             lines += [f"  {p}" for p in self.gemm_paths]
@@ -203,6 +222,8 @@ def describe_device(device: Device = None) -> DeviceReport:
             row.native_pairings = [p.operands for p in report.pairings if p.native]
         report.recipes.append(row)
     report.auto = auto_recipe(Format.HYBRID, target)
+    fused, why = fused_casts(target)
+    report.casts = "fused Triton kernels (one amax pass, one cast-transpose pass)" if fused else f"torch ops ({why})"
     return report
 
 

@@ -16,9 +16,10 @@ On CUDA, operands whose dims the kernel refuses are zero-padded to its multiples
 K of wgrad) and the output cut back: exact, and far faster than the emulation.
 
 Whether a kind is native on a device is decided once per device and cached: from the device,
-the installed torch, and for the block kinds a one-off probe GEMM on that device whose result
-must match the emulation (a kernel that is missing, refuses the layout, or disagrees is not
-used). On CPU, where no FP8 hardware exists, the tensorwise path is decided once per operand
+the installed torch, and for the block kinds a one-off probe on that device of every operand
+pairing (E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2) and output dtype, whose results must match the
+emulation (:mod:`~fp8_plugin.numerics.gemm_support`): a kernel that is missing, refuses the
+layout, or disagrees is not used, and a pairing it refuses runs in the emulation alone. On CPU, where no FP8 hardware exists, the tensorwise path is decided once per operand
 pairing (:func:`tensorwise_choice`) so that it cannot change between runs on one machine: torch
 hands CPU FP8 GEMMs to oneDNN on CPUs with AMX (where some pairings get a reference kernel
 hundreds of times slower) and elsewhere computes them itself exactly as the emulation does. A
@@ -50,8 +51,13 @@ import torch
 import torch.nn.functional as F
 
 from .device_kind import cuda_capability, device_kind
+from .gemm_kernels import emulated as _emulated
+from .gemm_kernels import kernel_bias as _kernel_bias
+from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
+from .gemm_kernels import scaled_mm_tensorwise as _scaled_mm_tensorwise
+from .gemm_support import KERNEL_OUT_DTYPES as _KERNEL_OUT_DTYPES
+from .gemm_support import NativeGemm, format_name, probe_block_kind
 from .quantizers import QuantizedTensor
-from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
 __all__ = [
     "fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
@@ -74,21 +80,6 @@ def _warn_once(reason: str) -> bool:
         _warned.add(reason)
         warnings.warn(f"FP8 GEMM emulated in float32 ({reason}); numerics match, speed does not.", stacklevel=3)
     return True
-
-
-@dataclass(frozen=True)
-class NativeGemm:
-    """Whether a GEMM kind runs natively on a device.
-
-    Attributes:
-        native: a native kernel exists and passed its probe.
-        reason: why not (empty when native).
-        out_dtypes: output dtypes the kernel writes; others are written in bfloat16 and cast.
-    """
-
-    native: bool
-    reason: str = ""
-    out_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def gemm_kind(a: QuantizedTensor, b: QuantizedTensor) -> str:
@@ -149,81 +140,21 @@ def _native_gemm(kind: str, device: torch.device, probe: bool = True) -> NativeG
     if major not in _BLOCK_KIND_MAJORS[kind]:
         majors = "/".join(f"sm{m}x" for m in _BLOCK_KIND_MAJORS[kind])
         return NativeGemm(False, f"{kind} GEMMs are native on {majors}, not sm{major}{minor}")
-    return _probe(kind, device) if probe else NativeGemm(True)
+    return probe_block_kind(kind, device) if probe else NativeGemm(True)
 
 
 # The two host-side decisions of a GEMM's path, as constants: under torch.compile they run once
 # while tracing (their probes and timings cannot be traced) and the graph keeps the answer.
 @torch.compiler.assume_constant_result
-def _native_support(kind: str, device: torch.device, probe: bool = True) -> tuple[bool, str, tuple[torch.dtype, ...]]:
+def _native_support(kind: str, device: torch.device, probe: bool = True) -> tuple:
+    # NativeGemm's fields as a tuple of constants (dtypes, strings, nested tuples).
     support = _native_gemm(kind, device, probe)
-    return support.native, support.reason, support.out_dtypes
+    return support.native, support.reason, support.out_dtypes, support.pairings
 
 
 @torch.compiler.assume_constant_result
 def _tensorwise_native(device: torch.device, dtype_a: torch.dtype, dtype_b: torch.dtype, out_dtype: torch.dtype) -> bool:
     return tensorwise_choice(device, dtype_a, dtype_b, out_dtype).native
-
-
-def _random_operand(rows: int, cols: int, block: tuple[int, int], device: torch.device, gen: torch.Generator) -> QuantizedTensor:
-    data = (torch.randn(rows, cols, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    scale_inv = torch.exp2(torch.randint(-4, 5, grid, generator=gen).to(torch.float32))
-    return QuantizedTensor(data.to(device), scale_inv.to(device), block)
-
-
-def _probe(kind: str, device: torch.device) -> NativeGemm:
-    # One small GEMM per operand pairing the training step uses, compared with the emulation:
-    # a wrong scale layout shows as errors of whole powers of two, far above the tolerance.
-    with torch.autocast(device_kind(device), enabled=False):
-        return _probe_pairs(kind, device)
-
-
-def _probe_pairs(kind: str, device: torch.device) -> NativeGemm:
-    gen = torch.Generator().manual_seed(0)
-    pairs = [((1, 32), (1, 32))] if kind == "mxfp8" else [((1, 128), (128, 128)), ((1, 128), (1, 128))]
-    out_dtypes = {torch.bfloat16: True, torch.float32: True, torch.float16: True}
-    for block_a, block_b in pairs:
-        a = _random_operand(256, 512, block_a, device, gen)
-        b = _random_operand(256, 512, block_b, device, gen)
-        expected = _emulated(a, b, torch.float32)
-        for out_dtype in out_dtypes:
-            try:
-                got = _scaled_mm_blocks(kind, a, b, out_dtype).float()
-            except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
-                if out_dtype is torch.bfloat16:
-                    return NativeGemm(False, f"torch {torch.__version__} refused the {kind} GEMM: {str(err).splitlines()[0]}")
-                out_dtypes[out_dtype] = False
-                continue
-            # Relative to the largest output: bf16 / fp16 rounding, or summation order in fp32.
-            tolerance = (1e-4 if out_dtype is torch.float32 else 1e-2) * expected.abs().max().item()
-            error = (got - expected).abs().max().item()
-            if not error <= tolerance:
-                if out_dtype is torch.bfloat16:
-                    return NativeGemm(False, f"native {kind} GEMM disagreed with the emulation (max error {error:.3g})")
-                out_dtypes[out_dtype] = False
-    return NativeGemm(True, "", tuple(d for d, ok in out_dtypes.items() if ok))
-
-
-def _scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    S = F.ScalingType
-    if kind == "mxfp8":
-        swizzle = F.SwizzleType.SWIZZLE_32_4_4
-        return F.scaled_mm(
-            a.data, b.data.t(),
-            mx_gemm_scale(a.scale_inv), S.BlockWise1x32,
-            mx_gemm_scale(b.scale_inv), S.BlockWise1x32,
-            swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype,
-        )  # fmt: skip
-    if b.block == (128, 128):
-        scale_b, recipe_b = blockwise_128x128_gemm_scale(b.scale_inv), S.BlockWise128x128
-    else:
-        scale_b, recipe_b = blockwise_1x128_gemm_scale(b.scale_inv), S.BlockWise1x128
-    return F.scaled_mm(
-        a.data, b.data.t(),
-        blockwise_1x128_gemm_scale(a.scale_inv), S.BlockWise1x128,
-        scale_b, recipe_b, output_dtype=out_dtype,
-    )  # fmt: skip
 
 
 def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32) -> tuple[str, Optional[NativeGemm], str]:
@@ -244,6 +175,10 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
         return kind, support, ""
     if kind == "tensorwise" and a.data.dtype == b.data.dtype == torch.float8_e5m2:
         return kind, None, "E5M2 x E5M2 has no CUDA kernel"
+    if not support.pairing_out_dtypes(a.data.dtype, b.data.dtype):
+        # A pairing this GPU's block kernel refused in its probe: this GEMM alone is emulated.
+        pairing = f"{format_name(a.data.dtype)} x {format_name(b.data.dtype)}"
+        return kind, None, f"{kind} GEMM of {pairing} operands: {support.pairing_reason(a.data.dtype, b.data.dtype)}"
     return kind, support, ""
 
 
@@ -297,7 +232,6 @@ def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, s
     return support is not None, reason
 
 
-_KERNEL_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _forced: Optional[str] = None
 _PATHS = ("auto", "native", "emulated")
 
@@ -477,37 +411,6 @@ def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch
     return TensorwiseChoice(choose_native(native_s, emulated_s), native_s, emulated_s, _PROBE_SHAPE)
 
 
-def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    # Both operands dequantised to float32, the second one as a row-major [K, N] matrix, then one
-    # float32 GEMM: the computation of torch's CPU _scaled_mm where oneDNN does not take it
-    # (aten/src/ATen/native/Blas.cpp, _scaled_mm_out_cpu_emulated), so the two agree bit for bit
-    # there; the float32 GEMM's summation order follows the layout (the [K, N] view of a row-major
-    # [N, K] tensor sums otherwise on narrow outputs, N < ~16).
-    # Outside torch autocast, which would round the dequantized operands to bf16.
-    with torch.autocast(device_kind(a.data.device), enabled=False):
-        out = a.dequantize(saturate=False) @ b.dequantize(saturate=False).t().contiguous()
-    if bias is not None:
-        out = out + _kernel_bias(bias, out_dtype).to(torch.float32)
-    return out.to(out_dtype)
-
-
-def _kernel_bias(bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    # The bias the GEMM epilogue adds: in the output dtype (cuBLASLt and oneDNN take it so for
-    # low-precision outputs), float32 for float32 and float64 outputs.
-    return bias.to(out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32)
-
-
-def _scaled_mm_tensorwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
-                          bias: Optional[torch.Tensor]) -> torch.Tensor:
-    # The kernel's epilogue takes a bias only for low-precision outputs.
-    fused = bias is not None and out_dtype != torch.float32
-    out = torch._scaled_mm(
-        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
-        bias=_kernel_bias(bias, out_dtype) if fused else None, out_dtype=out_dtype,
-    )  # fmt: skip
-    return out + _kernel_bias(bias, out_dtype) if bias is not None and not fused else out
-
-
 def fp8_gemm(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -621,7 +524,7 @@ def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTens
     if kind == "tensorwise":
         return _scaled_mm_tensorwise(a, b, out_dtype, bias)
     # Block kernels: out_dtype where the kernel writes it, else bfloat16 then cast (documented).
-    kernel_dtype = out_dtype if out_dtype in support.out_dtypes else torch.bfloat16
+    kernel_dtype = out_dtype if out_dtype in support.pairing_out_dtypes(a.data.dtype, b.data.dtype) else torch.bfloat16
     out = _scaled_mm_blocks(kind, a, b, kernel_dtype)
     if bias is not None:
         out = (out.float() + _kernel_bias(bias, out_dtype).float()).to(out_dtype)

@@ -23,6 +23,7 @@ from torch import nn
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
 from .formats import fp8_dtype, fp8_max
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
+from .kernels import fused_casts
 from .scaling import amax as tensor_amax
 from .scaling import dequantize, divide, quantize, scale_from_amax
 
@@ -420,6 +421,8 @@ class PerTensorQuantizer(Quantizer):
         self.max = fp8_max(self.dtype)
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        if fused_casts(x.device)[0]:
+            return self._fused(x, columnwise=False)[0]
         if self.host:
             self.state.use_recipe(self.recipe)
         with torch.no_grad():  # not a decorator: torch.compile cannot trace a decorated method inside autograd.Function
@@ -440,6 +443,41 @@ class PerTensorQuantizer(Quantizer):
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)
         return q
+
+    def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        if fused_casts(x.device)[0]:
+            return self._fused(x, columnwise)
+        return super().quantize_pair(x, columnwise)
+
+    def _fused(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        # The same numerics as quantize() and its transposed copy, bit for bit, in the fused
+        # kernels (numerics/kernels/tensorwise.py): one amax pass, then one pass writing the
+        # rowwise and columnwise copies; current scaling's scale is computed on the device by
+        # the cast kernel. The scaling state is kept by the same torch ops as in quantize().
+        from .kernels import tensorwise as kernels
+
+        if self.host:
+            self.state.use_recipe(self.recipe)
+        with torch.no_grad():
+            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            amax = kernels.tensor_amax(x2d)
+            if self.recipe.delayed():
+                one = torch.ones((), dtype=torch.float32, device=x.device)
+                current = scale_from_amax(amax, self.max, self.recipe.margin, one)
+                scale = torch.where(self.state.initialized[self.role], self.state.scale[self.role], current)
+                if self.record:
+                    self.state.record_amax(self.role, amax)
+                data, data_t = kernels.cast_transpose(x2d, scale, self.dtype, transpose=columnwise)
+                scale_inv = divide(1.0, scale)
+            else:
+                data, data_t, scale, scale_inv = kernels.cast_transpose_current(
+                    x2d, amax, self.dtype, self.recipe.margin, transpose=columnwise)
+                if self.record:
+                    self.state.observe_current(self.role, amax, scale)
+        if self.record and self.host:
+            mark_recorded(self.state, self.recipe, self.role)
+        row = QuantizedTensor(data, scale_inv)
+        return row, (QuantizedTensor(data_t, scale_inv) if columnwise else None)
 
 
 class BlockQuantizer(Quantizer):

@@ -213,7 +213,7 @@ class FP8Training:
             self._layers_of = self.module
         return self._layers
 
-    def after_optimizer_step(self, scaler_skipped: Optional[torch.Tensor] = None) -> None:
+    def after_optimizer_step(self, scaler_skipped: Union[torch.Tensor, bool, None] = None) -> None:
         """Apply the step's amaxes now, with the reduction: between steps (checkpoints,
         validation, the end of training) the FP8 state is settled and the same on every rank.
         The next forward starts a new training step and finds nothing pending: one amax
@@ -221,8 +221,9 @@ class FP8Training:
         every optimizer step the loop attempts, including one a loss scaler skips.
 
         Args:
-            scaler_skipped: with a loss scaler, whether it skipped this step (a bool tensor,
-                read later without a sync), so that skipped steps in a row are counted.
+            scaler_skipped: with a loss scaler, whether it skipped this step, so that skipped
+                steps in a row are counted: a bool tensor (read later, with the fault check's
+                figures), or a bool where the loop already knows it on the host.
         """
         self._step = None
         self.optimizer_steps += 1
@@ -237,7 +238,9 @@ class FP8Training:
 
     def pop_metrics(self) -> dict[str, float]:
         """The figures of the reference checks (``fp8_ref/...``) and the sampled statistics
-        (``fp8_stats/...``) formed since the last call, once; empty when none were."""
+        (``fp8_stats/...``) formed since the last call, once; empty when none were. The
+        statistics wait on the device until this call reads them (one host read): call it when
+        a logger takes them."""
         metrics = self.reference.pop_metrics() if self.reference is not None else {}
         if self.statistics is not None:
             metrics.update(self.statistics.pop_metrics())

@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 
 from ..modules.experts import FP8ExpertsMixin
@@ -148,7 +147,7 @@ def _wrap_step(engine: Any, runs: list[FP8Training],
             # DeepSpeed checks (fp16) or takes (bf16) the step itself: see REFUSED["nonfinite"].
             run.before_optimizer_step(loss_scaled=True)
         output = original(*args, **kwargs)
-        skipped = torch.tensor(not engine.was_step_applied()) if loss_scaled else None
+        skipped = (not engine.was_step_applied()) if loss_scaled else None  # a host bool: DeepSpeed read it
         for run in runs:
             run.after_optimizer_step(skipped)  # the step's amax reduction, and its statistics' (sampled steps)
         if after_step is not None:

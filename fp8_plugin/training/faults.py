@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,8 @@ class FaultMonitor:
         self._layers: Optional[list[tuple[str, ScalingState]]] = None
         self._seen: Optional[torch.Tensor] = None  # counters at the last check, [2, layers, 3]
         self._baseline = True  # no check yet: the counters' present values are not news
-        self._scaler_skipped: Optional[torch.Tensor] = None  # skips by the loss scaler in a row, on device
+        # Skips by the loss scaler in a row: on the device, or an int where the loop knows them on the host.
+        self._scaler_skipped: Union[torch.Tensor, int, None] = None
         self._sharded: Optional[bool] = None
 
     def _states(self, module: nn.Module) -> list[tuple[str, ScalingState]]:
@@ -138,7 +139,7 @@ class FaultMonitor:
             if self._sharded is None:
                 self._sharded = _is_sharded(module)
             parts.append(self._suspect(_gradients(module), group, _device(module)))
-        if self._scaler_skipped is not None:
+        if isinstance(self._scaler_skipped, torch.Tensor):
             parts.append(self._scaler_skipped.to(torch.float32).reshape(1))
         counters = None
         if states:
@@ -149,8 +150,10 @@ class FaultMonitor:
         grads_bad = bool(values.pop(0)) if not loss_scaled else False
         if grads_bad:  # the fast test can flag finite gradients whose sum overflows: confirm
             grads_bad = self._confirmed(_gradients(module), group, _device(module))
-        if self._scaler_skipped is not None:
+        if isinstance(self._scaler_skipped, torch.Tensor):
             self.consecutive_skips = int(values.pop(0))
+        elif self._scaler_skipped is not None:
+            self.consecutive_skips = self._scaler_skipped
         new_nonfinite: list[tuple[str, str]] = []
         if counters is not None:
             n = len(states)
@@ -215,11 +218,18 @@ class FaultMonitor:
         self._seen = None
         self._baseline = True
 
-    def scaler_step(self, skipped: torch.Tensor) -> None:
-        """Record whether the loss scaler skipped the last step (a bool tensor, kept on device:
-        read at the next :meth:`check`)."""
-        previous = self._scaler_skipped if self._scaler_skipped is not None else torch.zeros_like(skipped, dtype=torch.int64)
-        self._scaler_skipped = torch.where(skipped, previous + 1, torch.zeros_like(previous))
+    def scaler_step(self, skipped: Union[torch.Tensor, bool]) -> None:
+        """Record whether the loss scaler skipped the last step, for the next :meth:`check`: a
+        bool tensor (kept on the device, read with the check's figures) or a bool where the loop
+        knows it on the host already (Accelerate's ``optimizer_step_was_skipped``: no tensor is
+        made, nothing copied)."""
+        if isinstance(skipped, torch.Tensor):
+            previous = self._scaler_skipped if isinstance(self._scaler_skipped, torch.Tensor) \
+                else torch.zeros_like(skipped, dtype=torch.int64)
+            self._scaler_skipped = torch.where(skipped, previous + 1, torch.zeros_like(previous))
+        else:
+            previous = self._scaler_skipped if isinstance(self._scaler_skipped, int) else 0
+            self._scaler_skipped = previous + 1 if skipped else 0
 
     def _check_streak(self, step: int) -> None:
         limit = self.policy.max_consecutive_skips

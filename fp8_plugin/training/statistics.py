@@ -7,7 +7,8 @@ scale), the share of its nonzero values that underflow to zero, the share that s
 scaled magnitude beyond the format's largest value, clamped to it), and the quantization error
 against the high-precision tensor (MSE and SQNR). Across micro-batches and ranks the counts and
 energies add up and amaxes and scales take their extremes (one SUM and one MAX all-reduce per
-sampled step), so every rank holds the same figures; loops log them on rank zero under
+sampled step), so every rank holds the same figures. They stay on the device until a logger takes
+them (:meth:`StatisticsCollector.pop_metrics`, one host read); loops log them on rank zero under
 :data:`METRIC_PREFIX`:
 
 ``fp8_stats/<layer>/<role>/{amax, scale_min, scale_max, underflow_pct, saturation_pct, mse, sqnr_db}``
@@ -17,7 +18,8 @@ MoE experts (:mod:`fp8_plugin.modules.experts`) report per projection
 its own scale, added up as micro-batches are (scale_min / scale_max span the experts).
 
 Off by default. Cost on a sampled step: one more cast of each tensor, outside the training
-numerics; nothing on the other steps. Definitions follow Transformer Engine's debug features
+numerics, and no host read (the figures are read when a logger takes them); nothing on the other
+steps. Definitions follow Transformer Engine's debug features
 (``LogFp8TensorStats``: underflows %, overflows %, scale_inv min/max, MSE).
 """
 
@@ -101,7 +103,7 @@ def cast_statistics(x: torch.Tensor, q: QuantizedTensor, dtype: torch.dtype) -> 
     return torch.stack([
         xf.abs().amax().to(torch.float64) if xf.numel() else xf.new_zeros((), dtype=torch.float64),
         -scale.min(), scale.max(),
-        torch.tensor(float(xf.numel()), dtype=torch.float64, device=xf.device),
+        xf.new_full((), float(xf.numel()), dtype=torch.float64),  # a fill: no copy from the host
         nonzero.sum().to(torch.float64),
         (nonzero & (data == 0)).sum().to(torch.float64),
         (scaled > fp8_max(dtype)).sum().to(torch.float64),
@@ -114,14 +116,17 @@ class StatisticsCollector:
     """Samples the statistics of one model's FP8 layers on the steps :class:`FP8Statistics` picks.
 
     Loops call :meth:`start_step` when a training step's first forward begins and
-    :meth:`end_step` after its optimizer step (every rank: it reduces), then :meth:`pop_metrics`.
+    :meth:`end_step` after its optimizer step (every rank: it reduces), and :meth:`pop_metrics`
+    when a logger takes the figures: until then they stay on the device (the latest sample of
+    each layer and role), so that sampling never makes a training step wait for the host.
     """
 
     def __init__(self, config: FP8Statistics) -> None:
         self.config = config
         self._handles: list = []
         self._sums: dict[tuple[str, int], torch.Tensor] = {}
-        self._metrics: dict[str, float] = {}
+        # (layer, role) -> its latest sampled figures, reduced, float64 [9] on the device.
+        self._pending: dict[tuple[str, int], torch.Tensor] = {}
 
     def start_step(self, model: nn.Module, step: int) -> None:
         """Attach the hooks if optimizer step ``step`` (1-based) is sampled (once per step)."""
@@ -181,8 +186,8 @@ class StatisticsCollector:
                                      acc[_EXTREMES:] + figures[_EXTREMES:]])
 
     def end_step(self, group: Optional["dist.ProcessGroup"] = None) -> None:
-        """Detach the hooks and form the sampled step's figures, reduced across ``group`` (every
-        rank must call it on a sampled step; nothing happens on the others)."""
+        """Detach the hooks and reduce the sampled step's figures across ``group``, on the device
+        (every rank must call it on a sampled step; nothing happens on the others)."""
         if not self._handles:
             return
         for handle in self._handles:
@@ -199,11 +204,22 @@ class StatisticsCollector:
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             table = torch.cat([extremes, sums], dim=1)
-        for (name, role), row in zip(keys, table.tolist()):
+        self._pending.update(zip(keys, table.unbind(0)))  # read on the host only by pop_metrics
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The figures of the sampled steps since the last call (latest per layer and role), once:
+        one host read, none when nothing was sampled."""
+        if not self._pending:
+            return {}
+        keys = sorted(self._pending)
+        rows = torch.stack([self._pending[k] for k in keys]).tolist()
+        self._pending = {}
+        metrics: dict[str, float] = {}
+        for (name, role), row in zip(keys, rows):
             prefix = f"{METRIC_PREFIX}{name + '/' if name else ''}{ROLES[role]}/"  # "": the model is the layer
             numel, nonzero = row[_NUMEL], row[_NONZERO]
             signal, noise = row[_SIGNAL], row[_NOISE]
-            self._metrics.update({
+            metrics.update({
                 prefix + "amax": row[_AMAX],
                 prefix + "scale_min": -row[_NEG_SCALE_MIN],
                 prefix + "scale_max": row[_SCALE_MAX],
@@ -212,10 +228,6 @@ class StatisticsCollector:
                 prefix + "mse": noise / numel if numel else 0.0,
                 prefix + "sqnr_db": 10.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf,
             })  # fmt: skip
-
-    def pop_metrics(self) -> dict[str, float]:
-        """The figures of the sampled steps since the last call (latest per key), once."""
-        metrics, self._metrics = self._metrics, {}
         return metrics
 
 

@@ -5,7 +5,7 @@ Two modes, chosen by the environment variable ``FP8_CONTRACT_DEVICE`` once per t
 
 - ``meta`` (unset or empty: the default, every machine): tensors on the ``meta`` device, which
   the project treats as a CUDA GPU of the compute capability each test presents (sm80 to sm120).
-- ``cuda`` (a machine with a CUDA GPU: ``benchmarks/gpu_run.sh`` runs this first): the same tests
+- ``cuda`` (a machine with a CUDA GPU: ``benchmarks/gpu_run.sh`` runs this third): the same tests
   on real ``cuda`` tensors of the current GPU. Only that GPU's compute capability is presented: a
   test parametrized for another one is skipped, with a reason naming the real one. Nothing of
   ``torch.cuda`` is patched and :func:`~fp8_plugin.numerics.device_kind.meta_as_cuda` is not
@@ -33,11 +33,13 @@ meta, the GPU's own on a real one) holds, for the length of one test:
   anyway, on a real GPU they succeed, so this record is what catches them there), copies of CPU
   tensors to the device (a blocking host-to-device copy waits for the GPU's queue: a sync too;
   one made by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen),
-  CPU tensors mixed into ops on device tensors, and the rules of torch's CUDA ``_scaled_mm``
-  (``aten/src/ATen/native/cuda/Blas.cpp``) that its meta kernel leaves out: every tensor on the
-  GPU (a CPU scale passes the meta kernel), no bias with a float32 output, a bias of the output
-  dtype (BF16 or FP16), no E5M2 x E5M2. On a real GPU these are recorded before the real
-  kernel is called, which refuses them itself.
+  CPU tensors mixed into ops on device tensors (all but one kind, torch's own: the 0-dim int64
+  philox seed and offset its memory-efficient attention hands its backward, ``HOST_RNG_ARGUMENTS``),
+  and the rules of torch's CUDA ``_scaled_mm`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp`` in
+  torch 2.11) that its meta kernel leaves out: every tensor on the GPU (a CPU scale passes the meta
+  kernel), no bias with a float32 output, a bias of the output dtype (BF16 or FP16), no E5M2 x
+  E5M2. On a real GPU these are recorded before the real kernel is called, which refuses them
+  itself.
 
 The ``torch.cuda`` calls the project makes, and what the meta mode does with each (the cuda
 mode patches none of them):
@@ -65,6 +67,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -80,6 +83,24 @@ META = torch.device("meta")
 SCALED_GEMMS = ("aten._scaled_mm.default", "aten._scaled_mm_v2.default", "aten._scaled_grouped_mm.default",
                 "aten._scaled_grouped_mm_v2.default")
 _HOST_READS = ("aten._local_scalar_dense.default",)
+# The one kind of CPU tensor the recorder lets into an op on device tensors: the philox seed and
+# offset of the dropout of torch's memory-efficient attention. Its CUDA forward makes them 0-dim
+# int64 tensors on the host outside CUDA graph capture, with values it read from the generator on
+# the host (aten/src/ATen/native/transformers/cuda/attention.cu, _efficient_attention_forward, Note
+# [Seed and Offset Device]: `device = in_capture_stream ? at::kCUDA : at::kCPU`, `seed_t =
+# at::scalar_tensor(at::Scalar(static_cast<int64_t>(seed)), at::dtype(at::kLong))`, without
+# dropout `at::empty({}, at::dtype(at::kLong).device(device))`), and returns them from
+# aten._efficient_attention_forward and aten._scaled_dot_product_efficient_attention; their
+# backwards take them back (native_functions.yaml: `Tensor philox_seed, Tensor philox_offset`)
+# and read them on the host, no sync. FlashAttention is not here: from torch 2.11 its CUDA forward
+# keeps its RNG state on the GPU (flash_api.cpp mha_fwd, "[Note] BC breaking change to flash
+# seed/offset": `rng_state = at::empty({2}, at::dtype(c10::kUInt64).device(at::kCUDA))`); nor is
+# cuDNN attention, whose seed and offset are device tensors (`at::zeros({1},
+# query.options().dtype(at::kLong))`). Keyed by op, the values: the exempt arguments' names.
+HOST_RNG_ARGUMENTS = {
+    "aten._scaled_dot_product_efficient_attention_backward.default": ("philox_seed", "philox_offset"),
+    "aten._efficient_attention_backward.default": ("philox_seed", "philox_offset"),
+}
 MODE_VARIABLE = "FP8_CONTRACT_DEVICE"
 MODES = ("meta", "cuda")
 
@@ -136,6 +157,32 @@ class Contract:
         """True on a real CUDA GPU (``FP8_CONTRACT_DEVICE=cuda``), False on meta tensors."""
         return self.device.type == "cuda"
 
+    @property
+    def mode(self) -> str:
+        """The contract mode this test runs in, ``"meta"`` or ``"cuda"``: the key of a :meth:`kernel_refusal` table."""
+        return "cuda" if self.real else "meta"
+
+    @contextlib.contextmanager
+    def kernel_refusal(self, refusals: Mapping[str, tuple[type[Exception], str] | None]):
+        """Expect the refusal of torch's kernel of this mode, in that kernel's own words.
+
+        Args:
+            refusals: per mode (``"meta"``, ``"cuda"``), ``(exception type, message regex)``, or None
+                where that mode's kernel accepts the call. The type must be exactly that one (not a
+                subclass: torch's ``NotImplementedError`` is a ``RuntimeError``); the regex is searched
+                in the message.
+        """
+        expected = refusals[self.mode]
+        if expected is None:
+            yield
+            return
+        kind, pattern = expected
+        with pytest.raises(Exception) as raised:
+            yield
+        error = raised.value
+        assert type(error) is kind, f"{self.mode}: expected {kind.__name__}, got {type(error).__name__}: {error}"
+        assert re.search(pattern, str(error)), f"{self.mode}: {pattern!r} not in {str(error)!r}"
+
     def scaled_gemms(self) -> int:
         """Calls of torch's scaled GEMM kernels (tensorwise, block-scaled, grouped)."""
         return sum(self.ops[name] for name in SCALED_GEMMS)
@@ -184,8 +231,9 @@ class _Recorder(TorchDispatchMode):
             c.host_reads.append(name)
         if name == "aten._to_copy.default" and devices == {"cpu"} and target == gpu:
             c.to_device_copies.append(f"{name}: {[tuple(t.shape) for t in tensors]}")
-        if gpu in devices and "cpu" in devices:
-            c.mixed_devices.append(f"{name}: {[(t.device.type, tuple(t.shape)) for t in tensors]}")
+        mixed = _mixed_devices(func, name, tensors, args, kwargs, gpu)
+        if mixed:
+            c.mixed_devices.append(mixed)
         if name in ("aten.mm.default", "aten.addmm.default") and any(t.dtype == torch.float32 for t in tensors):
             c.float32_mm += 1
         if name in SCALED_GEMMS:
@@ -194,8 +242,34 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _host_rng_arguments(func, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The arguments of a call of ``HOST_RNG_ARGUMENTS``' ops that are torch's host philox seed and
+    offset: named so in the op's schema, on the CPU, 0-dim, int64. Any other CPU tensor is not."""
+    names = HOST_RNG_ARGUMENTS.get(name, ())
+    exempt = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name not in names:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
+                and value.dtype == torch.int64):
+            exempt.append(value)
+    return exempt
+
+
+def _mixed_devices(func, name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict, gpu: str) -> str | None:
+    """The record of a CPU tensor mixed into an op on device tensors, or None (none mixed in, or
+    only torch's host philox seed and offset of its efficient attention: ``HOST_RNG_ARGUMENTS``)."""
+    if gpu not in {t.device.type for t in tensors}:
+        return None
+    exempt = _host_rng_arguments(func, name, args, kwargs)
+    if not any(t.device.type == "cpu" and not any(t is e for e in exempt) for t in tensors):
+        return None
+    return f"{name}: {[(t.device.type, tuple(t.shape)) for t in tensors]}"
+
+
 def _cuda_rules(name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict, gpu: str) -> list[str]:
-    # Checks of torch's CUDA scaled GEMMs (aten/src/ATen/native/cuda/Blas.cpp) that the meta
+    # Checks of torch's CUDA scaled GEMMs (aten/src/ATen/native/cuda/ScaledBlas.cpp) that the meta
     # kernels leave out.
     broken = [f"{name}: a tensor on {t.device} (all must be on the GPU)" for t in tensors if t.device.type != gpu]
     if name != "aten._scaled_mm.default":

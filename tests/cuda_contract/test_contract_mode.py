@@ -77,6 +77,7 @@ def test_real_gpu_presents_only_its_own_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     contract = conftest._real_gpu(_request(("meta", "cuda"), None), None)
     assert contract.device == torch.device("cuda", 0) and contract.capability == (9, 0) and contract.real
+    assert contract.mode == "cuda"
     assert conftest._real_gpu(_request(("meta", "cuda"), (9, 0)), (9, 0)).capability == (9, 0)
     with pytest.raises(pytest.skip.Exception) as skipped:
         conftest._real_gpu(_request(("meta", "cuda"), (10, 0)), (10, 0))
@@ -90,6 +91,29 @@ def test_real_gpu_presents_only_its_own_capability(monkeypatch):
 def test_the_meta_mode_fixture_is_a_meta_device():
     conftest = _conftest()
     assert conftest.Contract((9, 0)).device == torch.device("meta") and not conftest.Contract((9, 0)).real
+    assert conftest.Contract((9, 0)).mode == "meta"
+
+
+REFUSALS = {"meta": (RuntimeError, "mat2 must be col_major"), "cuda": (ValueError, "Expected mat2 to be transposed")}
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+def test_a_kernel_refusal_is_exactly_its_modes_type_and_words(device):
+    contract = _conftest().Contract((9, 0), torch.device(device))
+    kind, words = REFUSALS[device]
+    with contract.kernel_refusal(REFUSALS):
+        raise kind(f"{words}, and more")
+    other = "meta" if device == "cuda" else "cuda"
+    # The other mode's refusal, a subclass (torch's NotImplementedError is a RuntimeError), other words.
+    for wrong in (REFUSALS[other][0](REFUSALS[other][1]), type("Sub", (kind,), {})(words), kind("other words")):
+        with pytest.raises(AssertionError, match=device):
+            with contract.kernel_refusal(REFUSALS):
+                raise wrong
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        with contract.kernel_refusal(REFUSALS):
+            pass
+    with contract.kernel_refusal({**REFUSALS, device: None}):  # None: this mode's kernel accepts the call
+        pass
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: FP8_CONTRACT_DEVICE=cuda runs there")

@@ -12,6 +12,8 @@ offsets throughout: a training step of an experts module reads nothing on the ho
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -55,11 +57,25 @@ def test_native_grouped_kernel_is_called_as_cuda_needs_it(cuda):
     cuda.clean()  # no host read
 
 
+# The kernel's second operand is the stack transposed back, [G, K, N] with strides (K * N, N, 1):
+# row-major per expert. Each mode's kernel refuses it in its own words (tests/cuda_contract/
+# test_cuda_contract.py, "The harness bites"; docs/cuda_contract.md lists the sources).
+ROW_MAJOR_EXPERT_STACK = {
+    # torch/_meta_registrations.py, _meta_grouped_mm_common (torch 2.11 and 2.13):
+    # torch._check(is_col_major(mat_b), ...)
+    "meta": (RuntimeError, re.escape(f"Expected mat_b tensor to be column major in the last two dimensions, "
+                                     f"got strides ({N}, 1)")),
+    # torch 2.11's aten/src/ATen/native/cuda/GroupedBlas.cpp, _scaled_grouped_mm_cuda:
+    # TORCH_CHECK_VALUE(check_valid_strides_and_return_transposed(mat_b), "Expected mat2 to be transposed")
+    "cuda": (ValueError, re.escape("Expected mat2 to be transposed")),
+}
+
+
 @pytest.mark.parametrize("cuda", [pytest.param((9, 0), id="sm90")], indirect=True)
 def test_grouped_harness_refuses_a_row_major_expert_stack(cuda):
     a, sa, _, sb = operands(cuda.device)
     wrong = torch.zeros(G, K, N, device=cuda.device).to(E4M3).transpose(-2, -1)  # [G, N, K], column-major
-    with pytest.raises(RuntimeError, match="column major"):
+    with cuda.kernel_refusal(ROW_MAJOR_EXPERT_STACK):
         grouped_gemm._native(a, sa, wrong, sb, offsets(cuda.device), torch.bfloat16)
 
 

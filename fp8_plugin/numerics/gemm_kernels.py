@@ -1,0 +1,86 @@
+"""The FP8 GEMM calls themselves: the exact float32 emulation and the native scaled-GEMM kernels.
+
+Which of them runs is decided in :mod:`fp8_plugin.numerics.gemm`; what a GPU's block kernels accept
+is probed in :mod:`fp8_plugin.numerics.gemm_support`. Each function takes
+:class:`~fp8_plugin.numerics.quantizers.QuantizedTensor` operands ``a`` ``[M, K]`` and ``b``
+``[N, K]`` (row-major FP8 data, the "NT" layout) and returns ``a @ b.T`` ``[M, N]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .device_kind import device_kind
+from .quantizers import QuantizedTensor
+from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
+
+__all__ = ["emulated", "kernel_bias", "scaled_mm_tensorwise", "scaled_mm_blocks"]
+
+
+def emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` as one float32 GEMM of the dequantized operands, cast to ``out_dtype``.
+
+    Both operands are dequantised to float32, the second one as a row-major ``[K, N]`` matrix:
+    the computation of torch's CPU ``_scaled_mm`` where oneDNN does not take it
+    (aten/src/ATen/native/Blas.cpp, ``_scaled_mm_out_cpu_emulated``), so the two agree bit for bit
+    there; the float32 GEMM's summation order follows the layout (the ``[K, N]`` view of a
+    row-major ``[N, K]`` tensor sums otherwise on narrow outputs, N < ~16). Runs outside torch
+    autocast, which would round the dequantized operands to bfloat16.
+    """
+    with torch.autocast(device_kind(a.data.device), enabled=False):
+        out = a.dequantize(saturate=False) @ b.dequantize(saturate=False).t().contiguous()
+    if bias is not None:
+        out = out + kernel_bias(bias, out_dtype).to(torch.float32)
+    return out.to(out_dtype)
+
+
+def kernel_bias(bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The bias a GEMM epilogue adds: in the output dtype (cuBLASLt and oneDNN take it so for
+    low-precision outputs), float32 for float32 and float64 outputs."""
+    return bias.to(out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32)
+
+
+def scaled_mm_tensorwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``torch._scaled_mm`` with per-tensor float32 ``scale_inv`` operands.
+
+    The kernel's epilogue takes a bias only for low-precision outputs (torch's CUDA check: "Bias
+    is not supported when out_dtype is set to Float32"); with a float32 output the bias is added
+    after, in float32.
+    """
+    fused = bias is not None and out_dtype != torch.float32
+    out = torch._scaled_mm(
+        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
+        bias=kernel_bias(bias, out_dtype) if fused else None, out_dtype=out_dtype,
+    )  # fmt: skip
+    return out + kernel_bias(bias, out_dtype) if bias is not None and not fused else out
+
+
+def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` with block scales, no bias.
+
+    ``kind`` "mxfp8": ``BlockWise1x32`` E8M0 scales swizzled as cuBLAS reads them (sm100+);
+    "blockwise": ``BlockWise1x128`` for ``a`` and ``BlockWise128x128`` or ``BlockWise1x128`` for
+    ``b`` (cuBLAS, sm90), the scales in the layouts of :mod:`~fp8_plugin.numerics.scale_layouts`.
+    """
+    S = F.ScalingType
+    if kind == "mxfp8":
+        swizzle = F.SwizzleType.SWIZZLE_32_4_4
+        return F.scaled_mm(
+            a.data, b.data.t(),
+            mx_gemm_scale(a.scale_inv), S.BlockWise1x32,
+            mx_gemm_scale(b.scale_inv), S.BlockWise1x32,
+            swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype,
+        )  # fmt: skip
+    if b.block == (128, 128):
+        scale_b, recipe_b = blockwise_128x128_gemm_scale(b.scale_inv), S.BlockWise128x128
+    else:
+        scale_b, recipe_b = blockwise_1x128_gemm_scale(b.scale_inv), S.BlockWise1x128
+    return F.scaled_mm(
+        a.data, b.data.t(),
+        blockwise_1x128_gemm_scale(a.scale_inv), S.BlockWise1x128,
+        scale_b, recipe_b, output_dtype=out_dtype,
+    )  # fmt: skip

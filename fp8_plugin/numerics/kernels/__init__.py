@@ -1,0 +1,82 @@
+"""FP8 cast kernels: fused Triton kernels where they can run, torch ops elsewhere.
+
+The layers ask for "a cast"; this room decides how it runs, in one place, as
+:mod:`fp8_plugin.numerics.gemm` decides the GEMM path. Triton is imported only when a kernel is
+asked for, so ``import fp8_plugin`` does not need it. Each kernel module names the torch
+reference it equals byte for byte (``reference_*``), and the tests run every kernel under
+Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors against that reference.
+
+Modules: :mod:`.fp8_bits` (the FP8 encoding with integer operations), :mod:`.tensorwise`
+(per-tensor casts: cast + transpose + amax in one pass; current scaling's amax and cast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from functools import lru_cache
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = ["fused_casts", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR"]
+
+KERNEL_PATHS = ("auto", "triton", "torch")
+# Set to "torch" to keep the torch ops on a GPU (a comparison, or a Triton build that misbehaves).
+ENV_VAR = "FP8_PLUGIN_CAST_KERNELS"
+_forced: Optional[str] = None
+
+
+@contextlib.contextmanager
+def force_kernels(path: str) -> Iterator[None]:
+    """Run every per-tensor FP8 cast in the context as ``path``: ``"triton"`` (the fused kernels on
+    any device: on CPU tensors under ``TRITON_INTERPRET=1``, for tests), ``"torch"`` (the torch
+    ops) or ``"auto"`` (the default: :func:`fused_casts` decides).
+
+    Raises:
+        ValueError: unknown ``path``.
+    """
+    global _forced
+    if path not in KERNEL_PATHS:
+        raise ValueError(f"force_kernels(path={path!r}) is not a cast path; valid: {', '.join(KERNEL_PATHS)}")
+    previous, _forced = _forced, (None if path == "auto" else path)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def forced_kernels() -> Optional[str]:
+    """The path :func:`force_kernels` pins now: ``"triton"``, ``"torch"``, or None (``"auto"``)."""
+    return _forced
+
+
+def fused_casts(device: torch.device) -> tuple[bool, str]:
+    """Whether per-tensor FP8 casts on ``device`` run as the fused Triton kernels, and if not, why.
+
+    Yes on a real CUDA device where Triton imports (torch's CUDA wheels ship it), unless
+    ``FP8_PLUGIN_CAST_KERNELS=torch`` is set or :func:`force_kernels` says otherwise. Not while
+    ``torch.compile`` traces: Inductor fuses the torch ops itself. CPU (and the meta tensors the
+    CUDA contract tests present as a GPU) run the torch ops. Decided from the device type alone:
+    no host read.
+    """
+    if _forced is not None:
+        return _forced == "triton", "" if _forced == "triton" else "forced: torch ops"
+    if device.type != "cuda":
+        return False, f"the fused kernels run on CUDA GPUs, not on {device.type}"
+    if torch.compiler.is_compiling():
+        return False, "torch.compile fuses the torch ops itself"
+    return _triton_available()
+
+
+@lru_cache(maxsize=None)
+def _triton_available() -> tuple[bool, str]:
+    if os.environ.get(ENV_VAR, "auto") == "torch":
+        return False, f"{ENV_VAR}=torch"
+    if os.environ.get(ENV_VAR, "auto") not in ("auto", "triton"):
+        raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a cast path; valid: auto, triton, torch")
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return False, f"Triton does not import ({err})"
+    return True, ""

@@ -1,0 +1,215 @@
+"""Fused per-tensor FP8 casts in Triton: one read of the high-precision tensor per cast.
+
+Each kernel equals, byte for byte, the torch ops it replaces (:func:`reference_cast`, built from
+:func:`fp8_plugin.numerics.scaling.quantize`, ``amax`` and ``scale_from_amax``), as Transformer
+Engine's ``cast_transpose`` (transformer_engine/common/transpose/cast_transpose.cu) fuses them:
+
+- :func:`cast_transpose` (delayed scaling, the scale known before the cast): reads ``x`` once,
+  writes the FP8 rowwise copy and, where asked, the transposed copy, and folds ``amax(x)`` into
+  an amax buffer; 1 launch (plus a 4-byte zero fill where the caller's buffer is new).
+  Bytes per element: ``x``'s size read, 1 written per copy.
+- :func:`tensor_amax` then :func:`cast_transpose_current` (current scaling): one pass for the
+  amax (``x`` read once, nothing written per element), then the cast, whose every program
+  computes the scale from that amax on the device (TE's ``(FP8_MAX / amax) / 2**margin``,
+  correctly rounded, guarded) and whose first program writes ``scale`` and ``scale_inv``: no
+  host read; 2 launches plus the zero fill. Bytes per element: twice ``x``'s size read, 1 or 2
+  written.
+
+Launched with ``enable_fp_fusion=False``: no multiply is contracted with an addition into an FMA
+(one rounding instead of two), so a GPU computes what the interpreter and torch compute. Tiles of
+64 x 64 elements; ``x`` may have any strides (a transposed view is read as it is). The
+amax is folded as an integer maximum of the absolute values' float32 bits (non-negative floats
+order as their bits, and a NaN's bits exceed infinity's), so a NaN anywhere makes the amax NaN,
+as ``x.abs().amax()`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import fp8_max
+from ..scaling import amax as torch_amax
+from ..scaling import divide, quantize, scale_from_amax
+from .fp8_bits import e4m3_bits, e5m2_bits, saturated
+
+__all__ = ["cast_transpose", "tensor_amax", "cast_transpose_current", "reference_cast", "LAUNCHES"]
+
+_TILE = 64
+_FLOAT32_MAX = 3.4028234663852886e38
+# Kernel launches per call, for the cost model and the launch-count tests (zero fills included).
+LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "current": 3}
+
+
+@triton.jit
+def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
+               pid_m, pid_n, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
+               AMAX: tl.constexpr, TILE: tl.constexpr):
+    rows = pid_m * TILE + tl.arange(0, TILE)[:, None]
+    cols = pid_n * TILE + tl.arange(0, TILE)[None, :]
+    inside = (rows < M) & (cols < N)
+    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=inside, other=0.0)
+    if AMAX:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+    s = saturated(x, scale, FP8_MAX, E4M3)
+    if E4M3:
+        code = e4m3_bits(s)
+    else:
+        code = e5m2_bits(s)
+    tl.store(out_ptr + rows * N + cols, code, mask=inside)
+    if TRANSPOSE:
+        tl.store(out_t_ptr + cols * M + rows, code, mask=inside)
+
+
+@triton.jit
+def _cast_transpose_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale_ptr, M, N, stride_xm, stride_xn,
+                           FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
+                           AMAX: tl.constexpr, TILE: tl.constexpr):
+    scale = tl.load(scale_ptr)
+    _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
+               tl.program_id(0), tl.program_id(1), FP8_MAX, E4M3, TRANSPOSE, AMAX, TILE)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_bits_ptr, M, N, stride_xm, stride_xn, TILE: tl.constexpr):
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)[:, None]
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
+    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < M) & (cols < N), other=0.0)
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _current_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_out_ptr, M, N,
+                    stride_xm, stride_xn, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr,
+                    TRANSPOSE: tl.constexpr, TILE: tl.constexpr):
+    # The scale of scale_from_amax(amax, fp8_max, margin, previous=1): correctly rounded
+    # division (div_rn: Triton's "/" is approximate on a GPU), clamped to the float32 max, 1.0
+    # where the amax is 0, infinite or NaN.
+    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
+    scale = tl.minimum(tl.math.div_rn(MAX_OVER_MARGIN, amax), 3.4028234663852886e38)
+    valid = (amax > 0) & (amax < float("inf"))
+    scale = tl.where(valid, scale, 1.0)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_out_ptr, scale)
+        tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
+    _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
+               pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
+
+
+def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x.dtype={x.dtype} has no fused cast; valid: float32, bfloat16, float16")
+    fp8_max(dtype)  # raises for a dtype that is not FP8
+
+
+def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = x.shape
+    out = torch.empty(m, n, dtype=dtype, device=x.device)
+    out_t = torch.empty(n, m, dtype=dtype, device=x.device) if transpose else out
+    return out, out_t
+
+
+def _grid(x: torch.Tensor) -> tuple[int, int]:
+    return (triton.cdiv(max(x.shape[0], 1), _TILE), triton.cdiv(max(x.shape[1], 1), _TILE))
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transpose: bool,
+                   amax_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``quantize(x, scale, dtype)``, its transpose if asked, and ``amax(x)`` folded into ``amax_out``.
+
+    Args:
+        x: ``[M, N]`` float32, bfloat16 or float16, any strides.
+        scale: float32 0-dim (or 1-element) tensor on ``x``'s device: the delayed-scaling scale.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        transpose: also write ``x.T`` ``[N, M]`` in FP8, row-major (the columnwise copy).
+        amax_out: float32 1-element tensor holding a non-negative amax (or 0): on return it holds
+            ``max(amax_out, amax(x))`` (NaN if ``x`` has one). None: no amax.
+
+    Returns:
+        ``(data [M, N], data_t [N, M] or None)``, row-major FP8.
+
+    Raises:
+        ValueError: ``x`` not 2-D or of another dtype; ``dtype`` not FP8.
+    """
+    _check(x, dtype)
+    out, out_t = _outputs(x, dtype, transpose)
+    if x.numel():
+        amax_bits = amax_out.view(torch.int32) if amax_out is not None else out.view(torch.uint8)
+        _cast_transpose_kernel[_grid(x)](
+            x, out.view(torch.uint8), out_t.view(torch.uint8), amax_bits, scale, x.shape[0], x.shape[1],
+            x.stride(0), x.stride(1), FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
+            TRANSPOSE=transpose, AMAX=amax_out is not None, TILE=_TILE, enable_fp_fusion=False)
+    return out, (out_t if transpose else None)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``amax(x)``: ``x.abs().amax()`` as a float32 0-dim tensor (0 for an empty ``x``, NaN if
+    ``x`` has a NaN), in one pass over ``x``; 2 launches (the zero fill and the kernel).
+
+    Args:
+        x: ``[M, N]`` float32, bfloat16 or float16, any strides.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if x.numel():
+        _amax_kernel[_grid(x)](x, amax_bits, x.shape[0], x.shape[1], x.stride(0), x.stride(1), TILE=_TILE,
+                                   enable_fp_fusion=False)
+    return amax_bits.view(torch.float32).reshape(())
+
+
+def cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, margin: int, *,
+                           transpose: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Current scaling's cast: the scale from ``amax`` on the device, then the cast of ``x``.
+
+    Args:
+        x: ``[M, N]`` float32, bfloat16 or float16, any strides.
+        amax: float32 0-dim tensor, ``amax(x)`` (:func:`tensor_amax`).
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        margin: the recipe's margin (integer >= 0).
+        transpose: also write the transposed copy.
+
+    Returns:
+        ``(data [M, N], data_t [N, M] or None, scale, scale_inv)``: ``scale`` is
+        ``scale_from_amax(amax, fp8_max(dtype), margin, previous=1)`` and ``scale_inv`` its
+        correctly rounded reciprocal, float32 0-dim tensors, bit for bit.
+
+    Raises:
+        ValueError: as :func:`cast_transpose`.
+    """
+    _check(x, dtype)
+    out, out_t = _outputs(x, dtype, transpose)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    # At least one program, so that the scale is written for an empty x too.
+    grid = _grid(x)
+    _current_kernel[grid](
+        x, out.view(torch.uint8), out_t.view(torch.uint8), amax.reshape(1).view(torch.int32), scale, scale_inv,
+        x.shape[0], x.shape[1], x.stride(0), x.stride(1), fp8_max(dtype) / 2.0**margin,
+        FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, TILE=_TILE,
+        enable_fp_fusion=False)
+    return out, (out_t if transpose else None), scale, scale_inv
+
+
+def reference_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """The torch ops the kernels replace: ``(quantize(x, scale, dtype), its transpose, amax(x))``."""
+    data = quantize(x, scale, dtype)
+    return data, (data.t().contiguous() if transpose else None), torch_amax(x)
+
+
+def reference_current(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool):
+    """Current scaling in torch ops: ``(data, data_t, scale, scale_inv, amax)``."""
+    amax = torch_amax(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    scale = scale_from_amax(amax, fp8_max(dtype), margin, one)
+    data, data_t, _ = reference_cast(x, scale, dtype, transpose)
+    return data, data_t, scale, divide(1.0, scale), amax

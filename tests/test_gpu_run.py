@@ -1,0 +1,88 @@
+"""The first GPU run's command, rehearsed on this CPU (benchmarks/gpu_run.sh, benchmarks/gpu_probe.py).
+
+A GPU slot is short and rare: the command must run to its end the first time. These tests run
+the same script with ``--device cpu`` (the probe on CPU, the contract suite on meta tensors, the
+layer and model benchmarks at CPU sizes), its budget running out, and the probe surviving a
+variant that kills its process or hangs. The whole rehearsal, every contract test and every
+compiled layer included, is ``benchmarks/gpu_run.sh --device cpu`` (77 s on a 2-core AMD EPYC);
+here the contract suite is narrowed to one file, the layer shapes to one and the compiled variants
+to one.
+"""
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
+PROBE = ROOT / "benchmarks" / "gpu_probe.py"
+STEPS = ("device", "probe", "contract", "layer", "model", "compiled")
+
+
+def run_script(tmp_path, *args, **env):
+    environ = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), *args], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
+    proc = run_script(tmp_path, "--device", "cpu", CONTRACT_TESTS="tests/cuda_contract/test_block_pairings.py",
+                      LAYER_SHAPES="64x64x64", COMPILE_VARIANTS="delayed")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_run.tar.gz", "summary.txt"]  # 8 files come back at most
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary[:-1]] == list(STEPS)
+    assert all(": passed in " in line for line in summary[:-1]), summary
+    assert summary[-1].startswith("total: ") and "0 step(s) not passed" in summary[-1]
+    with tarfile.open(out / "gpu_run.tar.gz") as archive:
+        names = {Path(n).name for n in archive.getnames()}
+        read = lambda name: archive.extractfile(f"./{name}").read().decode()  # noqa: E731
+        assert {"device.txt", "probe.txt", "contract.txt", "layer.md", "model.md", "compiled.md", "summary.txt"} <= names
+        device, probe, layer = read("device.txt"), read("probe.txt"), read("compiled.md")
+        contract = read("contract.txt")
+    assert "torch " in device and "cuda available: False" in device and "commit: " in device
+    assert 'recipe "auto"' in device and "per-tensor FP8 casts: torch ops" in device
+    lines = probe.splitlines()
+    assert lines[-1].startswith(f"{len(lines) - 1} variants on cpu") and "FAIL" not in lines[-1]
+    assert any(line.startswith("PASS     tensorwise E5M2 x E4M3 -> bfloat16 +bias") for line in lines)
+    assert "passed" in contract.splitlines()[-1]
+    assert "compiled" in layer and "delayed" in layer and "64" in layer
+
+
+def test_a_spent_budget_skips_the_remaining_steps_and_still_writes_the_archive(tmp_path):
+    proc = run_script(tmp_path, "--device", "cpu", BUDGET_S="4")
+    assert proc.returncode == 1
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert summary[:-1] == [f"{name}: not run (budget of 4 s spent)" for name in STEPS]
+    assert "6 step(s) not passed" in summary[-1]
+    assert (tmp_path / "out" / "gpu_run.tar.gz").stat().st_size > 0
+
+
+def test_a_bad_device_is_refused_naming_the_valid_ones(tmp_path):
+    proc = run_script(tmp_path, "--device", "gpu")
+    assert proc.returncode == 2 and "--device gpu is not a device; valid: cuda, cpu" in proc.stderr
+
+
+def probe(*args, timeout=120):
+    return subprocess.run([sys.executable, str(PROBE), "--device", "cpu", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_variants_that_kill_or_hang_their_process_cost_one_line_each():
+    abort, hang = "tensorwise E5M2 x E4M3 -> float16 +bias", "tensorwise E4M3 x E5M2 -> float32 256"
+    proc = probe("--only", "tensorwise", "--timeout", "3", "--crash-in", f"{abort},hang:{hang}")
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 + 2 * 2 * 3 * 2 + 1 + 1  # decision tensorwise, 24 GEMMs, the padded GEMM, the count
+    crashed = [line for line in lines if line.startswith("CRASH")]
+    assert len(crashed) == 2
+    assert hang in crashed[0] and "hung past 3.0 s" in crashed[0]  # the hang comes first in the order
+    assert abort in crashed[1] and "exit status -6" in crashed[1]  # SIGABRT
+    # Every other variant ran in a fresh process and passed, as without the faults.
+    others = [line for line in lines[:-1] if not line.startswith("CRASH")]
+    assert len(others) == len(lines) - 3 and all(line.startswith(("PASS", "INFO")) for line in others), others
+    assert lines[-1].endswith("2 CRASH, 1 INFO, 23 PASS")

@@ -1,0 +1,62 @@
+"""The fused cast kernels compile for the GPUs they are for, with the installed Triton, on a
+machine without one (Triton compiles to PTX and cubin for a named target without a device).
+
+The interpreter tests (tests/test_kernels_tensorwise.py) check the kernels' bytes; these check
+that the same source lowers for sm90 (Hopper) and sm100 (Blackwell), and that the compiled code
+has no fused multiply-add and no flush of subnormals to zero, either of which would change the
+bytes on a GPU against the interpreter and torch. Run in a subprocess without
+``TRITON_INTERPRET``, which the interpreter tests set for their process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r'''
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp8_plugin.numerics.kernels import tensorwise as tw
+
+ptr = {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
+dims = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
+cases = {
+    "cast_transpose e4m3 T amax": (tw._cast_transpose_kernel, {**ptr, "scale_ptr": "*fp32", **dims},
+                                   {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "AMAX": True, "TILE": 64}),
+    "cast e5m2": (tw._cast_transpose_kernel, {**ptr, "scale_ptr": "*fp32", **dims},
+                  {"FP8_MAX": 57344.0, "E4M3": False, "TRANSPOSE": False, "AMAX": False, "TILE": 64}),
+    "amax": (tw._amax_kernel, {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", **dims}, {"TILE": 64}),
+    "current e5m2 T": (tw._current_kernel, {**ptr, "scale_out_ptr": "*fp32", "scale_inv_out_ptr": "*fp32", **dims,
+                                            "MAX_OVER_MARGIN": "fp32"},
+                       {"FP8_MAX": 57344.0, "E4M3": False, "TRANSPOSE": True, "TILE": 64}),
+}
+result = {}
+for arch in map(int, sys.argv[1:]):
+    for name, (fn, sig, consts) in cases.items():
+        sig = {**sig, **{k: "constexpr" for k in consts}}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                                  options={"enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        result[f"sm{arch} {name}"] = {"cubin": len(compiled.asm["cubin"]), "fma": len(re.findall(r"\bfma\.", ptx)),
+                                     "ftz": ptx.count(".ftz"), "target": re.search(r"\.target (\S+)", ptx).group(1)}
+print(json.dumps(result))
+'''
+
+
+def test_every_kernel_compiles_for_sm90_and_sm100_without_fma_or_ftz():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "90", "100"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result) == 8
+    for name, facts in result.items():
+        assert facts["cubin"] > 0, name
+        assert facts["fma"] == 0 and facts["ftz"] == 0, (name, facts)
+        assert facts["target"].startswith("sm_90" if name.startswith("sm90") else "sm_100"), (name, facts)

@@ -1,0 +1,230 @@
+"""The fused per-tensor cast kernels (fp8_plugin/numerics/kernels/) under Triton's interpreter.
+
+Every kernel must give the bytes of the torch ops it replaces (``scaling.quantize``, ``amax``,
+``scale_from_amax``), which are themselves checked against the OCP OFP8 spec elsewhere
+(tests/test_scaling.py): every BF16 bit pattern (65,536), float16 and float32 samples over the
+whole range, zeros, infinities, NaN, values at and beyond the saturation bound, shapes that are
+not multiples of the 64 x 64 tile, and non-contiguous inputs; amaxes and scales bit for bit.
+Triton's interpreter runs the kernels on CPU tensors, with numpy's IEEE float32 arithmetic.
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    # The root conftest.py turns the interpreter on where no GPU is (before triton's first import).
+    pytest.skip("runs the kernels under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py without a GPU); "
+                "on a GPU, benchmarks/gpu_probe.py checks them on the device", allow_module_level=True)
+from fp8_plugin.numerics.kernels import tensorwise  # noqa: E402
+from fp8_plugin.numerics.kernels.tensorwise import (  # noqa: E402
+    cast_transpose, cast_transpose_current, reference_cast, reference_current, tensor_amax)
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy on NaN and inf lanes
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FORMATS = pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def same_float(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal float32 values, NaN equal to NaN (the amax of NaN data is some NaN)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def every_bf16_pattern() -> torch.Tensor:
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+
+
+def wide_samples(dtype: torch.dtype, n: int = 1 << 16) -> torch.Tensor:
+    """Random magnitudes across the dtype's range (subnormals to max), both signs, and specials."""
+    gen = torch.Generator().manual_seed(0)
+    info = torch.finfo(dtype)
+    exponents = torch.randint(int(torch.log2(torch.tensor(info.tiny)).item()) - 8,
+                              int(torch.log2(torch.tensor(info.max)).item()), (n,), generator=gen)
+    x = (torch.rand(n, generator=gen) + 1) * torch.exp2(exponents.double()) * (torch.randint(0, 2, (n,), generator=gen) * 2 - 1)
+    x = x.clamp(-info.max, info.max).to(dtype)
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.max, -info.max, info.tiny])
+    return x.reshape(256, -1)
+
+
+@FORMATS
+@pytest.mark.parametrize("scale", [1.0, 2.0**-7, 3.0, 1 / 3], ids=["1", "2^-7", "3", "1/3"])
+def test_every_bf16_pattern_casts_to_torchs_bytes(dtype, scale):
+    x = every_bf16_pattern()
+    s = torch.tensor(scale)
+    amax = torch.zeros(1)
+    data, data_t = cast_transpose(x, s, dtype, transpose=True, amax_out=amax)
+    ref, ref_t, ref_amax = reference_cast(x, s, dtype, transpose=True)
+    assert same_bits(data, ref) and same_bits(data_t, ref_t)
+    assert amax.isnan().item() and ref_amax.isnan().item()  # the patterns include NaN
+
+
+@FORMATS
+@pytest.mark.parametrize("src", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_float16_and_float32_samples_cast_to_torchs_bytes(dtype, src):
+    x = wide_samples(src)
+    for scale in (1.0, 2.0**-20, 5.0):
+        s = torch.tensor(scale)
+        amax = torch.zeros(1)
+        data, _ = cast_transpose(x, s, dtype, transpose=False, amax_out=amax)
+        ref, _, ref_amax = reference_cast(x, s, dtype, transpose=False)
+        assert same_bits(data, ref), scale
+        assert amax.isnan().item() and ref_amax.isnan().item()
+    finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(src)
+    amax = torch.zeros(1)
+    cast_transpose(finite, torch.tensor(1.0), dtype, transpose=False, amax_out=amax)
+    assert torch.equal(amax.reshape(()), reference_cast(finite, torch.tensor(1.0), dtype, False)[2])
+
+
+@FORMATS
+def test_saturation_bound_infinities_and_nan(dtype):
+    bound = 448.0 if dtype == E4M3 else 57344.0
+    values = [bound, -bound, bound * 1.01, -bound * 1.01, bound * 1e3, 3e38, float("inf"), -float("inf"),
+              float("nan"), -float("nan"), 0.0, -0.0, 2.0**-9, 2.0**-10, 2.0**-16, 2.0**-17, 464.0, 465.0]
+    x = torch.tensor(values, dtype=torch.float32).reshape(1, -1)
+    for scale in (1.0, 1e-30):
+        data, data_t = cast_transpose(x, torch.tensor(scale), dtype, transpose=True)
+        ref, ref_t, _ = reference_cast(x, torch.tensor(scale), dtype, transpose=True)
+        assert same_bits(data, ref) and same_bits(data_t, ref_t), scale
+    # The spec's values (OCP OFP8 rev 1.0): saturation to +-max; E4M3 has no inf (NaN 0x7F);
+    # E5M2 keeps inf (0x7C).
+    codes = cast_transpose(x, torch.tensor(1.0), dtype, transpose=False)[0].view(torch.uint8)[0].tolist()
+    top = 0x7E if dtype == E4M3 else 0x7B
+    assert codes[:6] == [top, top | 0x80, top, top | 0x80, top, top]
+    assert codes[6:8] == ([0x7F, 0x7F] if dtype == E4M3 else [0x7C, 0xFC])
+
+
+@FORMATS
+@pytest.mark.parametrize("shape", [(1, 1), (63, 65), (130, 7), (200, 129)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+def test_ragged_shapes_and_any_layout(dtype, shape, layout):
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(shape[0] * 2, shape[1] * 2, generator=gen).to(torch.bfloat16) * 300
+    x = {"contiguous": base[: shape[0], : shape[1]].contiguous(),
+         "transposed": base[: shape[1], : shape[0]].t(),
+         "strided": base[::2, ::2][: shape[0], : shape[1]]}[layout]
+    scale = torch.tensor(0.37)
+    amax = torch.zeros(1)
+    data, data_t = cast_transpose(x, scale, dtype, transpose=True, amax_out=amax)
+    ref, ref_t, ref_amax = reference_cast(x, scale, dtype, transpose=True)
+    assert same_bits(data, ref) and same_bits(data_t, ref_t)
+    assert torch.equal(amax.reshape(()), ref_amax)
+    assert data.is_contiguous() and data_t.is_contiguous()
+
+
+def test_the_amax_folds_into_a_running_maximum():
+    x = torch.full((3, 5), 2.0)
+    amax = torch.tensor([7.0])
+    cast_transpose(x, torch.tensor(1.0), E4M3, transpose=False, amax_out=amax)
+    assert amax.item() == 7.0
+    cast_transpose(x * 4, torch.tensor(1.0), E4M3, transpose=False, amax_out=amax)
+    assert amax.item() == 8.0
+
+
+@FORMATS
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("case", ["bf16-patterns", "normal", "zeros", "tiny", "huge", "inf", "empty"])
+def test_current_scaling_amax_scale_and_cast_bit_for_bit(dtype, margin, case):
+    gen = torch.Generator().manual_seed(2)
+    x = {"bf16-patterns": every_bf16_pattern()[:, :200],
+         "normal": torch.randn(70, 90, generator=gen).to(torch.bfloat16) * 5,
+         "zeros": torch.zeros(9, 17),
+         "tiny": torch.full((4, 4), 1e-40),          # a float32 subnormal amax: the scale clamps to the max
+         "huge": torch.full((4, 4), 3e38),
+         "inf": torch.tensor([[1.0, float("inf")], [2.0, 3.0]]),
+         "empty": torch.zeros(0, 16)}[case]
+    if case == "bf16-patterns":
+        x = torch.nan_to_num(x.float(), nan=1.0).to(torch.bfloat16)  # NaN-free: else the amax is NaN
+    amax = tensor_amax(x)
+    data, data_t, scale, scale_inv = cast_transpose_current(x, amax, dtype, margin, transpose=True)
+    ref, ref_t, ref_scale, ref_scale_inv, ref_amax = reference_current(x, dtype, margin, transpose=True)
+    assert same_float(amax, ref_amax) and amax.dtype == torch.float32 and amax.shape == ()
+    assert torch.equal(scale, ref_scale) and torch.equal(scale_inv, ref_scale_inv), (scale, ref_scale)
+    assert same_bits(data, ref) and same_bits(data_t, ref_t)
+
+
+def test_a_nan_makes_the_current_scale_one_as_the_torch_ops_do():
+    x = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    amax = tensor_amax(x)
+    assert amax.isnan()
+    _, _, scale, scale_inv = cast_transpose_current(x, amax, E4M3, 0, transpose=False)
+    assert scale.item() == 1.0 and scale_inv.item() == 1.0
+
+
+def test_bad_input_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match=r"x must be 2-D"):
+        cast_transpose(torch.zeros(4), torch.tensor(1.0), E4M3, transpose=False)
+    with pytest.raises(ValueError, match=r"x.dtype=torch.float64 has no fused cast; valid: float32, bfloat16, float16"):
+        cast_transpose(torch.zeros(2, 2, dtype=torch.float64), torch.tensor(1.0), E4M3, transpose=False)
+    with pytest.raises(ValueError, match=r"not an FP8 dtype"):
+        cast_transpose(torch.zeros(2, 2), torch.tensor(1.0), torch.bfloat16, transpose=False)
+
+
+def test_launch_counts_are_what_the_cost_model_reads():
+    assert tensorwise.LAUNCHES == {"cast_transpose": 1, "cast_transpose_new_amax": 2, "current": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8Linear through the kernels (force_kernels("triton")) against FP8Linear through the torch
+# ops: training steps bit for bit, outputs, gradients and scaling state.
+
+import copy  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import fp8_plugin as fp  # noqa: E402
+from fp8_plugin.numerics.kernels import force_kernels, fused_casts  # noqa: E402
+
+
+def train(layer, path, steps, autocast_dtype, recipe):
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    record = []
+    for _ in range(steps):
+        x = (torch.randn(3, 40, 96, generator=gen) * 4).requires_grad_()
+        with force_kernels(path), torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            with fp.autocast(recipe=recipe):
+                y = layer(x)
+            y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        fp.update_pending_scales(layer)
+        record.append((y.detach(), x.grad))
+    return record
+
+
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(fp8_format="HYBRID", amax_history_len=4),
+                                    fp.Float8CurrentScaling(fp8_format="HYBRID")], ids=["delayed", "current"])
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_fp8_linear_trains_bit_for_bit_through_the_kernels(recipe, autocast_dtype, transposed):
+    torch.manual_seed(0)
+    layer = fp.FP8Linear(96, 80, bias=True)
+    if transposed:  # a converted GPT-2 Conv1D keeps its weight [in, out]: the weight cast reads a transposed view
+        layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous())
+        layer.weight_transposed = True
+    twin = copy.deepcopy(layer)
+    with mock.patch.object(tensorwise, "tensor_amax", wraps=tensorwise.tensor_amax) as amaxes:
+        fused = train(layer, "triton", 3, autocast_dtype, recipe)
+    plain = train(twin, "torch", 3, autocast_dtype, recipe)
+    # Three casts per step through the kernels (input, weight, grad_output): the fused path ran.
+    assert amaxes.call_count == 9
+    for (y1, g1), (y2, g2) in zip(fused, plain):
+        assert torch.equal(y1, y2) and torch.equal(g1, g2)
+    assert torch.equal(layer.weight, twin.weight) and torch.equal(layer.bias, twin.bias)
+    for name, t in layer.fp8_state.tensors().items():
+        assert torch.equal(t, twin.fp8_state.tensors()[name]), name
+
+
+def test_the_kernels_run_on_cuda_devices_only_unless_forced():
+    assert fused_casts(torch.device("cpu")) == (False, "the fused kernels run on CUDA GPUs, not on cpu")
+    assert fused_casts(torch.device("meta"))[0] is False  # the contract suite's GPU stand-in
+    with force_kernels("triton"):
+        assert fused_casts(torch.device("cpu")) == (True, "")
+    with pytest.raises(ValueError, match=r"force_kernels\(path='cuda'\) is not a cast path; valid: auto, triton, torch"):
+        with force_kernels("cuda"):
+            pass
