@@ -257,6 +257,25 @@ def cast_kernel_variants(device: torch.device, kind_of: str) -> Iterator[tuple[s
             return f"FAIL differs from torch's: {', '.join(bad)}" if bad else "PASS bit-for-bit (amax, scale, scale_inv, both copies)"
         yield f"cast kernel current scaling bf16 1000x300 -> {fmt(fmt_dtype)}", current
 
+        for initialized in (False, True):
+            def delayed(fmt_dtype=fmt_dtype, initialized=initialized):
+                if kind_of == "cpu" and not interpreted:
+                    return "SKIP the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+                from fp8_plugin.numerics.kernels import tensorwise
+
+                gen = torch.Generator().manual_seed(6)
+                x = (torch.randn(1000, 300, generator=gen) * 7).to(torch.bfloat16).to(device)
+                state_scale = torch.tensor([1.0, 3.7, 1.0], device=device)[1]
+                flag = torch.tensor([False, initialized, False], device=device)[1]
+                got = tensorwise.cast_transpose_delayed(x, state_scale, flag, fmt_dtype, 0, transpose=True)
+                want = tensorwise.reference_delayed(x, state_scale, flag, fmt_dtype, 0, True)
+                names = ("data", "data_t", "scale", "scale_inv", "amax")
+                bad = [n for n, a, b in zip(names, got, want) if not torch.equal(a.view(torch.uint8) if a.dtype == fmt_dtype
+                                                                               else a, b.view(torch.uint8) if b.dtype == fmt_dtype else b)]
+                return f"FAIL differs from torch's: {', '.join(bad)}" if bad else "PASS bit-for-bit (amax, scale, scale_inv, both copies)"
+            yield (f"cast kernel delayed scaling bf16 1000x300 -> {fmt(fmt_dtype)} "
+                   f"({'steady state' if initialized else 'first cast'})", delayed)
+
 
 def grouped_variants(device: torch.device, major, kind_of: str) -> Iterator[tuple[str, Callable[[], str]]]:
     from fp8_plugin.numerics import grouped_gemm as gg

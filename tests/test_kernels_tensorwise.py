@@ -166,7 +166,7 @@ def test_bad_input_is_refused_naming_the_setting():
 
 
 def test_launch_counts_are_what_the_cost_model_reads():
-    assert tensorwise.LAUNCHES == {"cast_transpose": 1, "cast_transpose_new_amax": 2, "current": 3}
+    assert tensorwise.LAUNCHES == {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 3, "current": 3}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,11 +208,12 @@ def test_fp8_linear_trains_bit_for_bit_through_the_kernels(recipe, autocast_dtyp
         layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous())
         layer.weight_transposed = True
     twin = copy.deepcopy(layer)
-    with mock.patch.object(tensorwise, "tensor_amax", wraps=tensorwise.tensor_amax) as amaxes:
+    kernel = "cast_transpose_delayed" if recipe.delayed() else "cast_transpose_current"
+    with mock.patch.object(tensorwise, kernel, wraps=getattr(tensorwise, kernel)) as casts:
         fused = train(layer, "triton", 3, autocast_dtype, recipe)
     plain = train(twin, "torch", 3, autocast_dtype, recipe)
     # Three casts per step through the kernels (input, weight, grad_output): the fused path ran.
-    assert amaxes.call_count == 9
+    assert casts.call_count == 9
     for (y1, g1), (y2, g2) in zip(fused, plain):
         assert torch.equal(y1, y2) and torch.equal(g1, g2)
     assert torch.equal(layer.weight, twin.weight) and torch.equal(layer.bias, twin.bias)
@@ -228,3 +229,23 @@ def test_the_kernels_run_on_cuda_devices_only_unless_forced():
     with pytest.raises(ValueError, match=r"force_kernels\(path='cuda'\) is not a cast path; valid: auto, triton, torch"):
         with force_kernels("cuda"):
             pass
+
+
+@FORMATS
+@pytest.mark.parametrize("initialized", [False, True], ids=["first-cast", "steady-state"])
+@pytest.mark.parametrize("case", ["bf16-patterns", "normal", "zeros", "huge-over-scale"])
+def test_delayed_scaling_cast_chooses_the_scale_on_the_device_bit_for_bit(dtype, initialized, case):
+    gen = torch.Generator().manual_seed(4)
+    x = {"bf16-patterns": torch.nan_to_num(every_bf16_pattern().float(), nan=2.0).to(torch.bfloat16),
+         "normal": torch.randn(70, 90, generator=gen).to(torch.bfloat16) * 5,
+         "zeros": torch.zeros(9, 17),
+         "huge-over-scale": torch.randn(33, 65, generator=gen) * 1e4}[case]
+    state_scale = torch.tensor([0.0, 0.0123, 0.0])[1]  # a view into a state's [3] scale, as the layers pass it
+    flag = torch.tensor([False, initialized, False])[1]
+    got = tensorwise.cast_transpose_delayed(x, state_scale, flag, dtype, 1, transpose=True)
+    want = tensorwise.reference_delayed(x, state_scale, flag, dtype, 1, transpose=True)
+    data, data_t, scale, scale_inv, amax = got
+    assert same_bits(data, want[0]) and same_bits(data_t, want[1])
+    assert torch.equal(scale, want[2]) and torch.equal(scale_inv, want[3]) and torch.equal(amax, want[4])
+    if initialized:
+        assert scale.item() == state_scale.item()

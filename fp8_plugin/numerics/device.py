@@ -223,7 +223,8 @@ def describe_device(device: Device = None) -> DeviceReport:
         report.recipes.append(row)
     report.auto = auto_recipe(Format.HYBRID, target)
     fused, why = fused_casts(target)
-    report.casts = "fused Triton kernels (one amax pass, one cast-transpose pass)" if fused else f"torch ops ({why})"
+    report.casts = ("fused Triton kernels (cast-transpose with the amax folded in; current scaling: an amax pass "
+                    "first)" if fused else f"torch ops ({why})")
     return report
 
 

@@ -451,25 +451,24 @@ class PerTensorQuantizer(Quantizer):
 
     def _fused(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The same numerics as quantize() and its transposed copy, bit for bit, in the fused
-        # kernels (numerics/kernels/tensorwise.py): one amax pass, then one pass writing the
-        # rowwise and columnwise copies; current scaling's scale is computed on the device by
-        # the cast kernel. The scaling state is kept by the same torch ops as in quantize().
+        # kernels (numerics/kernels/tensorwise.py): delayed scaling reads x once in the steady
+        # state (its amax folded into the cast), current scaling twice (amax, then the cast);
+        # the scale is chosen or computed on the device. The scaling state is kept by the same
+        # torch ops as in quantize().
         from .kernels import tensorwise as kernels
 
         if self.host:
             self.state.use_recipe(self.recipe)
         with torch.no_grad():
             x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            amax = kernels.tensor_amax(x2d)
             if self.recipe.delayed():
-                one = torch.ones((), dtype=torch.float32, device=x.device)
-                current = scale_from_amax(amax, self.max, self.recipe.margin, one)
-                scale = torch.where(self.state.initialized[self.role], self.state.scale[self.role], current)
+                data, data_t, scale, scale_inv, amax = kernels.cast_transpose_delayed(
+                    x2d, self.state.scale[self.role], self.state.initialized[self.role], self.dtype,
+                    self.recipe.margin, transpose=columnwise)
                 if self.record:
                     self.state.record_amax(self.role, amax)
-                data, data_t = kernels.cast_transpose(x2d, scale, self.dtype, transpose=columnwise)
-                scale_inv = divide(1.0, scale)
             else:
+                amax = kernels.tensor_amax(x2d)
                 data, data_t, scale, scale_inv = kernels.cast_transpose_current(
                     x2d, amax, self.dtype, self.recipe.margin, transpose=columnwise)
                 if self.record:

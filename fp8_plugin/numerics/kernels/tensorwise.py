@@ -4,10 +4,14 @@ Each kernel equals, byte for byte, the torch ops it replaces (:func:`reference_c
 :func:`fp8_plugin.numerics.scaling.quantize`, ``amax`` and ``scale_from_amax``), as Transformer
 Engine's ``cast_transpose`` (transformer_engine/common/transpose/cast_transpose.cu) fuses them:
 
-- :func:`cast_transpose` (delayed scaling, the scale known before the cast): reads ``x`` once,
-  writes the FP8 rowwise copy and, where asked, the transposed copy, and folds ``amax(x)`` into
-  an amax buffer; 1 launch (plus a 4-byte zero fill where the caller's buffer is new).
-  Bytes per element: ``x``'s size read, 1 written per copy.
+- :func:`cast_transpose` (the scale known before the cast): reads ``x`` once, writes the FP8
+  rowwise copy and, where asked, the transposed copy, and folds ``amax(x)`` into an amax buffer;
+  1 launch (plus a 4-byte zero fill where the caller's buffer is new). Bytes per element:
+  ``x``'s size read, 1 written per copy.
+- :func:`cast_transpose_delayed` (delayed scaling as the layers run it): the state's scale and
+  ``initialized`` flag are read on the device; in the steady state ``x`` is read once (the amax
+  for the history folded into the cast), on a tensor's first cast twice (its own amax first);
+  3 launches (zero fill, an amax pass whose loads are masked off once initialized, the cast).
 - :func:`tensor_amax` then :func:`cast_transpose_current` (current scaling): one pass for the
   amax (``x`` read once, nothing written per element), then the cast, whose every program
   computes the scale from that amax on the device (TE's ``(FP8_MAX / amax) / 2**margin``,
@@ -36,12 +40,13 @@ from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
 from .fp8_bits import e4m3_bits, e5m2_bits, saturated
 
-__all__ = ["cast_transpose", "tensor_amax", "cast_transpose_current", "reference_cast", "LAUNCHES"]
+__all__ = ["cast_transpose", "cast_transpose_delayed", "tensor_amax", "cast_transpose_current", "reference_cast",
+           "reference_delayed", "reference_current", "LAUNCHES"]
 
 _TILE = 64
 _FLOAT32_MAX = 3.4028234663852886e38
 # Kernel launches per call, for the cost model and the launch-count tests (zero fills included).
-LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "current": 3}
+LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 3, "current": 3}
 
 
 @triton.jit
@@ -100,6 +105,39 @@ def _current_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale_out_ptr, sca
         tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
     _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
                pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
+
+
+@triton.jit
+def _amax_unless_initialized_kernel(x_ptr, amax_bits_ptr, initialized_ptr, M, N, stride_xm, stride_xn,
+                                    TILE: tl.constexpr):
+    # Delayed scaling's first cast of a tensor needs its own amax before the cast; once the state
+    # holds a scale, the loads are masked off and this kernel reads nothing.
+    rows_needed = M * (1 - tl.load(initialized_ptr).to(tl.int32))  # M rows, or none once initialized
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)[:, None]
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
+    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < rows_needed) & (cols < N), other=0.0)
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, initialized_ptr, state_scale_ptr, scale_out_ptr,
+                    scale_inv_out_ptr, M, N, stride_xm, stride_xn, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr,
+                    E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, TILE: tl.constexpr):
+    # The scale of PerTensorQuantizer under delayed scaling: the state's scale once initialized,
+    # else scale_from_amax(amax(x), ...) with previous=1 from the amax the previous kernel wrote
+    # (which this kernel's own amax folds cannot change: they fold the same values).
+    initialized = tl.load(initialized_ptr).to(tl.int32) != 0
+    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
+    own = tl.minimum(tl.math.div_rn(MAX_OVER_MARGIN, amax), 3.4028234663852886e38)
+    own = tl.where((amax > 0) & (amax < float("inf")), own, 1.0)
+    scale = tl.where(initialized, tl.load(state_scale_ptr), own)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_out_ptr, scale)
+        tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
+    _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
+               pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, True, TILE)
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -197,6 +235,57 @@ def cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dty
         FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, TILE=_TILE,
         enable_fp_fusion=False)
     return out, (out_t if transpose else None), scale, scale_inv
+
+
+def cast_transpose_delayed(x: torch.Tensor, state_scale: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype,
+                           margin: int, *, transpose: bool
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed scaling's cast: the state's scale once it holds one, else the tensor's own (first step).
+
+    Reads ``x`` once when ``initialized`` is true (the steady state): the amax for the history is
+    folded into the cast; twice on a tensor's first cast, whose scale needs its amax first. Three
+    launches (zero fill, amax pass, cast pass), whatever ``initialized`` holds: no host read.
+
+    Args:
+        x: ``[M, N]`` float32, bfloat16 or float16, any strides.
+        state_scale: float32 0-dim tensor, the delayed scale (``ScalingState.scale[role]``).
+        initialized: bool 0-dim tensor (``ScalingState.initialized[role]``).
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        margin: the recipe's margin (integer >= 0).
+        transpose: also write the transposed copy.
+
+    Returns:
+        ``(data, data_t or None, scale, scale_inv, amax)``: ``scale`` is
+        ``where(initialized, state_scale, scale_from_amax(amax(x), fp8_max, margin, 1))`` and
+        ``scale_inv`` its correctly rounded reciprocal; ``amax`` is ``amax(x)``; 0-dim float32,
+        bit for bit as the torch ops (:func:`reference_delayed`).
+
+    Raises:
+        ValueError: as :func:`cast_transpose`.
+    """
+    _check(x, dtype)
+    out, out_t = _outputs(x, dtype, transpose)
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    grid = _grid(x)
+    args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+    _amax_unless_initialized_kernel[grid](x, amax_bits, initialized, *args, TILE=_TILE, enable_fp_fusion=False)
+    _delayed_kernel[grid](
+        x, out.view(torch.uint8), out_t.view(torch.uint8), amax_bits, initialized, state_scale, scale, scale_inv,
+        *args, fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
+        TRANSPOSE=transpose, TILE=_TILE, enable_fp_fusion=False)
+    return out, (out_t if transpose else None), scale, scale_inv, amax_bits.view(torch.float32).reshape(())
+
+
+def reference_delayed(x: torch.Tensor, state_scale: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype,
+                      margin: int, transpose: bool):
+    """Delayed scaling's cast in torch ops, as PerTensorQuantizer runs it: ``(data, data_t, scale, scale_inv, amax)``."""
+    amax = torch_amax(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    scale = torch.where(initialized, state_scale, scale_from_amax(amax, fp8_max(dtype), margin, one))
+    data, data_t, _ = reference_cast(x, scale, dtype, transpose)
+    return data, data_t, scale, divide(1.0, scale), amax
 
 
 def reference_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
