@@ -31,3 +31,18 @@ def fresh_accelerate(monkeypatch):
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory):
+    """The float32 SmolLM2-135M-Instruct folder the examples use: the one the README's commands
+    leave in the cache, or the packaged GGUF file converted once for the whole session (about
+    15 s on 2 cores), shared by the causal-LM and MoE example tests."""
+    from fp8_plugin.tools.data import convert_gguf_checkpoint, smollm2_gguf_path
+
+    cached = os.path.expanduser("~/.cache/fp8-plugin/smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return cached
+    path = tmp_path_factory.mktemp("smollm2")
+    convert_gguf_checkpoint(smollm2_gguf_path(), path)
+    return path

@@ -11,12 +11,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_accelerate_launch_runs_the_causal_lm_example_with_its_config_file(tmp_path):
+def test_accelerate_launch_runs_the_causal_lm_example_with_its_config_file(smollm2_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update({"OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"})
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
            str(ROOT / "examples" / "accelerate_fp8.yaml"), str(ROOT / "examples" / "finetune_causal_lm.py"),
-           "--model-path", str(tmp_path / "smollm2"), "--max-steps", "2", "--seq-len", "32", "--batch-size", "2",
+           "--model-path", str(smollm2_path), "--max-steps", "2", "--seq-len", "32", "--batch-size", "2",
            "--val-blocks", "2", "--reference-every", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -44,11 +44,9 @@ def example():
 
 
 @pytest.fixture(scope="module")
-def model_path(example, tmp_path_factory):
-    """The float32 SmolLM2 folder the examples share, or a fresh conversion of the GGUF file."""
-    if (example.DEFAULT_MODEL_PATH / "config.json").is_file():
-        return example.DEFAULT_MODEL_PATH
-    return example.ensure_checkpoint(tmp_path_factory.mktemp("smollm2"))
+def model_path(smollm2_path):
+    """The float32 SmolLM2 folder the examples share (tests/conftest.py converts it once)."""
+    return Path(smollm2_path)
 
 
 @pytest.fixture(scope="module")

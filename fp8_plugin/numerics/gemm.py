@@ -19,8 +19,9 @@ Whether a kind is native on a device is decided once per device and cached: from
 the installed torch, and for the block kinds a one-off probe on that device of every operand
 pairing (E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2) and output dtype, whose results must match the
 emulation (:mod:`~fp8_plugin.numerics.gemm_support`): a kernel that is missing, refuses the
-layout, or disagrees is not used, and a pairing it refuses runs in the emulation alone. On CPU, where no FP8 hardware exists, the tensorwise path is decided once per operand
-pairing (:func:`tensorwise_choice`) so that it cannot change between runs on one machine: torch
+layout, or disagrees is not used, and a pairing it refuses runs in the emulation alone. On CPU,
+where no FP8 hardware exists, the tensorwise path is decided once per operand pairing
+(:func:`tensorwise_choice`) so that it cannot change between runs on one machine: torch
 hands CPU FP8 GEMMs to oneDNN on CPUs with AMX (where some pairings get a reference kernel
 hundreds of times slower) and elsewhere computes them itself exactly as the emulation does. A
 bit-for-bit check tells which: where ``torch._scaled_mm`` gives the emulation's bits, the two

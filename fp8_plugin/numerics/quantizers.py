@@ -421,7 +421,7 @@ class PerTensorQuantizer(Quantizer):
         self.max = fp8_max(self.dtype)
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        if fused_casts(x.device)[0]:
+        if _fusable(x):
             return self._fused(x, columnwise=False)[0]
         if self.host:
             self.state.use_recipe(self.recipe)
@@ -445,7 +445,7 @@ class PerTensorQuantizer(Quantizer):
         return q
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        if fused_casts(x.device)[0]:
+        if _fusable(x):
             return self._fused(x, columnwise)
         return super().quantize_pair(x, columnwise)
 
@@ -477,6 +477,11 @@ class PerTensorQuantizer(Quantizer):
             mark_recorded(self.state, self.recipe, self.role)
         row = QuantizedTensor(data, scale_inv)
         return row, (QuantizedTensor(data_t, scale_inv) if columnwise else None)
+
+
+def _fusable(x: torch.Tensor) -> bool:
+    # The fused kernels take the training dtypes; a float64 model keeps the torch ops.
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and fused_casts(x.device)[0]
 
 
 class BlockQuantizer(Quantizer):

@@ -25,7 +25,7 @@ Branches of ``fp8_plugin/numerics/gemm.py`` taken only on a CUDA device, and the
    ``test_without_a_native_kernel_the_layer_runs_the_emulation``.
 2. ``_native_gemm``, block kinds: torch without ``F.scaled_mm`` -- ``test_block_kinds_need_torch_scaled_mm``;
    a major outside the kind's list (blockwise off sm90, MXFP8 off sm10x-12x) -- the two tests
-   of 1; the kind's own major: the probe GEMM (``_probe``, ``_probe_pairs``), which reads its
+   of 1; the kind's own major: the probe (``gemm_support.probe_block_kind``), which reads its
    result on the host and so cannot run on meta tensors --
    ``test_the_block_probe_reads_the_host_so_tests_force_the_native_path`` shows it stops there;
    under ``force_path("native")``, native without the probe -- every block-kind test.
