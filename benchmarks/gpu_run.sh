@@ -87,7 +87,11 @@ step() {
 
 device_report() {
     echo "date (UTC): $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (uncommitted changes)')"
+    if git rev-parse --short HEAD >/dev/null 2>&1; then
+        echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- || echo ' (uncommitted changes)')"
+    else
+        echo "commit: unknown (no git checkout here: record the commit the tree was copied from)"
+    fi
     "$PYTHON" - <<'EOF'
 import torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}")

@@ -249,3 +249,12 @@ def test_delayed_scaling_cast_chooses_the_scale_on_the_device_bit_for_bit(dtype,
     assert torch.equal(scale, want[2]) and torch.equal(scale_inv, want[3]) and torch.equal(amax, want[4])
     if initialized:
         assert scale.item() == state_scale.item()
+
+
+@pytest.mark.parametrize("path,expected", [("auto", "casts: torch ops (the fused kernels run on CUDA GPUs, not on cpu)"),
+                                           ("triton", "casts: fused Triton kernels")])
+def test_the_conversion_report_names_the_cast_path(path, expected):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with force_kernels(path):
+        report = fp.convert_model(model, recipe=fp.DelayedScaling())
+    assert report.gemm.endswith(expected) and expected in str(report)

@@ -35,6 +35,7 @@ from torch import nn
 from ..numerics.device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
 from ..numerics.device_kind import device_kind
 from ..numerics.gemm import native_gemm
+from ..numerics.kernels import fused_casts
 from ..numerics.quantizers import ScalingState, is_scaling_state_key
 from ..numerics.recipes import DelayedScaling, Recipe, check_recipe
 from .backends import get_backend
@@ -430,6 +431,9 @@ def convert_model(
         report.gemm = "tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation per operand pairing, as python -m fp8_plugin reports"
     else:
         report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
+    if kind == "tensorwise":
+        fused, why = fused_casts(target)
+        report.gemm += "; casts: fused Triton kernels" if fused else f"; casts: torch ops ({why})"
     if not report.swapped:
         warnings.warn(
             f"convert_model found no layer to run in FP8 among {len(report.layers)} candidate linear layers "
