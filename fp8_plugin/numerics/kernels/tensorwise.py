@@ -44,7 +44,6 @@ __all__ = ["cast_transpose", "cast_transpose_delayed", "tensor_amax", "cast_tran
            "reference_delayed", "reference_current", "LAUNCHES"]
 
 _TILE = 64
-_FLOAT32_MAX = 3.4028234663852886e38
 # Kernel launches per call, for the cost model and the launch-count tests (zero fills included).
 LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 3, "current": 3}
 
