@@ -217,12 +217,14 @@ def variants(device: torch.device) -> Iterator[tuple[str, Callable[[], str]]]:
 def cast_kernel_variants(device: torch.device, kind_of: str) -> Iterator[tuple[str, Callable[[], str]]]:
     """The fused per-tensor cast kernels (fp8_plugin/numerics/kernels/tensorwise.py) against the
     torch ops on the same device, byte for byte: every BF16 bit pattern, and current scaling."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    # On CPU tensors Triton runs only under its interpreter: the reason, or "" where the kernels run.
+    cannot_run = ("SKIP the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+                  if kind_of == "cpu" and os.environ.get("TRITON_INTERPRET") != "1" else "")
     for fmt_dtype in (E4M3, E5M2):
         for scale in (1.0, 1 / 3):
             def cast(fmt_dtype=fmt_dtype, scale=scale):
-                if kind_of == "cpu" and not interpreted:
-                    return "SKIP the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+                if cannot_run:
+                    return cannot_run
                 from fp8_plugin.numerics.kernels import tensorwise
 
                 x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -240,8 +242,8 @@ def cast_kernel_variants(device: torch.device, kind_of: str) -> Iterator[tuple[s
             yield f"cast kernel bf16 patterns -> {fmt(fmt_dtype)} x {scale:.4g} cast-transpose-amax", cast
 
         def current(fmt_dtype=fmt_dtype):
-            if kind_of == "cpu" and not interpreted:
-                return "SKIP the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+            if cannot_run:
+                return cannot_run
             from fp8_plugin.numerics.kernels import tensorwise
 
             gen = torch.Generator().manual_seed(5)
@@ -259,8 +261,8 @@ def cast_kernel_variants(device: torch.device, kind_of: str) -> Iterator[tuple[s
 
         for initialized in (False, True):
             def delayed(fmt_dtype=fmt_dtype, initialized=initialized):
-                if kind_of == "cpu" and not interpreted:
-                    return "SKIP the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+                if cannot_run:
+                    return cannot_run
                 from fp8_plugin.numerics.kernels import tensorwise
 
                 gen = torch.Generator().manual_seed(6)

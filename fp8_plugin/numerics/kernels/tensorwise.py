@@ -49,6 +49,30 @@ LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 3, "cu
 
 
 @triton.jit
+def _fold_amax(x, amax_bits_ptr):
+    # max |x| of the tile into the buffer, as an integer maximum of the float32 bits (module docstring).
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _own_scale(amax, MAX_OVER_MARGIN):
+    # scale_from_amax(amax, fp8_max, margin, previous=1): correctly rounded division (div_rn:
+    # Triton's "/" is approximate on a GPU), clamped to the float32 max, 1.0 where the amax is 0,
+    # infinite or NaN.
+    scale = tl.minimum(tl.math.div_rn(MAX_OVER_MARGIN, amax), 3.4028234663852886e38)
+    return tl.where((amax > 0) & (amax < float("inf")), scale, 1.0)
+
+
+@triton.jit
+def _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n):
+    # The first program writes the scale the cast used and its correctly rounded reciprocal.
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_out_ptr, scale)
+        tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
+
+
+@triton.jit
 def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
                pid_m, pid_n, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
                AMAX: tl.constexpr, TILE: tl.constexpr):
@@ -57,8 +81,7 @@ def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm,
     inside = (rows < M) & (cols < N)
     x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=inside, other=0.0)
     if AMAX:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+        _fold_amax(x, amax_bits_ptr)
     s = saturated(x, scale, FP8_MAX, E4M3)
     if E4M3:
         code = e4m3_bits(s)
@@ -79,29 +102,26 @@ def _cast_transpose_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale_ptr, 
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_bits_ptr, M, N, stride_xm, stride_xn, TILE: tl.constexpr):
+def _amax_tile(x_ptr, amax_bits_ptr, rows_limit, N, stride_xm, stride_xn, TILE: tl.constexpr):
+    # The amax of this program's tile, rows below rows_limit only (none when it is 0: no load).
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)[:, None]
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
-    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < M) & (cols < N), other=0.0)
-    bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < rows_limit) & (cols < N), other=0.0)
+    _fold_amax(x, amax_bits_ptr)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_bits_ptr, M, N, stride_xm, stride_xn, TILE: tl.constexpr):
+    _amax_tile(x_ptr, amax_bits_ptr, M, N, stride_xm, stride_xn, TILE)
 
 
 @triton.jit
 def _current_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_out_ptr, M, N,
                     stride_xm, stride_xn, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr,
                     TRANSPOSE: tl.constexpr, TILE: tl.constexpr):
-    # The scale of scale_from_amax(amax, fp8_max, margin, previous=1): correctly rounded
-    # division (div_rn: Triton's "/" is approximate on a GPU), clamped to the float32 max, 1.0
-    # where the amax is 0, infinite or NaN.
-    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
-    scale = tl.minimum(tl.math.div_rn(MAX_OVER_MARGIN, amax), 3.4028234663852886e38)
-    valid = (amax > 0) & (amax < float("inf"))
-    scale = tl.where(valid, scale, 1.0)
+    scale = _own_scale(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), MAX_OVER_MARGIN)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if (pid_m == 0) & (pid_n == 0):
-        tl.store(scale_out_ptr, scale)
-        tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
+    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
     _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
                pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
 
@@ -112,11 +132,7 @@ def _amax_unless_initialized_kernel(x_ptr, amax_bits_ptr, initialized_ptr, M, N,
     # Delayed scaling's first cast of a tensor needs its own amax before the cast; once the state
     # holds a scale, the loads are masked off and this kernel reads nothing.
     rows_needed = M * (1 - tl.load(initialized_ptr).to(tl.int32))  # M rows, or none once initialized
-    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)[:, None]
-    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
-    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < rows_needed) & (cols < N), other=0.0)
-    bits = x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(bits.to(tl.int32), axis=1), axis=0))
+    _amax_tile(x_ptr, amax_bits_ptr, rows_needed, N, stride_xm, stride_xn, TILE)
 
 
 @triton.jit
@@ -124,17 +140,13 @@ def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, initialized_ptr, s
                     scale_inv_out_ptr, M, N, stride_xm, stride_xn, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr,
                     E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, TILE: tl.constexpr):
     # The scale of PerTensorQuantizer under delayed scaling: the state's scale once initialized,
-    # else scale_from_amax(amax(x), ...) with previous=1 from the amax the previous kernel wrote
-    # (which this kernel's own amax folds cannot change: they fold the same values).
+    # else the tensor's own from the amax the previous kernel wrote (which this kernel's own amax
+    # folds cannot change: they fold the same values).
     initialized = tl.load(initialized_ptr).to(tl.int32) != 0
-    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
-    own = tl.minimum(tl.math.div_rn(MAX_OVER_MARGIN, amax), 3.4028234663852886e38)
-    own = tl.where((amax > 0) & (amax < float("inf")), own, 1.0)
+    own = _own_scale(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), MAX_OVER_MARGIN)
     scale = tl.where(initialized, tl.load(state_scale_ptr), own)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if (pid_m == 0) & (pid_n == 0):
-        tl.store(scale_out_ptr, scale)
-        tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
+    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
     _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
                pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, True, TILE)
 
