@@ -241,42 +241,37 @@ def cast_kernel_variants(device: torch.device, kind_of: str) -> Iterator[tuple[s
                 return "PASS bit-for-bit (65,536 values, both copies, amax)"
             yield f"cast kernel bf16 patterns -> {fmt(fmt_dtype)} x {scale:.4g} cast-transpose-amax", cast
 
-        def current(fmt_dtype=fmt_dtype):
-            if cannot_run:
-                return cannot_run
-            from fp8_plugin.numerics.kernels import tensorwise
+        for recipe_name in ("current", "delayed"):
+            for initialized in ((False,) if recipe_name == "current" else (False, True)):
+                def quantizer(fmt_dtype=fmt_dtype, recipe_name=recipe_name, initialized=initialized):
+                    return cannot_run or quantizer_against_torch(device, fmt_dtype, recipe_name, initialized)
+                when = "" if recipe_name == "current" else f" ({'steady state' if initialized else 'first cast'})"
+                yield f"cast kernel {recipe_name} scaling bf16 1000x300 -> {fmt(fmt_dtype)}{when}", quantizer
 
-            gen = torch.Generator().manual_seed(5)
-            x = (torch.randn(1000, 300, generator=gen) * 7).to(torch.bfloat16).to(device)
-            amax = tensorwise.tensor_amax(x)
-            data, data_t, scale, scale_inv = tensorwise.cast_transpose_current(x, amax, fmt_dtype, 0, transpose=True)
-            ref, ref_t, ref_scale, ref_scale_inv, ref_amax = tensorwise.reference_current(x, fmt_dtype, 0, True)
-            checks = {"amax": torch.equal(amax, ref_amax), "scale": torch.equal(scale, ref_scale),
-                      "scale_inv": torch.equal(scale_inv, ref_scale_inv),
-                      "data": torch.equal(data.view(torch.uint8), ref.view(torch.uint8)),
-                      "data_t": torch.equal(data_t.view(torch.uint8), ref_t.view(torch.uint8))}
-            bad = [name for name, ok in checks.items() if not ok]
-            return f"FAIL differs from torch's: {', '.join(bad)}" if bad else "PASS bit-for-bit (amax, scale, scale_inv, both copies)"
-        yield f"cast kernel current scaling bf16 1000x300 -> {fmt(fmt_dtype)}", current
 
-        for initialized in (False, True):
-            def delayed(fmt_dtype=fmt_dtype, initialized=initialized):
-                if cannot_run:
-                    return cannot_run
-                from fp8_plugin.numerics.kernels import tensorwise
+def quantizer_against_torch(device: torch.device, fmt_dtype: torch.dtype, recipe_name: str, initialized: bool) -> str:
+    """A layer's cast through the fused kernels against the torch ops: the FP8 copies, scale_inv
+    and the scaling state afterwards (amax history, scale, counters), byte for byte."""
+    import fp8_plugin
+    from fp8_plugin.numerics.kernels import force_kernels
+    from fp8_plugin.numerics.quantizers import ScalingState, make_quantizer
 
-                gen = torch.Generator().manual_seed(6)
-                x = (torch.randn(1000, 300, generator=gen) * 7).to(torch.bfloat16).to(device)
-                state_scale = torch.tensor([1.0, 3.7, 1.0], device=device)[1]
-                flag = torch.tensor([False, initialized, False], device=device)[1]
-                got = tensorwise.cast_transpose_delayed(x, state_scale, flag, fmt_dtype, 0, transpose=True)
-                want = tensorwise.reference_delayed(x, state_scale, flag, fmt_dtype, 0, True)
-                names = ("data", "data_t", "scale", "scale_inv", "amax")
-                bad = [n for n, a, b in zip(names, got, want) if not torch.equal(a.view(torch.uint8) if a.dtype == fmt_dtype
-                                                                               else a, b.view(torch.uint8) if b.dtype == fmt_dtype else b)]
-                return f"FAIL differs from torch's: {', '.join(bad)}" if bad else "PASS bit-for-bit (amax, scale, scale_inv, both copies)"
-            yield (f"cast kernel delayed scaling bf16 1000x300 -> {fmt(fmt_dtype)} "
-                   f"({'steady state' if initialized else 'first cast'})", delayed)
+    # HYBRID: E4M3 for the input (role 0), E5M2 for grad_output (role 2).
+    role = 0 if fmt_dtype == E4M3 else 2
+    recipe = (fp8_plugin.Float8CurrentScaling(fp8_format="HYBRID") if recipe_name == "current"
+              else fp8_plugin.DelayedScaling(fp8_format="HYBRID", amax_history_len=4))
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(1000, 300, generator=gen) * 7).to(torch.bfloat16).to(device)
+    results = []
+    for path in ("triton", "torch"):
+        state = ScalingState(4, device=device)
+        state.scale[role], state.initialized[role], state.amax_history[role, 0] = 3.7, initialized, 2.0
+        with force_kernels(path):
+            row, col = make_quantizer(recipe, role, state).quantize_pair(x, columnwise=True)
+        results.append({"data": row.data.view(torch.uint8), "data_t": col.data.view(torch.uint8),
+                        "scale_inv": row.scale_inv, **state.tensors()})
+    bad = [name for name in results[0] if not torch.equal(results[0][name], results[1][name])]
+    return f"FAIL differs from torch's: {', '.join(bad)}" if bad else "PASS bit-for-bit (both copies, scale_inv, state)"
 
 
 def grouped_variants(device: torch.device, major, kind_of: str) -> Iterator[tuple[str, Callable[[], str]]]:

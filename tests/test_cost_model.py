@@ -85,9 +85,11 @@ def test_kernel_floor_charges_each_op_at_least_the_floor():
     assert sum(floored.kernels.values()) == len(ops)
 
 
-def test_fake_cpu_trace_issues_the_ops_of_the_cuda_path():
+@pytest.mark.parametrize("cast_path", ["torch", "triton"])
+def test_fake_cpu_trace_issues_the_ops_of_the_cuda_path(cast_path):
     """The model traces on fake CPU tensors with the native path forced; on meta tensors treated
-    as a Hopper GPU (the CUDA contract seam) the layer issues the same data ops."""
+    as a Hopper GPU (the CUDA contract seam) the layer issues the same data ops, with the casts
+    as torch ops or as the fused kernels' custom ops alike."""
     device_kind = pytest.importorskip("fp8_plugin.numerics.device_kind")
     import contextlib
 
@@ -95,10 +97,12 @@ def test_fake_cpu_trace_issues_the_ops_of_the_cuda_path():
 
     from fp8_plugin.modules.linear import FP8Linear
     from fp8_plugin.numerics import gemm
+    from fp8_plugin.numerics.kernels import force_kernels
 
     def trace(context, device, fake):
         # BF16 weights: CUDA autocast cannot be entered without CUDA, so no autocast in either.
-        with context, gemm.force_path("native"), (FakeTensorMode() if fake else contextlib.nullcontext()):
+        with context, gemm.force_path("native"), force_kernels(cast_path), \
+                (FakeTensorMode() if fake else contextlib.nullcontext()):
             layer = FP8Linear(K, N, bias=False, device=device, dtype=torch.bfloat16)
             x = torch.empty(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
             grad = torch.empty(M, N, device=device, dtype=torch.bfloat16)
@@ -122,6 +126,8 @@ def test_fake_cpu_trace_issues_the_ops_of_the_cuda_path():
         cpu = trace(contextlib.nullcontext(), "cpu", True)
     assert cpu == cuda
     assert sum(1 for op in cuda if op[0] == "_scaled_mm") == 3
+    fused = sum(1 for op in cuda if op[0] == "cast_delayed")
+    assert fused == (3 if cast_path == "triton" else 0)
 
 
 def test_command_refuses_a_recipe_it_does_not_model(capsys):

@@ -20,7 +20,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 "on a GPU, benchmarks/gpu_probe.py checks them on the device", allow_module_level=True)
 from fp8_plugin.numerics.kernels import tensorwise  # noqa: E402
 from fp8_plugin.numerics.kernels.tensorwise import (  # noqa: E402
-    cast_transpose, cast_transpose_current, reference_cast, reference_current, tensor_amax)
+    cast_transpose, cast_transpose_current, reference_cast, reference_current)
+from fp8_plugin.numerics.quantizers import ScalingState  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy on NaN and inf lanes
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -126,10 +127,33 @@ def test_the_amax_folds_into_a_running_maximum():
     assert amax.item() == 8.0
 
 
-@FORMATS
-@pytest.mark.parametrize("margin", [0, 3])
-@pytest.mark.parametrize("case", ["bf16-patterns", "normal", "zeros", "tiny", "huge", "inf", "empty"])
-def test_current_scaling_amax_scale_and_cast_bit_for_bit(dtype, margin, case):
+def state_with(role: int, slot: float, scale: float = 0.0123, initialized: bool = False) -> ScalingState:
+    """A scaling state whose ``role`` row holds a current-step amax ``slot`` and a delayed scale."""
+    state = ScalingState(amax_history_len=4)
+    state.amax_history[role, 0] = slot
+    state.amax_history[role, 1] = 5.0
+    state.scale[role] = scale
+    state.initialized[role] = initialized
+    return state
+
+
+def recorded(state: ScalingState, role: int, amax: torch.Tensor, current: bool) -> dict[str, torch.Tensor]:
+    """The state after a recording cast of ``role``, as ScalingState.record_amax (delayed) or
+    observe_current (current) define it, computed here in float64 from the amax: a finite amax
+    enters the slot (delayed: the larger of the two), a non-finite one is counted."""
+    want = {name: t.clone() for name, t in state.tensors().items()}
+    if bool(torch.isfinite(amax)):
+        slot = want["amax_history"][role, 0].double()
+        want["amax_history"][role, 0] = amax.double() if current else torch.maximum(slot, amax.double())
+    else:
+        want["nonfinite_amax_count"][role] += 1
+    return want
+
+
+CASES = ["bf16-patterns", "normal", "zeros", "tiny", "huge", "inf", "nan", "empty"]
+
+
+def case_input(case: str) -> torch.Tensor:
     gen = torch.Generator().manual_seed(2)
     x = {"bf16-patterns": every_bf16_pattern()[:, :200],
          "normal": torch.randn(70, 90, generator=gen).to(torch.bfloat16) * 5,
@@ -137,23 +161,64 @@ def test_current_scaling_amax_scale_and_cast_bit_for_bit(dtype, margin, case):
          "tiny": torch.full((4, 4), 1e-40),          # a float32 subnormal amax: the scale clamps to the max
          "huge": torch.full((4, 4), 3e38),
          "inf": torch.tensor([[1.0, float("inf")], [2.0, 3.0]]),
+         "nan": torch.tensor([[1.0, float("nan")], [2.0, 3.0]]),
          "empty": torch.zeros(0, 16)}[case]
     if case == "bf16-patterns":
-        x = torch.nan_to_num(x.float(), nan=1.0).to(torch.bfloat16)  # NaN-free: else the amax is NaN
-    amax = tensor_amax(x)
-    data, data_t, scale, scale_inv = cast_transpose_current(x, amax, dtype, margin, transpose=True)
+        x = torch.nan_to_num(x.float(), nan=1.0).to(torch.bfloat16)  # NaN-free: "nan" has its own case
+    return x
+
+
+@FORMATS
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_current_scaling_cast_and_recorded_state_bit_for_bit(dtype, margin, case):
+    x = case_input(case)
+    role = 2 if dtype == E5M2 else 0
+    state = state_with(role, slot=7.0)
     ref, ref_t, ref_scale, ref_scale_inv, ref_amax = reference_current(x, dtype, margin, transpose=True)
-    assert same_float(amax, ref_amax) and amax.dtype == torch.float32 and amax.shape == ()
+    want = recorded(state, role, ref_amax, current=True)
+    want["scale"][role] = ref_scale  # the scale the cast used, whatever the amax (1 where it is not finite)
+    data, data_t, scale, scale_inv = cast_transpose_current(x, dtype, margin, transpose=True, record=True, role=role,
+                                                            **kernel_state(state))
     assert torch.equal(scale, ref_scale) and torch.equal(scale_inv, ref_scale_inv), (scale, ref_scale)
     assert same_bits(data, ref) and same_bits(data_t, ref_t)
+    for name, t in state.tensors().items():
+        assert same_float(t, want[name]), name
+    assert not state.kernel_workspace.any()  # zeroed for the next cast
+
+
+def kernel_state(state: ScalingState, initialized: bool = False) -> dict[str, torch.Tensor]:
+    names = ["scale", "amax_history", "nonfinite_amax_count"] + (["initialized"] if initialized else [])
+    return {**{n: getattr(state, n) for n in names}, "workspace": state.kernel_workspace}
 
 
 def test_a_nan_makes_the_current_scale_one_as_the_torch_ops_do():
     x = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
-    amax = tensor_amax(x)
-    assert amax.isnan()
-    _, _, scale, scale_inv = cast_transpose_current(x, amax, E4M3, 0, transpose=False)
+    state = ScalingState(4)
+    _, _, scale, scale_inv = cast_transpose_current(x, E4M3, 0, transpose=False, record=True, role=0,
+                                                    **kernel_state(state))
     assert scale.item() == 1.0 and scale_inv.item() == 1.0
+    assert state.nonfinite_amax_count.tolist() == [1, 0, 0] and state.amax_history[0, 0].item() == 0.0
+
+
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_a_cast_that_does_not_record_leaves_the_state_and_zeroes_the_workspace(current):
+    x = torch.randn(100, 70)
+    state = state_with(1, slot=0.5, initialized=True)
+    before = {name: t.clone() for name, t in state.tensors().items()}
+    cast = cast_transpose_current if current else tensorwise.cast_transpose_delayed
+    for _ in range(2):  # the second cast starts from the workspace the first left
+        cast(x, E4M3, 0, transpose=True, record=False, role=1, **kernel_state(state, initialized=not current))
+    for name, t in state.tensors().items():
+        assert torch.equal(t, before[name]), name
+    assert not state.kernel_workspace.any()
+
+
+def test_a_workspace_of_another_shape_is_refused():
+    state = ScalingState(4)
+    with pytest.raises(ValueError, match=r"workspace must be int32 \[3, 2\] zeros"):
+        cast_transpose_current(torch.ones(2, 2), E4M3, 0, transpose=False, record=True, role=0,
+                               **{**kernel_state(state), "workspace": torch.zeros(3, dtype=torch.int32)})
 
 
 def test_bad_input_is_refused_naming_the_setting():
@@ -166,7 +231,10 @@ def test_bad_input_is_refused_naming_the_setting():
 
 
 def test_launch_counts_are_what_the_cost_model_reads():
-    assert tensorwise.LAUNCHES == {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 3, "current": 3}
+    from fp8_plugin.numerics.kernels.ops import OP_LAUNCHES
+
+    assert tensorwise.LAUNCHES == {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 2, "current": 2}
+    assert OP_LAUNCHES == {"cast_delayed": 2, "cast_current": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +291,7 @@ def test_fp8_linear_trains_bit_for_bit_through_the_kernels(recipe, autocast_dtyp
 
 def test_the_kernels_run_on_cuda_devices_only_unless_forced():
     assert fused_casts(torch.device("cpu")) == (False, "the fused kernels run on CUDA GPUs, not on cpu")
-    assert fused_casts(torch.device("meta"))[0] is False  # the contract suite's GPU stand-in
+    assert fused_casts(torch.device("meta"))[0] is False  # meta is a GPU only inside meta_as_cuda
     with force_kernels("triton"):
         assert fused_casts(torch.device("cpu")) == (True, "")
     with pytest.raises(ValueError, match=r"force_kernels\(path='cuda'\) is not a cast path; valid: auto, triton, torch"):
@@ -233,22 +301,25 @@ def test_the_kernels_run_on_cuda_devices_only_unless_forced():
 
 @FORMATS
 @pytest.mark.parametrize("initialized", [False, True], ids=["first-cast", "steady-state"])
-@pytest.mark.parametrize("case", ["bf16-patterns", "normal", "zeros", "huge-over-scale"])
-def test_delayed_scaling_cast_chooses_the_scale_on_the_device_bit_for_bit(dtype, initialized, case):
-    gen = torch.Generator().manual_seed(4)
-    x = {"bf16-patterns": torch.nan_to_num(every_bf16_pattern().float(), nan=2.0).to(torch.bfloat16),
-         "normal": torch.randn(70, 90, generator=gen).to(torch.bfloat16) * 5,
-         "zeros": torch.zeros(9, 17),
-         "huge-over-scale": torch.randn(33, 65, generator=gen) * 1e4}[case]
-    state_scale = torch.tensor([0.0, 0.0123, 0.0])[1]  # a view into a state's [3] scale, as the layers pass it
-    flag = torch.tensor([False, initialized, False])[1]
-    got = tensorwise.cast_transpose_delayed(x, state_scale, flag, dtype, 1, transpose=True)
-    want = tensorwise.reference_delayed(x, state_scale, flag, dtype, 1, transpose=True)
-    data, data_t, scale, scale_inv, amax = got
-    assert same_bits(data, want[0]) and same_bits(data_t, want[1])
-    assert torch.equal(scale, want[2]) and torch.equal(scale_inv, want[3]) and torch.equal(amax, want[4])
+@pytest.mark.parametrize("case", CASES + ["huge-over-scale"])
+def test_delayed_scaling_cast_chooses_the_scale_on_the_device_and_records_bit_for_bit(dtype, initialized, case):
+    x = torch.randn(33, 65, generator=torch.Generator().manual_seed(4)) * 1e4 if case == "huge-over-scale" \
+        else case_input(case)
+    role = 1
+    state = state_with(role, slot=3.0, initialized=initialized)
+    flag, state_scale = state.initialized[role], state.scale[role]
+    want_data, want_t, want_scale, want_scale_inv, amax = tensorwise.reference_delayed(x, state_scale, flag, dtype, 1,
+                                                                                       transpose=True)
+    want = recorded(state, role, amax, current=False)
+    data, data_t, scale, scale_inv = tensorwise.cast_transpose_delayed(
+        x, dtype, 1, transpose=True, record=True, role=role, **kernel_state(state, initialized=True))
+    assert same_bits(data, want_data) and same_bits(data_t, want_t)
+    assert torch.equal(scale, want_scale) and torch.equal(scale_inv, want_scale_inv)
     if initialized:
         assert scale.item() == state_scale.item()
+    for name, t in state.tensors().items():
+        assert same_float(t, want[name]), name
+    assert not state.kernel_workspace.any()
 
 
 @pytest.mark.parametrize("path,expected", [("auto", "casts: torch ops (the fused kernels run on CUDA GPUs, not on cpu)"),

@@ -28,3 +28,21 @@ def test_has_tensor_hooks_sees_register_hook_and_its_removal():
     assert has_tensor_hooks(w) is True
     handle.remove()
     assert has_tensor_hooks(w) is False
+
+
+def test_in_dispatch_mode_sees_fake_tensor_mode_and_a_dispatch_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8_plugin._private.torch_api import in_dispatch_mode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert not in_dispatch_mode()
+    with FakeTensorMode():
+        assert in_dispatch_mode()
+    with Passthrough():
+        assert in_dispatch_mode()
+    assert not in_dispatch_mode()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward_pass", "has_tensor_hooks"]
+__all__ = ["in_backward_pass", "has_tensor_hooks", "in_dispatch_mode"]
 
 
 def in_backward_pass() -> bool:
@@ -33,3 +33,16 @@ def has_tensor_hooks(tensor: torch.Tensor) -> bool:
     no public way to ask; ``Tensor.register_hook`` keeps them in the ``_backward_hooks`` dict.
     """
     return bool(getattr(tensor, "_backward_hooks", None))
+
+
+def in_dispatch_mode() -> bool:
+    """True while a ``TorchDispatchMode`` is active on this thread (``FakeTensorMode``, a
+    recorder of aten ops, ``torch.compile``'s tracing modes).
+
+    The fused casts then go through the dispatcher as custom ops, so that the mode sees them;
+    plain eager calls skip it (it costs CPU time per call). torch's public API has no such
+    query; ``torch.utils._python_dispatch.is_in_torch_dispatch_mode`` answers it.
+    """
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode()

@@ -156,6 +156,8 @@ class ScalingState(nn.Module):
         self.nonfinite_amax_count = torch.zeros(3, dtype=torch.int64, device=device)
         self.outlier_count = torch.zeros(3, dtype=torch.int64, device=device)
         self.outlier_ratio = torch.zeros(3, dtype=torch.float32, device=device)
+        # The fused casts' scratch (numerics/kernels/tensorwise.py): zeros between casts, not saved.
+        self.kernel_workspace = torch.zeros(3, 2, dtype=torch.int32, device=device)
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
         self.fp8_gemms = (True, True, True)
@@ -278,6 +280,7 @@ class ScalingState(nn.Module):
         """Move the state to ``device`` (a layer whose weights moved without ``Module.to``)."""
         for name, t in self.tensors().items():
             setattr(self, name, t.to(device))
+        self.kernel_workspace = self.kernel_workspace.to(device)
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` must not round amaxes and scales: follow the device only.
@@ -450,29 +453,20 @@ class PerTensorQuantizer(Quantizer):
         return super().quantize_pair(x, columnwise)
 
     def _fused(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        # The same numerics as quantize() and its transposed copy, bit for bit, in the fused
-        # kernels (numerics/kernels/tensorwise.py): delayed scaling reads x once in the steady
-        # state (its amax folded into the cast), current scaling twice (amax, then the cast);
-        # the scale is chosen or computed on the device. The scaling state is kept by the same
-        # torch ops as in quantize().
-        from .kernels import tensorwise as kernels
+        # The same numerics as quantize() and its transposed copy, and the same scaling state
+        # afterwards, bit for bit, in two launches (numerics/kernels/tensorwise.py): delayed
+        # scaling reads x once in the steady state (its amax folded into the cast), current
+        # scaling twice (amax, then the cast); the scale is chosen or computed on the device and
+        # the amax recorded by the cast's last program.
+        from .kernels import ops
 
         if self.host:
             self.state.use_recipe(self.recipe)
+        cast = ops.cast_delayed if self.recipe.delayed() else ops.cast_current
         with torch.no_grad():
             x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            if self.recipe.delayed():
-                data, data_t, scale, scale_inv, amax = kernels.cast_transpose_delayed(
-                    x2d, self.state.scale[self.role], self.state.initialized[self.role], self.dtype,
-                    self.recipe.margin, transpose=columnwise)
-                if self.record:
-                    self.state.record_amax(self.role, amax)
-            else:
-                amax = kernels.tensor_amax(x2d)
-                data, data_t, scale, scale_inv = kernels.cast_transpose_current(
-                    x2d, amax, self.dtype, self.recipe.margin, transpose=columnwise)
-                if self.record:
-                    self.state.observe_current(self.role, amax, scale)
+            data, data_t, _, scale_inv = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
+                                              transpose=columnwise, record=self.record)
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)
         row = QuantizedTensor(data, scale_inv)

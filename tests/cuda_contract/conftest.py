@@ -78,6 +78,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8_plugin.numerics import gemm
 from fp8_plugin.numerics.device_kind import meta_as_cuda
+from fp8_plugin.numerics.kernels.ops import OP_LAUNCHES
 
 META = torch.device("meta")
 SCALED_GEMMS = ("aten._scaled_mm.default", "aten._scaled_mm_v2.default", "aten._scaled_grouped_mm.default",
@@ -151,6 +152,9 @@ class Contract:
     gemms: list = field(default_factory=list)
     # Broken rules of the CUDA kernels that the meta kernels do not check.
     kernel_violations: list[str] = field(default_factory=list)
+    # Kernel launches per op name: ops that launch one (not views, not bare allocations), and the
+    # project's custom ops at their own launch counts (fp8_plugin.numerics.kernels.ops.OP_LAUNCHES).
+    launches: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def real(self) -> bool:
@@ -201,6 +205,7 @@ class Contract:
         self.float32_mm = 0
         self.gemms.clear()
         self.kernel_violations.clear()
+        self.launches.clear()
 
     def clean(self) -> None:
         """Assert no host read, no CPU tensor mixed in, no broken kernel rule so far."""
@@ -221,6 +226,7 @@ class _Recorder(TorchDispatchMode):
         c = self.contract
         gpu = c.device.type  # "meta" or "cuda"
         c.ops[name] += 1
+        c.launches[name] += _launches(func, name)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         devices = {t.device.type for t in tensors}
         target = kwargs.get("device")
@@ -240,6 +246,19 @@ class _Recorder(TorchDispatchMode):
             c.gemms.append((name, [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]))
             c.kernel_violations += _cuda_rules(name, tensors, args, kwargs, gpu)
         return func(*args, **kwargs)
+
+
+# Ops that allocate without launching a kernel.
+_ALLOCATIONS = ("aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+                "aten.new_empty.default", "aten.new_empty_strided.default")
+
+
+def _launches(func, name: str) -> int:
+    # Kernel launches of one op on a GPU: a view or a bare allocation launches none, a custom op
+    # of the project as many as it documents ("fp8_plugin.<op>.default"), any other op one.
+    if name.startswith("fp8_plugin."):
+        return OP_LAUNCHES.get(name.split(".")[1], 1)
+    return 0 if func.is_view or name in _ALLOCATIONS else 1
 
 
 def _host_rng_arguments(func, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -7,7 +7,9 @@ reference it equals byte for byte (``reference_*``), and the tests run every ker
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors against that reference.
 
 Modules: :mod:`.fp8_bits` (the FP8 encoding with integer operations), :mod:`.tensorwise`
-(per-tensor casts: cast + transpose + amax in one pass; current scaling's amax and cast).
+(per-tensor casts: cast + transpose + amax in one pass; current scaling's amax and cast; each
+recording its amax into the layer's scaling state), :mod:`.ops` (the same casts as torch custom
+ops, for ``torch.compile``, fake tensors and dispatch modes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from functools import lru_cache
 from typing import Iterator, Optional
 
 import torch
+
+from ..device_kind import device_kind
 
 __all__ = ["fused_casts", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR"]
 
@@ -56,13 +60,14 @@ def fused_casts(device: torch.device) -> tuple[bool, str]:
 
     Yes on a real CUDA device where Triton imports (torch's CUDA wheels ship it), unless
     ``FP8_PLUGIN_CAST_KERNELS=torch`` is set or :func:`force_kernels` says otherwise. Not while
-    ``torch.compile`` traces: Inductor fuses the torch ops itself. CPU (and the meta tensors the
-    CUDA contract tests present as a GPU) run the torch ops. Decided from the device type alone:
-    no host read.
+    ``torch.compile`` traces: Inductor fuses the torch ops itself. CPU runs the torch ops. Meta
+    tensors presented as a GPU (:func:`~fp8_plugin.numerics.device_kind.meta_as_cuda`, the CUDA
+    contract suite and the cost model) take the fused path, as the custom ops of
+    :mod:`.ops` with their fake kernels. Decided from the device type alone: no host read.
     """
     if _forced is not None:
         return _forced == "triton", "" if _forced == "triton" else "forced: torch ops"
-    if device.type != "cuda":
+    if device_kind(device) != "cuda":  # meta tensors presented as a GPU (meta_as_cuda) take the ops' fake kernels
         return False, f"the fused kernels run on CUDA GPUs, not on {device.type}"
     if torch.compiler.is_compiling():
         return False, "torch.compile fuses the torch ops itself"

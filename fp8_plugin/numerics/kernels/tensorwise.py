@@ -11,13 +11,18 @@ Engine's ``cast_transpose`` (transformer_engine/common/transpose/cast_transpose.
 - :func:`cast_transpose_delayed` (delayed scaling as the layers run it): the state's scale and
   ``initialized`` flag are read on the device; in the steady state ``x`` is read once (the amax
   for the history folded into the cast), on a tensor's first cast twice (its own amax first);
-  3 launches (zero fill, an amax pass whose loads are masked off once initialized, the cast).
-- :func:`tensor_amax` then :func:`cast_transpose_current` (current scaling): one pass for the
-  amax (``x`` read once, nothing written per element), then the cast, whose every program
-  computes the scale from that amax on the device (TE's ``(FP8_MAX / amax) / 2**margin``,
-  correctly rounded, guarded) and whose first program writes ``scale`` and ``scale_inv``: no
-  host read; 2 launches plus the zero fill. Bytes per element: twice ``x``'s size read, 1 or 2
-  written.
+  2 launches (an amax pass whose loads are masked off once initialized, the cast).
+- :func:`cast_transpose_current` (current scaling): one pass for the amax (``x`` read once,
+  nothing written per element), then the cast, whose every program computes the scale from that
+  amax on the device (TE's ``(FP8_MAX / amax) / 2**margin``, correctly rounded, guarded) and
+  whose first program writes ``scale`` and ``scale_inv``: no host read; 2 launches. Bytes per
+  element: twice ``x``'s size read, 1 or 2 written.
+
+The two casts the layers run record the amax into the layer's ``ScalingState`` themselves, as
+``record_amax`` / ``observe_current`` do in torch ops: the tile amaxes fold into a small
+per-state workspace (int32 ``[3, 2]``: the amax bits and a count of finished programs); the last
+program of the cast to finish (the count tells it) moves the amax into the state and zeroes the
+workspace, so a steady-state cast needs no zero fill and no bookkeeping op of its own.
 
 Launched with ``enable_fp_fusion=False``: no multiply is contracted with an addition into an FMA
 (one rounding instead of two), so a GPU computes what the interpreter and torch compute. Tiles of
@@ -45,7 +50,7 @@ __all__ = ["cast_transpose", "cast_transpose_delayed", "tensor_amax", "cast_tran
 
 _TILE = 64
 # Kernel launches per call, for the cost model and the launch-count tests (zero fills included).
-LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 3, "current": 3}
+LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 2, "current": 2}
 
 
 @triton.jit
@@ -116,39 +121,73 @@ def _amax_kernel(x_ptr, amax_bits_ptr, M, N, stride_xm, stride_xn, TILE: tl.cons
 
 
 @triton.jit
-def _current_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_out_ptr, M, N,
-                    stride_xm, stride_xn, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr,
-                    TRANSPOSE: tl.constexpr, TILE: tl.constexpr):
-    scale = _own_scale(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), MAX_OVER_MARGIN)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
-    _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
-               pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
+def _read_amax(workspace_ptr):
+    # The amax folded so far, as float32. An atomic read: its value reaches every warp of the
+    # program through the atomic's broadcast, before this program's count in _finish, so the
+    # last program cannot zero the workspace under a warp that has not read it yet.
+    return tl.atomic_max(workspace_ptr, 0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _amax_unless_initialized_kernel(x_ptr, amax_bits_ptr, initialized_ptr, M, N, stride_xm, stride_xn,
+def _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale,
+            RECORD: tl.constexpr, CURRENT: tl.constexpr):
+    # Every program counts itself done; the last one records the tensor's amax into the scaling
+    # state, as ScalingState.record_amax (delayed) or observe_current (current) do, and zeroes
+    # the workspace for the next cast: no zero fill and no bookkeeping op of its own.
+    done = tl.atomic_add(workspace_ptr + 1, 1)
+    if done == n_programs - 1:
+        bits = tl.atomic_xchg(workspace_ptr, 0)
+        tl.atomic_xchg(workspace_ptr + 1, 0)
+        if RECORD:
+            finite = bits < 0x7F800000  # not inf (0x7F800000), not NaN (above it)
+            amax = bits.to(tl.float32, bitcast=True)
+            tl.store(count_ptr, tl.load(count_ptr) + 1 - finite.to(tl.int64))
+            slot = tl.load(history_ptr)
+            if CURRENT:
+                tl.store(history_ptr, tl.where(finite, amax, slot))
+                tl.store(state_scale_ptr, scale)
+            else:
+                tl.store(history_ptr, tl.where(finite, tl.maximum(slot, amax), slot))
+
+
+@triton.jit
+def _current_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr,
+                    scale_out_ptr, scale_inv_out_ptr, M, N, stride_xm, stride_xn, n_programs, MAX_OVER_MARGIN,
+                    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, RECORD: tl.constexpr,
+                    TILE: tl.constexpr):
+    scale = _own_scale(_read_amax(workspace_ptr), MAX_OVER_MARGIN)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
+    _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
+               pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
+    _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, True)
+
+
+@triton.jit
+def _amax_unless_initialized_kernel(x_ptr, workspace_ptr, initialized_ptr, M, N, stride_xm, stride_xn,
                                     TILE: tl.constexpr):
     # Delayed scaling's first cast of a tensor needs its own amax before the cast; once the state
     # holds a scale, the loads are masked off and this kernel reads nothing.
     rows_needed = M * (1 - tl.load(initialized_ptr).to(tl.int32))  # M rows, or none once initialized
-    _amax_tile(x_ptr, amax_bits_ptr, rows_needed, N, stride_xm, stride_xn, TILE)
+    _amax_tile(x_ptr, workspace_ptr, rows_needed, N, stride_xm, stride_xn, TILE)
 
 
 @triton.jit
-def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, initialized_ptr, state_scale_ptr, scale_out_ptr,
-                    scale_inv_out_ptr, M, N, stride_xm, stride_xn, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr,
-                    E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, TILE: tl.constexpr):
+def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, state_scale_ptr, history_ptr,
+                    count_ptr, scale_out_ptr, scale_inv_out_ptr, M, N, stride_xm, stride_xn, n_programs,
+                    MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
+                    RECORD: tl.constexpr, TILE: tl.constexpr):
     # The scale of PerTensorQuantizer under delayed scaling: the state's scale once initialized,
-    # else the tensor's own from the amax the previous kernel wrote (which this kernel's own amax
+    # else the tensor's own from the amax the previous kernel folded (which this kernel's own
     # folds cannot change: they fold the same values).
     initialized = tl.load(initialized_ptr).to(tl.int32) != 0
-    own = _own_scale(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), MAX_OVER_MARGIN)
+    own = _own_scale(_read_amax(workspace_ptr), MAX_OVER_MARGIN)
     scale = tl.where(initialized, tl.load(state_scale_ptr), own)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
-    _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm, stride_xn,
+    _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
                pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, True, TILE)
+    _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, False)
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -215,78 +254,109 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return amax_bits.view(torch.float32).reshape(())
 
 
-def cast_transpose_current(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, margin: int, *,
-                           transpose: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Current scaling's cast: the scale from ``amax`` on the device, then the cast of ``x``.
+def _state_pointers(role: int, scale: torch.Tensor, amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor,
+                    workspace: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # One role's row of each state tensor: views, whose data pointers Triton takes as they are.
+    if workspace.dtype != torch.int32 or workspace.shape != (amax_history.shape[0], 2):
+        raise ValueError(f"workspace must be int32 [{amax_history.shape[0]}, 2] zeros (ScalingState.kernel_workspace), "
+                         f"got {workspace.dtype} {list(workspace.shape)}")
+    return scale[role], amax_history[role], nonfinite_amax_count[role], workspace[role]
+
+
+def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
+                           scale: torch.Tensor, amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor,
+                           workspace: torch.Tensor, role: int
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Current scaling's cast of ``x``, its amax recorded into a :class:`ScalingState`'s tensors.
+
+    Two launches, no host read: an amax pass (``x`` read once, folded into ``workspace``), then
+    the cast, whose every program computes the scale from that amax on the device and whose last
+    program records it as ``ScalingState.observe_current`` does (with ``record``). Bytes per
+    element: twice ``x``'s size read, 1 written per copy.
 
     Args:
         x: ``[M, N]`` float32, bfloat16 or float16, any strides.
-        amax: float32 0-dim tensor, ``amax(x)`` (:func:`tensor_amax`).
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         margin: the recipe's margin (integer >= 0).
         transpose: also write the transposed copy.
+        record: record the amax: with a finite amax ``amax_history[role, 0] = amax`` and
+            ``scale[role]`` = the scale; else ``nonfinite_amax_count[role] += 1``. False leaves
+            them as they are.
+        scale, amax_history, nonfinite_amax_count: the state's float32 ``[3]``, float32
+            ``[3, L]`` and int64 ``[3]`` tensors, updated in place.
+        workspace: int32 ``[3, 2]``, zeros between casts (``ScalingState.kernel_workspace``):
+            the running amax bits and the count of finished programs; zeroed again by the cast.
+        role: the state's row: 0 input, 1 weight, 2 grad_output.
 
     Returns:
         ``(data [M, N], data_t [N, M] or None, scale, scale_inv)``: ``scale`` is
-        ``scale_from_amax(amax, fp8_max(dtype), margin, previous=1)`` and ``scale_inv`` its
-        correctly rounded reciprocal, float32 0-dim tensors, bit for bit.
+        ``scale_from_amax(amax(x), fp8_max(dtype), margin, previous=1)`` and ``scale_inv`` its
+        correctly rounded reciprocal, float32 0-dim tensors, bit for bit as the torch ops
+        (:func:`reference_current`).
 
     Raises:
-        ValueError: as :func:`cast_transpose`.
+        ValueError: as :func:`cast_transpose`; ``workspace`` of another shape or dtype.
     """
     _check(x, dtype)
+    state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
     out, out_t = _outputs(x, dtype, transpose)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_out = torch.empty((), dtype=torch.float32, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    # At least one program, so that the scale is written for an empty x too.
-    grid = _grid(x)
+    grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
+    args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+    _amax_kernel[grid](x, work, *args, TILE=_TILE, enable_fp_fusion=False)
     _current_kernel[grid](
-        x, out.view(torch.uint8), out_t.view(torch.uint8), amax.reshape(1).view(torch.int32), scale, scale_inv,
-        x.shape[0], x.shape[1], x.stride(0), x.stride(1), fp8_max(dtype) / 2.0**margin,
-        FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, TILE=_TILE,
-        enable_fp_fusion=False)
-    return out, (out_t if transpose else None), scale, scale_inv
+        x, out.view(torch.uint8), out_t.view(torch.uint8), work, history, count, state_scale, scale_out, scale_inv,
+        *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype),
+        E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record, TILE=_TILE, enable_fp_fusion=False)
+    return out, (out_t if transpose else None), scale_out, scale_inv
 
 
-def cast_transpose_delayed(x: torch.Tensor, state_scale: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype,
-                           margin: int, *, transpose: bool
-                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Delayed scaling's cast: the state's scale once it holds one, else the tensor's own (first step).
+def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
+                           scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
+                           nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Delayed scaling's cast: the state's scale once it holds one, else the tensor's own (first
+    step); the amax recorded into the state's current-step history slot.
 
-    Reads ``x`` once when ``initialized`` is true (the steady state): the amax for the history is
-    folded into the cast; twice on a tensor's first cast, whose scale needs its amax first. Three
-    launches (zero fill, amax pass, cast pass), whatever ``initialized`` holds: no host read.
+    Two launches, whatever ``initialized`` holds (no host read): an amax pass whose loads are
+    masked off once the state is initialized (the steady state: ``x`` read once, its amax folded
+    into the cast), and the cast, whose last program records the amax as
+    ``ScalingState.record_amax`` does. Bytes per element: ``x``'s size read (twice on a tensor's
+    first cast), 1 written per copy.
 
     Args:
         x: ``[M, N]`` float32, bfloat16 or float16, any strides.
-        state_scale: float32 0-dim tensor, the delayed scale (``ScalingState.scale[role]``).
-        initialized: bool 0-dim tensor (``ScalingState.initialized[role]``).
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         margin: the recipe's margin (integer >= 0).
         transpose: also write the transposed copy.
+        record: with a finite amax ``amax_history[role, 0] = max(amax_history[role, 0], amax)``,
+            else ``nonfinite_amax_count[role] += 1``. False leaves them as they are.
+        scale, initialized: the state's float32 and bool ``[3]``: the delayed scale, read.
+        amax_history, nonfinite_amax_count, workspace, role: as in :func:`cast_transpose_current`.
 
     Returns:
-        ``(data, data_t or None, scale, scale_inv, amax)``: ``scale`` is
-        ``where(initialized, state_scale, scale_from_amax(amax(x), fp8_max, margin, 1))`` and
-        ``scale_inv`` its correctly rounded reciprocal; ``amax`` is ``amax(x)``; 0-dim float32,
-        bit for bit as the torch ops (:func:`reference_delayed`).
+        ``(data, data_t or None, scale, scale_inv)``: ``scale`` is ``where(initialized[role],
+        scale[role], scale_from_amax(amax(x), fp8_max, margin, 1))`` and ``scale_inv`` its
+        correctly rounded reciprocal, 0-dim float32, bit for bit as the torch ops
+        (:func:`reference_delayed`).
 
     Raises:
-        ValueError: as :func:`cast_transpose`.
+        ValueError: as :func:`cast_transpose_current`.
     """
     _check(x, dtype)
+    state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
     out, out_t = _outputs(x, dtype, transpose)
-    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_out = torch.empty((), dtype=torch.float32, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = _grid(x)
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_unless_initialized_kernel[grid](x, amax_bits, initialized, *args, TILE=_TILE, enable_fp_fusion=False)
+    _amax_unless_initialized_kernel[grid](x, work, initialized[role], *args, TILE=_TILE, enable_fp_fusion=False)
     _delayed_kernel[grid](
-        x, out.view(torch.uint8), out_t.view(torch.uint8), amax_bits, initialized, state_scale, scale, scale_inv,
-        *args, fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
-        TRANSPOSE=transpose, TILE=_TILE, enable_fp_fusion=False)
-    return out, (out_t if transpose else None), scale, scale_inv, amax_bits.view(torch.float32).reshape(())
+        x, out.view(torch.uint8), out_t.view(torch.uint8), work, initialized[role], state_scale, history, count,
+        scale_out, scale_inv, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype),
+        E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record, TILE=_TILE, enable_fp_fusion=False)
+    return out, (out_t if transpose else None), scale_out, scale_inv
 
 
 def reference_delayed(x: torch.Tensor, state_scale: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype,

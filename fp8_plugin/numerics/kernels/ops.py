@@ -1,0 +1,108 @@
+"""The fused casts as torch custom ops (``torch.ops.fp8_plugin.*``), for whatever traces them.
+
+``torch.compile``, ``FakeTensorMode``, a ``TorchDispatchMode`` (the CUDA contract suite's recorder,
+the cost model's op counter) and ``meta`` tensors see each fused cast as one op with a fake
+implementation (shapes and dtypes only) and its mutated state declared, not as the Triton launches
+inside it. Plain eager calls skip the dispatcher: a Python custom op costs about 20 µs of CPU time
+per call (measured on this project's CI machine, torch 2.13), a direct launch a few; see
+:func:`cast_delayed` and :func:`cast_current`, the entry points the quantizers call.
+
+Triton is imported only when a kernel runs, not when the ops are registered (fake tensors need
+no Triton).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..._private.torch_api import in_dispatch_mode
+
+__all__ = ["cast_delayed", "cast_current", "OP_LAUNCHES"]
+
+# Kernel launches and reads of the input per call of each op, for the cost model and the
+# launch-count tests (tensorwise.LAUNCHES says the same of the Python entry points).
+OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2}
+# Reads of the whole input per call: delayed scaling's steady state reads it once (its first cast
+# twice, once per training run), current scaling twice (amax, then the cast).
+OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2}
+
+
+def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, ...]:
+    m, n = x.shape
+    data_t = x.new_empty((n, m) if transpose else (0,), dtype=dtype)
+    scalar = x.new_empty((), dtype=torch.float32)
+    return x.new_empty((m, n), dtype=dtype), data_t, scalar, x.new_empty((), dtype=torch.float32)
+
+
+def _cast_delayed_eager(x: torch.Tensor, scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
+                     nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
+                     margin: int, transpose: bool, record: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import tensorwise
+
+    data, data_t, s, s_inv = tensorwise.cast_transpose_delayed(
+        x, dtype, margin, transpose=transpose, record=record, scale=scale, initialized=initialized,
+        amax_history=amax_history, nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role)
+    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv
+
+
+_cast_delayed_op = torch.library.custom_op("fp8_plugin::cast_delayed", _cast_delayed_eager,
+                                           mutates_args=("amax_history", "nonfinite_amax_count", "workspace"))
+
+
+@_cast_delayed_op.register_fake
+def _(x, scale, initialized, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record):
+    return _outputs(x, dtype, transpose)
+
+
+def _cast_current_eager(x: torch.Tensor, scale: torch.Tensor, amax_history: torch.Tensor,
+                     nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
+                     margin: int, transpose: bool, record: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import tensorwise
+
+    data, data_t, s, s_inv = tensorwise.cast_transpose_current(
+        x, dtype, margin, transpose=transpose, record=record, scale=scale, amax_history=amax_history,
+        nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role)
+    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv
+
+
+_cast_current_op = torch.library.custom_op("fp8_plugin::cast_current", _cast_current_eager,
+                                           mutates_args=("scale", "amax_history", "nonfinite_amax_count", "workspace"))
+
+
+@_cast_current_op.register_fake
+def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record):
+    return _outputs(x, dtype, transpose)
+
+
+def _traced(x: torch.Tensor) -> bool:
+    # Something other than a plain eager launch will see the call: go through the dispatcher.
+    return torch.compiler.is_compiling() or in_dispatch_mode() or x.device.type == "meta"
+
+
+def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,
+                 record: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Delayed scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state`` (a
+    :class:`~fp8_plugin.numerics.quantizers.ScalingState`): see
+    :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_delayed` (arguments, bytes,
+    results, errors); ``(data, data_t or None, scale, scale_inv)``."""
+    args = (x, state.scale, state.initialized, state.amax_history, state.nonfinite_amax_count,
+            state.kernel_workspace, role, dtype, margin, transpose, record)
+    data, data_t, scale, scale_inv = (torch.ops.fp8_plugin.cast_delayed(*args) if _traced(x)
+                                      else _cast_delayed_eager(*args))
+    return data, (data_t if transpose else None), scale, scale_inv
+
+
+def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,
+                 record: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Current scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
+    :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`; ``(data, data_t or
+    None, scale, scale_inv)``."""
+    args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
+            margin, transpose, record)
+    data, data_t, scale, scale_inv = (torch.ops.fp8_plugin.cast_current(*args) if _traced(x)
+                                      else _cast_current_eager(*args))
+    return data, (data_t if transpose else None), scale, scale_inv

@@ -1,0 +1,50 @@
+"""Kernel launches of one FP8 training step on the CUDA path, counted against the targets.
+
+Counted by the contract suite's recorder (conftest.py): every aten op that launches a kernel (not
+views, not bare allocations) and the project's fused casts at the launches each documents
+(``fp8_plugin.numerics.kernels.ops.OP_LAUNCHES``). The step is the steady state: the second
+training step of a layer, after an optimizer update of the weight and a scale update, so the
+weight is cast again and delayed scaling casts with stored scales.
+"""
+
+import pytest
+import torch
+
+import fp8_plugin as fp
+
+CONTRACT_DEVICES = ("meta", "cuda")
+
+
+def batch(layer, tokens=512):
+    x = torch.empty(tokens, layer.in_features, device=layer.weight.device, dtype=torch.bfloat16).normal_()
+    grad = torch.empty(tokens, layer.out_features, device=layer.weight.device, dtype=torch.bfloat16).normal_()
+    return x.requires_grad_(), grad
+
+
+def train_step(layer, recipe, x, grad):
+    with fp.autocast(recipe=recipe):
+        y = layer(x)
+    y.backward(grad)
+
+
+def optimizer_step(layers):
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.add_(1e-3)  # the next forward casts the weight anew
+            layer.weight.grad = None
+
+
+@pytest.mark.parametrize("recipe,op,most", [(fp.DelayedScaling(), "cast_delayed", 10),
+                                            (fp.Float8CurrentScaling(), "cast_current", 14)],
+                         ids=["delayed", "current"])
+def test_fp8_linear_step_launches_at_most_the_target(cuda, recipe, op, most):
+    layer = fp.FP8Linear(256, 384, bias=False, device=cuda.device, dtype=torch.bfloat16)
+    train_step(layer, recipe, *batch(layer))
+    optimizer_step([layer])
+    fp.update_pending_scales(layer)
+    x, grad = batch(layer)
+    cuda.reset()
+    train_step(layer, recipe, x, grad)
+    assert cuda.ops[f"fp8_plugin.{op}.default"] == 3  # input, weight, grad_output: the fused casts ran
+    assert cuda.scaled_gemms() == 3
+    assert sum(cuda.launches.values()) <= most
