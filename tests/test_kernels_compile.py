@@ -22,7 +22,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fp8_plugin.numerics.kernels import tensorwise as tw
+from fp8_plugin.numerics.kernels import scale_update as su, tensorwise as tw
 
 ptr = {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
 dims = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
@@ -44,6 +44,9 @@ cases = {
                                             "scale_inv_out_ptr": "*fp32", **dims, "n_programs": "i32",
                                             "MAX_OVER_MARGIN": "fp32"},
                        {"FP8_MAX": 57344.0, "E4M3": False, "TRANSPOSE": True, "RECORD": True, "TILE": 64}),
+    "scale update": (su._update_kernel, {"table_ptr": "*i64", "params_ptr": "*fp32", "current_ptr": "*fp32"},
+                     {"FROM_CURRENT": True, "FIELDS": 8, "PARAMS": 4, "BLOCK": 1024}),
+    "scale update gather": (su._gather_kernel, {"table_ptr": "*i64", "current_ptr": "*fp32"}, {"FIELDS": 8}),
 }
 result = {}
 for arch in map(int, sys.argv[1:]):
@@ -65,7 +68,7 @@ def test_every_kernel_compiles_for_sm90_and_sm100_without_fma_or_ftz():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 6
+    assert len(result) == 8
     for name, facts in result.items():
         assert facts["cubin"] > 0, name
         assert facts["fma"] == 0 and facts["ftz"] == 0, (name, facts)

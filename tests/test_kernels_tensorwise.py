@@ -234,7 +234,7 @@ def test_launch_counts_are_what_the_cost_model_reads():
     from fp8_plugin.numerics.kernels.ops import OP_LAUNCHES
 
     assert tensorwise.LAUNCHES == {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 2, "current": 2}
-    assert OP_LAUNCHES == {"cast_delayed": 2, "cast_current": 2}
+    assert OP_LAUNCHES == {"cast_delayed": 2, "cast_current": 2, "scale_update_gather": 1, "scale_update": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,13 +254,14 @@ def train(layer, path, steps, autocast_dtype, recipe):
     record = []
     for _ in range(steps):
         x = (torch.randn(3, 40, 96, generator=gen) * 4).requires_grad_()
-        with force_kernels(path), torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            with fp.autocast(recipe=recipe):
-                y = layer(x)
-            y.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        fp.update_pending_scales(layer)
+        with force_kernels(path):
+            with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with fp.autocast(recipe=recipe):
+                    y = layer(x)
+                y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            fp.update_pending_scales(layer)  # delayed scaling: the fused scale update
         record.append((y.detach(), x.grad))
     return record
 

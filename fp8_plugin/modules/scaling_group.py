@@ -35,6 +35,8 @@ class ScalingGroup:
     def __init__(self) -> None:
         self.layers: list[nn.Module] = []
         self.step: Optional[int] = None
+        # The fused scale update's device tables of this group's states (update_delayed_scaling).
+        self._tables: dict = {}
 
     def add(self, layer: nn.Module) -> None:
         """Make ``layer`` (it has ``fp8_state`` and ``recipe``) a member; it leaves its old group."""
@@ -70,8 +72,8 @@ class ScalingGroup:
                     groups.setdefault((chosen, role), []).append(state)
             state.pending = {}
         entries = [(r, role, states) for (r, role), states in groups.items()]
-        update_delayed_scaling([e for e in entries if e[0].reduce_amax], reduce_amax)
-        update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None)
+        update_delayed_scaling([e for e in entries if e[0].reduce_amax], reduce_amax, self._tables)
+        update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
 
 
 def scaling_groups(model: nn.Module) -> list[ScalingGroup]:

@@ -551,6 +551,7 @@ def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool 
 def update_delayed_scaling(
     groups: Iterable[tuple[DelayedScaling, int, list[ScalingState]]],
     reduce_amax: Optional[Callable[[torch.Tensor], None]] = None,
+    tables: Optional[dict] = None,
 ) -> None:
     """Update the scales of every pending (recipe, role, states) group and roll their histories.
 
@@ -562,11 +563,24 @@ def update_delayed_scaling(
     Before the scale is computed, a current-step amax beyond ``recipe.amax_outlier_factor``
     times the amax the previous scale came from is counted and kept, clipped or skipped, as
     ``recipe.amax_outlier_policy`` says: after the reduction, so every rank decides alike.
+
+    Where the fused kernels run (:func:`~fp8_plugin.numerics.kernels.fused_casts`), every row of
+    every group is updated by :func:`~fp8_plugin.numerics.kernels.scale_update.bulk_update` in
+    at most two launches plus the reduction, with the same numerics; ``tables`` (a dict the
+    caller keeps, one per model) caches its device tables between steps. A callable
+    ``amax_compute_algo`` keeps the torch ops.
     """
     with torch.no_grad():
         groups = [g for g in groups if g[2]]
         if not groups:
             return
+        if fused_casts(groups[0][2][0].device)[0]:
+            from .kernels import scale_update
+
+            if all(scale_update.supported(recipe) for recipe, _, _ in groups):
+                rows = [(recipe, role, state) for recipe, role, states in groups for state in states]
+                scale_update.bulk_update(rows, reduce_amax, tables)
+                return
         histories = [torch.stack([s.amax_history[role] for s in states]) for _, role, states in groups]
         if reduce_amax is not None:
             current = torch.cat([h[:, 0] for h in histories])

@@ -48,3 +48,31 @@ def test_fp8_linear_step_launches_at_most_the_target(cuda, recipe, op, most):
     assert cuda.ops[f"fp8_plugin.{op}.default"] == 3  # input, weight, grad_output: the fused casts ran
     assert cuda.scaled_gemms() == 3
     assert sum(cuda.launches.values()) <= most
+
+
+def converted(layers: int, device) -> torch.nn.Module:
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(layers)])
+    fp.convert_model(model, recipe=fp.DelayedScaling())
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("layers", [1, 12])
+@pytest.mark.parametrize("reduced", [False, True], ids=["one-process", "amax-reduction"])
+def test_the_scale_update_of_a_whole_model_takes_at_most_four_launches(cuda, layers, reduced):
+    model = converted(layers, cuda.device)
+    x = torch.empty(64, 256, device=cuda.device, dtype=torch.bfloat16).normal_().requires_grad_()
+    with fp.autocast():
+        y = model(x)
+    y.backward(torch.empty_like(y).normal_())
+    reductions = []
+
+    def reduce_amax(amaxes):  # stands in for the all-reduce: in place, one launch
+        reductions.append(amaxes.shape)
+        amaxes.mul_(1.0)
+
+    cuda.reset()
+    fp.update_pending_scales(model, reduce_amax if reduced else None)
+    assert sum(cuda.launches.values()) <= 4, {k: v for k, v in cuda.launches.items() if v}
+    assert cuda.ops["fp8_plugin.scale_update.default"] == 1
+    assert reductions == ([(3 * layers,)] if reduced else [])  # one reduction of every row's amax
+    cuda.clean()

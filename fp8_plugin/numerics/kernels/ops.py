@@ -19,11 +19,11 @@ import torch
 
 from ..._private.torch_api import in_dispatch_mode
 
-__all__ = ["cast_delayed", "cast_current", "OP_LAUNCHES"]
+__all__ = ["cast_delayed", "cast_current", "OP_LAUNCHES", "OP_INPUT_READS"]
 
 # Kernel launches and reads of the input per call of each op, for the cost model and the
 # launch-count tests (tensorwise.LAUNCHES says the same of the Python entry points).
-OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2}
+OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "scale_update_gather": 1, "scale_update": 1}
 # Reads of the whole input per call: delayed scaling's steady state reads it once (its first cast
 # twice, once per training run), current scaling twice (amax, then the cast).
 OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2}
@@ -76,6 +76,28 @@ _cast_current_op = torch.library.custom_op("fp8_plugin::cast_current", _cast_cur
 @_cast_current_op.register_fake
 def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record):
     return _outputs(x, dtype, transpose)
+
+
+def _scale_update_gather_eager(table: torch.Tensor, current: torch.Tensor) -> None:
+    from . import scale_update
+
+    scale_update._gather(table, current)
+
+
+def _scale_update_eager(table: torch.Tensor, params: torch.Tensor, current: torch.Tensor, from_current: bool,
+                        block: int) -> None:
+    from . import scale_update
+
+    scale_update._update(table, params, current, from_current, block)
+
+
+# The scale update writes the states through the addresses in ``table``, which no schema can
+# name; both ops declare ``current`` mutated so that nothing that traces them drops them as
+# unused (they never run inside a compiled graph: the update happens between steps).
+torch.library.custom_op("fp8_plugin::scale_update_gather", _scale_update_gather_eager, mutates_args=("current",))
+torch.library.custom_op("fp8_plugin::scale_update", _scale_update_eager, mutates_args=("current",))
+torch.library.register_fake("fp8_plugin::scale_update_gather", lambda table, current: None)
+torch.library.register_fake("fp8_plugin::scale_update", lambda table, params, current, from_current, block: None)
 
 
 def _traced(x: torch.Tensor) -> bool:

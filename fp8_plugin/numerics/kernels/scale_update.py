@@ -1,0 +1,190 @@
+"""Delayed scaling's scale update for a whole model in a fixed number of launches.
+
+As Transformer Engine's ``fused_amax_and_scale_update_after_reduction`` (``kernel_bulk`` in
+transformer_engine/common/recipe/delayed_scaling.cu) updates every FP8 tensor of a model in one
+launch, :func:`bulk_update` updates every pending (layer, role) row of a model's
+:class:`~fp8_plugin.numerics.quantizers.ScalingState` objects in at most three launches, whatever
+the layer count:
+
+- with an amax reduction: a gather of each row's current-step amax into one flat float32 tensor
+  (1 launch), the reduction itself (an all-reduce: 1), the update (1);
+- without: the update alone (1), reading the amaxes from the histories.
+
+Each row gets the numerics of :func:`fp8_plugin.numerics.quantizers.update_delayed_scaling`'s
+torch ops (its reference, which the tests compare bit for bit): the outlier check and its
+policy, ``amax = max(history)`` or ``history[0]``, ``scale = (FP8_MAX / amax) / 2**margin``
+(correctly rounded, clamped to the float32 max, the previous scale kept where the amax is 0 or
+not finite), ``initialized``, the history rolled by one step with a zeroed current slot.
+
+The states stay where they are (each layer's own tensors, saved as before): the kernels reach
+them through a table of their addresses, built on the host from ``data_ptr()`` and copied to the
+device once per layout (the set of rows and their tensors' addresses); steady-state steps reuse
+it with no host-to-device copy. A layout changes when states are reallocated (a checkpoint
+load, a device move, a new history length) or the pending rows change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["bulk_update", "build_table", "Row", "LAUNCHES"]
+
+# Launches per update, with and without the amax reduction (the reduction's own not counted).
+LAUNCHES = {"with reduction": 2, "without reduction": 1}
+_POLICIES = {"clip": 0, "keep": 1, "skip": 2}
+_ALGOS = {"max": 0, "most_recent": 1}
+# Columns of the address table: history row, scale, initialized, outlier count, outlier ratio
+# (addresses), history length, amax algorithm, outlier policy.
+_FIELDS = 8
+# Columns of the parameter table (float32): FP8 max, 2**margin, FP8 max / 2**margin, outlier factor.
+_PARAMS = 4
+# Layouts a caller's cache keeps: one per reduction setting, and room for a changing pending set.
+_CACHED_LAYOUTS = 4
+
+# One row: (recipe, role, state).
+Row = tuple
+
+
+@triton.jit
+def _gather_kernel(table_ptr, current_ptr, FIELDS: tl.constexpr):
+    row = tl.program_id(0)
+    history = tl.load(table_ptr + row * FIELDS).to(tl.pointer_type(tl.float32))
+    tl.store(current_ptr + row, tl.load(history))
+
+
+@triton.jit
+def _update_kernel(table_ptr, params_ptr, current_ptr, FROM_CURRENT: tl.constexpr, FIELDS: tl.constexpr,
+                   PARAMS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = table_ptr + row * FIELDS
+    history = tl.load(base).to(tl.pointer_type(tl.float32))
+    scale_ptr = tl.load(base + 1).to(tl.pointer_type(tl.float32))
+    initialized_ptr = tl.load(base + 2).to(tl.pointer_type(tl.int8))
+    count_ptr = tl.load(base + 3).to(tl.pointer_type(tl.int64))
+    ratio_ptr = tl.load(base + 4).to(tl.pointer_type(tl.float32))
+    length = tl.load(base + 5)
+    algo = tl.load(base + 6)
+    policy = tl.load(base + 7)
+    fp8_max = tl.load(params_ptr + row * PARAMS)
+    margin_pow = tl.load(params_ptr + row * PARAMS + 1)
+    max_over_margin = tl.load(params_ptr + row * PARAMS + 2)
+    factor = tl.load(params_ptr + row * PARAMS + 3)
+
+    previous = tl.load(scale_ptr)
+    initialized = tl.load(initialized_ptr) != 0
+    index = tl.arange(0, BLOCK)
+    h = tl.load(history + index, mask=index < length, other=0.0)
+    if FROM_CURRENT:
+        current = tl.load(current_ptr + row)  # the reduced amax
+    else:
+        current = tl.load(history)
+    # Outliers (quantizers._handle_outliers): against the amax the previous scale came from.
+    bound = tl.math.div_rn(tl.math.div_rn(fp8_max, previous), margin_pow)
+    limit = factor * bound
+    finite = tl.abs(current) < float("inf")  # false for inf and NaN
+    outlier = initialized & finite & (current > limit)
+    ratio = tl.math.div_rn(current, bound)
+    current = tl.where(outlier & (policy == 0), limit, current)
+    current = tl.where(outlier & (policy == 2), 0.0, current)
+    tl.store(count_ptr, tl.load(count_ptr) + outlier.to(tl.int64))
+    tl.store(ratio_ptr, tl.where(outlier, ratio, tl.load(ratio_ptr)))
+    # amax from the history (recipe.reduce_history), then the scale (scaling.scale_from_amax).
+    h = tl.where(index == 0, current, h)
+    amax = tl.where(algo == 0, tl.max(h, axis=0), current)
+    valid = (amax > 0) & (amax < float("inf"))
+    scale = tl.minimum(tl.math.div_rn(max_over_margin, amax), 3.4028234663852886e38)  # the float32 max
+    tl.store(scale_ptr, tl.where(valid, scale, previous))
+    tl.store(initialized_ptr, (initialized | valid).to(tl.int8))
+    # Roll by one step: every column moves one older, the current slot starts at 0. All loads
+    # of the row are done before any store (the barrier: other threads' loads of the same row).
+    tl.debug_barrier()
+    tl.store(history + index + 1, h, mask=index + 1 < length)
+    tl.store(history, 0.0)
+
+
+def build_table(rows: Sequence[Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The address table (int64 ``[n, 8]``) and parameter table (float32 ``[n, 4]``) of ``rows``
+    on ``device`` (on ``meta``: shapes only). One host-to-device copy each."""
+    from ..formats import fp8_dtype, fp8_max
+    from ..quantizers import GRAD_OUTPUT
+
+    if device.type == "meta":
+        return (torch.empty(len(rows), _FIELDS, dtype=torch.int64, device=device),
+                torch.empty(len(rows), _PARAMS, dtype=torch.float32, device=device))
+    table, params = [], []
+    for recipe, role, state in rows:
+        max_value = fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT))
+        table.append([state.amax_history[role].data_ptr(), state.scale[role].data_ptr(),
+                      state.initialized[role].data_ptr(), state.outlier_count[role].data_ptr(),
+                      state.outlier_ratio[role].data_ptr(), state.amax_history.shape[1],
+                      _ALGOS[recipe.amax_compute_algo], _POLICIES[recipe.amax_outlier_policy]])
+        params.append([max_value, 2.0**recipe.margin, max_value / 2.0**recipe.margin,
+                       float(recipe.amax_outlier_factor)])
+    return (torch.tensor(table, dtype=torch.int64).to(device),
+            torch.tensor(params, dtype=torch.float32).to(device))
+
+
+def layout_key(rows: Sequence[Row]) -> tuple:
+    """What a table depends on: each row's role, recipe and its state's tensors (addresses,
+    history length). Read on the host, no device access."""
+    return tuple((role, recipe, state.amax_history.data_ptr(), state.amax_history.shape[1], state.scale.data_ptr(),
+                  state.initialized.data_ptr(), state.outlier_count.data_ptr(), state.outlier_ratio.data_ptr())
+                 for recipe, role, state in rows)
+
+
+def supported(recipe) -> bool:
+    """Whether the kernel computes this recipe's update (a callable ``amax_compute_algo`` runs as
+    torch ops)."""
+    return recipe.amax_compute_algo in _ALGOS and recipe.amax_outlier_policy in _POLICIES
+
+
+def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tensor], None]],
+                tables: Optional[dict] = None) -> None:
+    """Update every row's scale and roll its history, as ``update_delayed_scaling`` does.
+
+    Args:
+        rows: ``(recipe, role, state)`` per pending row: a :class:`DelayedScaling` whose
+            :func:`supported` is true, the role (0 input, 1 weight, 2 grad_output) and the
+            layer's :class:`ScalingState`, all on one device.
+        reduce_amax: in-place MAX reduction of the float32 ``[n]`` current-step amaxes (in row
+            order), or None.
+        tables: a dict the caller keeps between steps (its model's), caching the device tables
+            by :func:`layout_key`; None builds them anew.
+    """
+    if not rows:
+        return
+    from ..._private.torch_api import in_dispatch_mode
+
+    device = rows[0][2].scale.device
+    key = layout_key(rows) if device.type != "meta" else None
+    cached = tables.get(key) if tables is not None and key is not None else None
+    if cached is None:
+        cached = build_table(rows, device)
+        if tables is not None and key is not None:
+            while len(tables) >= _CACHED_LAYOUTS:  # the oldest first: the steady state repeats one or two
+                tables.pop(next(iter(tables)))
+            tables[key] = cached
+    table, params = cached
+    block = triton.next_power_of_2(max(state.amax_history.shape[1] for _, _, state in rows)) if device.type != "meta" \
+        else 1
+    current = torch.empty(len(rows), dtype=torch.float32, device=device)
+    from . import ops  # registers the custom ops
+
+    traced = device.type == "meta" or in_dispatch_mode()
+    if reduce_amax is not None:
+        (torch.ops.fp8_plugin.scale_update_gather if traced else _gather)(table, current)
+        reduce_amax(current)
+    (torch.ops.fp8_plugin.scale_update if traced else _update)(table, params, current, reduce_amax is not None, block)
+
+
+def _gather(table: torch.Tensor, current: torch.Tensor) -> None:
+    _gather_kernel[(table.shape[0],)](table, current, FIELDS=_FIELDS)
+
+
+def _update(table: torch.Tensor, params: torch.Tensor, current: torch.Tensor, from_current: bool, block: int) -> None:
+    _update_kernel[(table.shape[0],)](table, params, current, FROM_CURRENT=from_current, FIELDS=_FIELDS,
+                                      PARAMS=_PARAMS, BLOCK=block, enable_fp_fusion=False)
