@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fp8_plugin
+from fp8_plugin.numerics.kernels.ops import OP_INPUT_READS, OP_LAUNCHES
 
 # A tensor of at most this many elements is state (scales, amax histories, counters), not data.
 SMALL = 1 << 16
@@ -63,7 +64,7 @@ _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 _METADATA_ONLY = {"full_like", "zeros_like", "ones_like", "empty_like", "new_zeros", "new_ones", "new_full",
                   "new_empty", "new_empty_strided", "empty", "empty_strided", "rand_like", "randn_like"}
 # Ops that allocate without writing: no kernel.
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh"}
 # Ops that overwrite the tensor they mutate without reading it.
 _OVERWRITE = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
 _FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -113,7 +114,8 @@ class Op:
 
     ``reads`` / ``writes`` map a storage key to bytes; ``created``: the storages it allocated;
     ``peak``: "fp8", "bf16" or "fp32" for GEMMs and attention, "" otherwise; ``large``: it
-    touches a tensor of more than :data:`SMALL` elements.
+    touches a tensor of more than :data:`SMALL` elements; ``launches``: GPU kernels it takes (1,
+    or what a fused cast of fp8-plugin documents: ``fp8_plugin.numerics.kernels.ops``).
     """
 
     name: str
@@ -124,6 +126,7 @@ class Op:
     writes: dict = field(default_factory=dict)
     created: set = field(default_factory=set)
     large: bool = False
+    launches: int = 1
 
     @property
     def bytes(self) -> int:
@@ -238,6 +241,12 @@ class OpCounter(TorchDispatchMode):
         for t in mutated + new_outputs:
             key = _key(t)
             op.writes[key] = max(op.writes.get(key, 0), touched_bytes(t))
+        if getattr(func, "namespace", "") == "fp8_plugin":
+            # A fused cast: its launches, and its input read as often as its kernels read it
+            # (current scaling: the amax pass, then the cast).
+            op.launches = OP_LAUNCHES.get(name, 1)
+            if inputs and name in OP_INPUT_READS:
+                op.reads[_key(inputs[0])] = touched_bytes(inputs[0]) * OP_INPUT_READS[name]
         op.created = {_key(t) for t in new_outputs}
         op.large = max(t.numel() for t in inputs + outputs) > SMALL
         if schema is not None:
@@ -323,10 +332,11 @@ class Projection:
 
 def project(ops: Iterable[Op], gpu: GPU, kernel_floor_s: float = 0.0) -> Projection:
     """Sum of each op's roofline time on ``gpu`` (:meth:`Op.seconds`), each op at least
-    ``kernel_floor_s`` (0: the pure roofline; a GPU kernel takes a few microseconds at least)."""
+    ``kernel_floor_s`` per launch (0: the pure roofline; a GPU kernel takes a few microseconds
+    at least)."""
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     kernels = dict.fromkeys(CATEGORIES, 0)
     for op in ops:
-        seconds[op.category] += max(op.seconds(gpu), kernel_floor_s)
-        kernels[op.category] += 1
+        seconds[op.category] += max(op.seconds(gpu), kernel_floor_s * op.launches)
+        kernels[op.category] += op.launches
     return Projection(seconds, kernels)

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fp8_plugin
 from fp8_plugin.modules.linear import FP8Linear
 from fp8_plugin.numerics.gemm import force_path
+from fp8_plugin.numerics.kernels import force_kernels
 
 from .op_costs import Op, OpCounter
 
@@ -39,8 +40,9 @@ BLOCKS = {2048: 8192, 4096: 14336, 8192: 28672}
 
 
 @contextlib.contextmanager
-def _fake() -> contextlib.AbstractContextManager:
-    with FakeTensorMode(allow_non_fake_inputs=True), force_path("native"), warnings.catch_warnings():
+def _fake(cast_path: str = "torch") -> contextlib.AbstractContextManager:
+    with FakeTensorMode(allow_non_fake_inputs=True), force_path("native"), force_kernels(cast_path), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")  # skipped small layers, an autocast run without FP8 layers
         yield
 
@@ -67,11 +69,13 @@ def _steady_step(module: nn.Module, call: Callable[[], torch.Tensor], grad: torc
     return counter.ops
 
 
-def linear_ops(m: int, k: int, n: int, recipe: Optional[fp8_plugin.Recipe]) -> list[Op]:
+def linear_ops(m: int, k: int, n: int, recipe: Optional[fp8_plugin.Recipe], cast_path: str = "torch") -> list[Op]:
     """The ops of one training step of a linear layer ``[M, K] -> [M, N]``: ``FP8Linear`` under
     ``recipe``, or ``nn.Linear`` under BF16 autocast for ``recipe=None``. FP32 master weights, no
-    bias, a BF16 input that needs its gradient, a BF16 output gradient."""
-    with _fake():
+    bias, a BF16 input that needs its gradient, a BF16 output gradient. ``cast_path``: the FP8
+    casts as torch ops (``"torch"``) or as the fused kernels' custom ops (``"triton"``, the
+    default on a CUDA GPU)."""
+    with _fake(cast_path):
         layer = nn.Linear(k, n, bias=False) if recipe is None else FP8Linear(k, n, bias=False, recipe=recipe)
         x = torch.empty(m, k, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.empty(m, n, dtype=torch.bfloat16)
@@ -88,18 +92,19 @@ def llama_config(hidden: int):
                        attn_implementation="sdpa")
 
 
-def block_ops(tokens: int, hidden: int, recipe: Optional[fp8_plugin.Recipe], skip_small: bool = False) -> list[Op]:
+def block_ops(tokens: int, hidden: int, recipe: Optional[fp8_plugin.Recipe], skip_small: bool = False,
+              cast_path: str = "torch") -> list[Op]:
     """The ops of one training step of a transformers ``LlamaDecoderLayer`` on ``tokens`` tokens
     (sequences of :data:`SEQ_LEN`), its seven linear layers converted by
     ``fp8_plugin.convert_model(skip_small=skip_small)`` under ``recipe`` (``None``: BF16 autocast
     alone). FP32 parameters and residual stream, as in a ``bf16-mixed`` model; causal attention
     through ``scaled_dot_product_attention``. The rotary embedding's cos / sin are computed
-    before the step (once per model, not per block)."""
+    before the step (once per model, not per block). ``cast_path`` as in :func:`linear_ops`."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = llama_config(hidden)
     batch, seq = max(1, tokens // SEQ_LEN), min(tokens, SEQ_LEN)
-    with _fake():
+    with _fake(cast_path):
         layer = LlamaDecoderLayer(config, layer_idx=0)
         if recipe is not None:
             fp8_plugin.convert_model(layer, recipe, skip_small=skip_small, device="cpu")
@@ -117,12 +122,13 @@ def block_ops(tokens: int, hidden: int, recipe: Optional[fp8_plugin.Recipe], ski
 
 
 def seam_linear_ops(m: int, k: int, n: int, recipe: Optional[fp8_plugin.Recipe],
-                    capability: tuple[int, int] = (9, 0)) -> list[Op]:
+                    capability: tuple[int, int] = (9, 0), cast_path: str = "torch") -> list[Op]:
     """The ops of one training step of a linear layer on ``meta`` tensors that the project treats
     as a CUDA GPU of compute ``capability`` (``fp8_plugin.numerics.device_kind.meta_as_cuda``,
     the CUDA contract suite's seam): the CUDA path itself, block-scaled GEMMs included
     (``Float8BlockScaling`` on sm90). CUDA autocast cannot be entered without CUDA, so weights,
     input and output gradient are all BF16 here, and ``recipe=None`` is a BF16 ``nn.Linear``.
+    ``cast_path`` as in :func:`linear_ops` (block-scaled casts have no fused kernel yet).
 
     Raises:
         ImportError: this fp8-plugin has no ``device_kind`` seam.
@@ -132,7 +138,7 @@ def seam_linear_ops(m: int, k: int, n: int, recipe: Optional[fp8_plugin.Recipe],
 
     gemm._native_gemm.cache_clear()  # decided per device: the presented GPU changes
     try:
-        with meta_as_cuda(capability), force_path("native"), warnings.catch_warnings():
+        with meta_as_cuda(capability), force_path("native"), force_kernels(cast_path), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             kwargs = dict(bias=False, device="meta", dtype=torch.bfloat16)
             layer = nn.Linear(k, n, **kwargs) if recipe is None else FP8Linear(k, n, recipe=recipe, **kwargs)
