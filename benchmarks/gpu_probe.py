@@ -241,12 +241,19 @@ def cast_kernel_variants(device: torch.device, kind_of: str) -> Iterator[tuple[s
                 return "PASS bit-for-bit (65,536 values, both copies, amax)"
             yield f"cast kernel bf16 patterns -> {fmt(fmt_dtype)} x {scale:.4g} cast-transpose-amax", cast
 
-        for recipe_name in ("current", "delayed"):
-            for initialized in ((False,) if recipe_name == "current" else (False, True)):
+        for recipe_name in ("current", "delayed", "blockwise", "mxfp8"):
+            for initialized in ((False, True) if recipe_name == "delayed" else (False,)):
                 def quantizer(fmt_dtype=fmt_dtype, recipe_name=recipe_name, initialized=initialized):
                     return cannot_run or quantizer_against_torch(device, fmt_dtype, recipe_name, initialized)
-                when = "" if recipe_name == "current" else f" ({'steady state' if initialized else 'first cast'})"
+                when = "" if recipe_name != "delayed" else f" ({'steady state' if initialized else 'first cast'})"
                 yield f"cast kernel {recipe_name} scaling bf16 1000x300 -> {fmt(fmt_dtype)}{when}", quantizer
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Equal, a NaN equal to a NaN (an MXFP8 block with an infinity has a NaN scale).
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
 
 
 def quantizer_against_torch(device: torch.device, fmt_dtype: torch.dtype, recipe_name: str, initialized: bool) -> str:
@@ -258,8 +265,10 @@ def quantizer_against_torch(device: torch.device, fmt_dtype: torch.dtype, recipe
 
     # HYBRID: E4M3 for the input (role 0), E5M2 for grad_output (role 2).
     role = 0 if fmt_dtype == E4M3 else 2
-    recipe = (fp8_plugin.Float8CurrentScaling(fp8_format="HYBRID") if recipe_name == "current"
-              else fp8_plugin.DelayedScaling(fp8_format="HYBRID", amax_history_len=4))
+    recipe = {"current": lambda: fp8_plugin.Float8CurrentScaling(fp8_format="HYBRID"),
+              "delayed": lambda: fp8_plugin.DelayedScaling(fp8_format="HYBRID", amax_history_len=4),
+              "blockwise": lambda: fp8_plugin.Float8BlockScaling(fp8_format="HYBRID"),
+              "mxfp8": lambda: fp8_plugin.MXFP8BlockScaling(fp8_format="HYBRID")}[recipe_name]()
     gen = torch.Generator().manual_seed(6)
     x = (torch.randn(1000, 300, generator=gen) * 7).to(torch.bfloat16).to(device)
     results = []
@@ -269,8 +278,8 @@ def quantizer_against_torch(device: torch.device, fmt_dtype: torch.dtype, recipe
         with force_kernels(path):
             row, col = make_quantizer(recipe, role, state).quantize_pair(x, columnwise=True)
         results.append({"data": row.data.view(torch.uint8), "data_t": col.data.view(torch.uint8),
-                        "scale_inv": row.scale_inv, **state.tensors()})
-    bad = [name for name in results[0] if not torch.equal(results[0][name], results[1][name])]
+                        "scale_inv": row.scale_inv, "scale_inv_t": col.scale_inv, **state.tensors()})
+    bad = [name for name in results[0] if not _same(results[0][name], results[1][name])]
     return f"FAIL differs from torch's: {', '.join(bad)}" if bad else "PASS bit-for-bit (both copies, scale_inv, state)"
 
 

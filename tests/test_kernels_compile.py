@@ -22,23 +22,23 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fp8_plugin.numerics.kernels import scale_update as su, tensorwise as tw
+from fp8_plugin.numerics.kernels import blockwise as bw, scale_update as su, tensorwise as tw
 
-ptr = {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
+ptr = {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
 dims = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
 cases = {
     "cast_transpose e4m3 T amax": (tw._cast_transpose_kernel, {**ptr, "scale_ptr": "*fp32", **dims},
                                    {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "AMAX": True, "TILE": 64}),
-    "amax": (tw._amax_kernel, {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", **dims}, {"TILE": 64}),
-    "amax unless initialized": (tw._amax_unless_initialized_kernel, {"x_ptr": "*bf16", "workspace_ptr": "*i32",
+    "amax": (tw._amax_kernel, {"x_ptr": "*i16", "amax_bits_ptr": "*i32", **dims}, {"TILE": 64}),
+    "amax unless initialized": (tw._amax_unless_initialized_kernel, {"x_ptr": "*i16", "workspace_ptr": "*i32",
                                                                      "initialized_ptr": "*i1", **dims}, {"TILE": 64}),
-    "delayed e4m3 T": (tw._delayed_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8",
+    "delayed e4m3 T": (tw._delayed_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
                                             "workspace_ptr": "*i32", "initialized_ptr": "*i1",
                                             "state_scale_ptr": "*fp32", "history_ptr": "*fp32", "count_ptr": "*i64",
                                             "scale_out_ptr": "*fp32", "scale_inv_out_ptr": "*fp32", **dims,
                                             "n_programs": "i32", "MAX_OVER_MARGIN": "fp32"},
                        {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "RECORD": True, "TILE": 64}),
-    "current e5m2 T": (tw._current_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8",
+    "current e5m2 T": (tw._current_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
                                             "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
                                             "state_scale_ptr": "*fp32", "scale_out_ptr": "*fp32",
                                             "scale_inv_out_ptr": "*fp32", **dims, "n_programs": "i32",
@@ -46,12 +46,25 @@ cases = {
                        {"FP8_MAX": 57344.0, "E4M3": False, "TRANSPOSE": True, "RECORD": True, "TILE": 64}),
     "scale update": (su._update_kernel, {"table_ptr": "*i64", "params_ptr": "*fp32", "current_ptr": "*fp32"},
                      {"FROM_CURRENT": True, "FIELDS": 8, "PARAMS": 4, "BLOCK": 1024}),
+    "blocks 1x128 e4m3 T": (bw._block_cast_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
+                                                   "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32",
+                                                   "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
+                                                   "state_scale_ptr": "*fp32", **dims, "n_programs": "i32"},
+                            {"B": 128, "SQUARE": False, "MX": False, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8,
+                             "POWER_2": False, "EPS": 0.0, "TRANSPOSE": True, "RECORD": True}),
+    "blocks mxfp8 e4m3 T": (bw._block_cast_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
+                                                    "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32",
+                                                    "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
+                                                    "state_scale_ptr": "*fp32", **dims, "n_programs": "i32"},
+                            {"B": 32, "SQUARE": False, "MX": True, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8,
+                             "POWER_2": False, "EPS": 0.0, "TRANSPOSE": True, "RECORD": True}),
     "scale update gather": (su._gather_kernel, {"table_ptr": "*i64", "current_ptr": "*fp32"}, {"FIELDS": 8}),
 }
 result = {}
 for arch in map(int, sys.argv[1:]):
-    # Every kernel for Hopper; Blackwell's lowering differs by target alone: the delayed cast.
-    for name, (fn, sig, consts) in (cases.items() if arch == 90 else [("delayed e4m3 T", cases["delayed e4m3 T"])]):
+    # Every kernel for Hopper; Blackwell's lowering differs by target alone: the delayed and MXFP8 casts.
+    blackwell = ["delayed e4m3 T", "blocks mxfp8 e4m3 T"]
+    for name, (fn, sig, consts) in (cases.items() if arch == 90 else [(n, cases[n]) for n in blackwell]):
         sig = {**sig, **{k: "constexpr" for k in consts}}
         compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
                                   options={"enable_fp_fusion": False})
@@ -68,7 +81,7 @@ def test_every_kernel_compiles_for_sm90_and_sm100_without_fma_or_ftz():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 8
+    assert len(result) == 11
     for name, facts in result.items():
         assert facts["cubin"] > 0, name
         assert facts["fma"] == 0 and facts["ftz"] == 0, (name, facts)

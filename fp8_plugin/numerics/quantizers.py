@@ -518,18 +518,42 @@ class BlockQuantizer(Quantizer):
             return QuantizedTensor(quantize_blocks(x, scale, self.block, self.dtype), scale_inv, self.block), amax
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        if self._fusable(x):
+            return self._fused(x, columnwise=False, record=False)[0]
         return self._cast(x)[0]
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         if self.host:
             self.state.use_recipe(self.recipe)
-        row, amax = self._cast(x)
-        # The tensor's amax is the max of its block amaxes: no second pass over x.
-        if self.record:
-            self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
-            if self.host:
-                mark_recorded(self.state, self.recipe, self.role)
-        return row, (self.quantize(x.t()) if columnwise else None)
+        if self._fusable(x):
+            row, col = self._fused(x, columnwise, self.record)
+        else:
+            row, amax = self._cast(x)
+            # The tensor's amax is the max of its block amaxes: no second pass over x.
+            if self.record:
+                self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
+            col = self.quantize(x.t()) if columnwise else None
+        if self.record and self.host:
+            mark_recorded(self.state, self.recipe, self.role)
+        return row, col
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and self.block in ((1, 32), (1, 128), (128, 128)) and _fusable(x)
+
+    def _fused(self, x: torch.Tensor, columnwise: bool, record: bool
+               ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        # The torch ops of _cast (and of the columnwise copy, the cast of x.T) in one pass
+        # (numerics/kernels/blockwise.py), bit for bit; the amax recorded by the kernel.
+        from .kernels import ops
+
+        params = self.qparams
+        with torch.no_grad():
+            data, scale_inv, data_t, scale_inv_t = ops.cast_blocks(
+                x, self.state, self.role, self.dtype, self.block, mx=params is None,
+                power_2_scale=bool(params and params.power_2_scale), amax_epsilon=params.amax_epsilon if params else 0.0,
+                transpose=columnwise, record=record)
+        row = QuantizedTensor(data, scale_inv, self.block)
+        return row, (QuantizedTensor(data_t, scale_inv_t, self.block) if columnwise else None)
 
 
 def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:

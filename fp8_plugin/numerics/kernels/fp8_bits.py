@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["e4m3_bits", "e5m2_bits", "saturated"]
+__all__ = ["e4m3_bits", "e5m2_bits", "saturated", "as_float32", "loadable"]
 
 
 @triton.jit
@@ -63,6 +63,25 @@ def e5m2_bits(f):
     special = tl.where(f_bits > (255 << 23), 0x7F, 0x7C)  # NaN, else |f| >= 65536: infinity
     code = tl.where(f_bits >= (143 << 23), special, code)
     return ((code & 0xFF) | (sign >> 24)).to(tl.uint8)
+
+
+def loadable(x):
+    """The tensor a kernel loads for ``x``: a bfloat16 tensor as its int16 bits (any strides),
+    which :func:`as_float32` widens exactly; other dtypes as they are."""
+    import torch
+
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+@triton.jit
+def as_float32(raw):
+    """float32 values of a tile loaded from :func:`loadable`'s tensor. bfloat16 arrives as its
+    int16 bits and widens by a 16-bit shift, exact on a GPU and under the interpreter alike:
+    the interpreter's own bfloat16 conversion is wrong for subnormals (1e-39 reads as 4.4e-39,
+    9.2e-41 as 0), which a large scale makes visible in the FP8 bytes."""
+    if raw.dtype == tl.int16:
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float32)
 
 
 @triton.jit

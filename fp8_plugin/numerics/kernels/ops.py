@@ -19,14 +19,14 @@ import torch
 
 from ..._private.torch_api import in_dispatch_mode
 
-__all__ = ["cast_delayed", "cast_current", "OP_LAUNCHES", "OP_INPUT_READS"]
+__all__ = ["cast_delayed", "cast_current", "cast_blocks", "OP_LAUNCHES", "OP_INPUT_READS"]
 
 # Kernel launches and reads of the input per call of each op, for the cost model and the
 # launch-count tests (tensorwise.LAUNCHES says the same of the Python entry points).
-OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "scale_update_gather": 1, "scale_update": 1}
+OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "cast_blocks": 1, "scale_update_gather": 1, "scale_update": 1}
 # Reads of the whole input per call: delayed scaling's steady state reads it once (its first cast
 # twice, once per training run), current scaling twice (amax, then the cast).
-OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2}
+OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2, "cast_blocks": 1}
 
 
 def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, ...]:
@@ -76,6 +76,38 @@ _cast_current_op = torch.library.custom_op("fp8_plugin::cast_current", _cast_cur
 @_cast_current_op.register_fake
 def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record):
     return _outputs(x, dtype, transpose)
+
+
+def _cast_blocks_eager(x: torch.Tensor, scale: torch.Tensor, amax_history: torch.Tensor,
+                       nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
+                       block_rows: int, block_cols: int, mx: bool, power_2_scale: bool, amax_epsilon: float,
+                       transpose: bool, record: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import blockwise
+
+    data, scale_inv, data_t, scale_inv_t = blockwise.cast_blocks(
+        x, dtype, (block_rows, block_cols), mx=mx, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
+        transpose=transpose, record=record, scale=scale, amax_history=amax_history,
+        nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role)
+    if not transpose:
+        data_t, scale_inv_t = x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
+    return data, scale_inv, data_t, scale_inv_t
+
+
+_cast_blocks_op = torch.library.custom_op("fp8_plugin::cast_blocks", _cast_blocks_eager,
+                                          mutates_args=("amax_history", "nonfinite_amax_count", "workspace", "scale"))
+
+
+@_cast_blocks_op.register_fake
+def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, block_rows, block_cols, mx, power_2_scale,
+      amax_epsilon, transpose, record):
+    m, n = x.shape
+
+    def blocks(rows: int, cols: int) -> tuple[int, int]:
+        return -(-rows // block_rows), -(-cols // block_cols)
+
+    data_t = x.new_empty((n, m) if transpose else (0,), dtype=dtype)
+    scale_inv_t = x.new_empty(blocks(n, m) if transpose else (0,), dtype=torch.float32)
+    return x.new_empty((m, n), dtype=dtype), x.new_empty(blocks(m, n), dtype=torch.float32), data_t, scale_inv_t
 
 
 def _scale_update_gather_eager(table: torch.Tensor, current: torch.Tensor) -> None:
@@ -128,3 +160,16 @@ def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: 
     data, data_t, scale, scale_inv = (torch.ops.fp8_plugin.cast_current(*args) if _traced(x)
                                       else _cast_current_eager(*args))
     return data, (data_t if transpose else None), scale, scale_inv
+
+
+def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,
+                power_2_scale: bool, amax_epsilon: float, transpose: bool, record: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The block-scaled fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
+    :func:`~fp8_plugin.numerics.kernels.blockwise.cast_blocks`; ``(data, scale_inv, data_t or
+    None, scale_inv_t or None)``."""
+    args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
+            block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
+    data, scale_inv, data_t, scale_inv_t = (torch.ops.fp8_plugin.cast_blocks(*args) if _traced(x)
+                                            else _cast_blocks_eager(*args))
+    return data, scale_inv, (data_t if transpose else None), (scale_inv_t if transpose else None)

@@ -43,7 +43,7 @@ import triton.language as tl
 from ..formats import fp8_max
 from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
-from .fp8_bits import e4m3_bits, e5m2_bits, saturated
+from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 
 __all__ = ["cast_transpose", "cast_transpose_delayed", "tensor_amax", "cast_transpose_current", "reference_cast",
            "reference_delayed", "reference_current", "LAUNCHES"]
@@ -84,7 +84,7 @@ def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm,
     rows = pid_m * TILE + tl.arange(0, TILE)[:, None]
     cols = pid_n * TILE + tl.arange(0, TILE)[None, :]
     inside = (rows < M) & (cols < N)
-    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=inside, other=0.0)
+    x = as_float32(tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=inside, other=0))
     if AMAX:
         _fold_amax(x, amax_bits_ptr)
     s = saturated(x, scale, FP8_MAX, E4M3)
@@ -111,7 +111,8 @@ def _amax_tile(x_ptr, amax_bits_ptr, rows_limit, N, stride_xm, stride_xn, TILE: 
     # The amax of this program's tile, rows below rows_limit only (none when it is 0: no load).
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)[:, None]
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
-    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < rows_limit) & (cols < N), other=0.0)
+    x = as_float32(tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < rows_limit) & (cols < N),
+                           other=0))
     _fold_amax(x, amax_bits_ptr)
 
 
@@ -232,7 +233,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     if x.numel():
         amax_bits = amax_out.view(torch.int32) if amax_out is not None else out.view(torch.uint8)
         _cast_transpose_kernel[_grid(x)](
-            x, out.view(torch.uint8), out_t.view(torch.uint8), amax_bits, scale, x.shape[0], x.shape[1],
+            loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), amax_bits, scale, x.shape[0], x.shape[1],
             x.stride(0), x.stride(1), FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
             TRANSPOSE=transpose, AMAX=amax_out is not None, TILE=_TILE, enable_fp_fusion=False)
     return out, (out_t if transpose else None)
@@ -249,7 +250,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     if x.numel():
-        _amax_kernel[_grid(x)](x, amax_bits, x.shape[0], x.shape[1], x.stride(0), x.stride(1), TILE=_TILE,
+        _amax_kernel[_grid(x)](loadable(x), amax_bits, x.shape[0], x.shape[1], x.stride(0), x.stride(1), TILE=_TILE,
                                    enable_fp_fusion=False)
     return amax_bits.view(torch.float32).reshape(())
 
@@ -304,9 +305,9 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_kernel[grid](x, work, *args, TILE=_TILE, enable_fp_fusion=False)
+    _amax_kernel[grid](loadable(x), work, *args, TILE=_TILE, enable_fp_fusion=False)
     _current_kernel[grid](
-        x, out.view(torch.uint8), out_t.view(torch.uint8), work, history, count, state_scale, scale_out, scale_inv,
+        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), work, history, count, state_scale, scale_out, scale_inv,
         *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype),
         E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record, TILE=_TILE, enable_fp_fusion=False)
     return out, (out_t if transpose else None), scale_out, scale_inv
@@ -351,9 +352,9 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = _grid(x)
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_unless_initialized_kernel[grid](x, work, initialized[role], *args, TILE=_TILE, enable_fp_fusion=False)
+    _amax_unless_initialized_kernel[grid](loadable(x), work, initialized[role], *args, TILE=_TILE, enable_fp_fusion=False)
     _delayed_kernel[grid](
-        x, out.view(torch.uint8), out_t.view(torch.uint8), work, initialized[role], state_scale, history, count,
+        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), work, initialized[role], state_scale, history, count,
         scale_out, scale_inv, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype),
         E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record, TILE=_TILE, enable_fp_fusion=False)
     return out, (out_t if transpose else None), scale_out, scale_inv
