@@ -224,10 +224,15 @@ def mxfp8_results(model: Model) -> dict:
             for gpu in MX_GPUS:
                 eager, fused, base = (model.time(fp8, gpu, "eager"), model.time(fp8, gpu, "fused"),
                                       model.time(bf16, gpu, "eager"))
+                kernels = model.time(fp8, gpu, "kernels")
                 row[recipe][gpu] = {
                     "bf16_us": base.total * 1e6,
                     "fp8_fused_us": fused.total * 1e6,
+                    "fp8_kernels_us": kernels.total * 1e6,
                     "speedup_eager": _speedup(model, bf16, fp8, gpu, "eager"),
+                    "speedup_kernels": _speedup(model, bf16, fp8, gpu, "kernels"),
+                    "speedup_kernels_floor": _speedup(model, bf16, fp8, gpu, "kernels", floor=True),
+                    "kernels_kernels": sum(kernels.kernels.values()),
                     "speedup_fused": _speedup(model, bf16, fp8, gpu, "fused"),
                     "speedup_eager_floor": _speedup(model, bf16, fp8, gpu, "eager", floor=True),
                     "share_eager": {c: eager.share(c) for c in ("cast", "amax", "bookkeeping", "gemm")},
@@ -368,20 +373,17 @@ def seam_section(seam: dict) -> list[str]:
               "(`torch.nn.functional.scaled_mm`, 1x128 / 128x128 blocks). CUDA autocast cannot be entered without CUDA: "
               "weights, input and output gradient are BF16, against a BF16 `nn.Linear` (no weight cast on either "
               "side). Blockwise's fused bound computes each block's amax on chip (no extra read).", "",
-              "Block-scaled casts have no fused kernel yet: blockwise runs its casts as torch ops at every level but "
-              "the fused bound.", "",
-              f"| M x K x N | delayed {h100} kernels / torch ops / fused | blockwise {h100} eager | blockwise {h100} fused | "
-              f"blockwise {h100} eager + floor | blockwise {h200} eager / fused | blockwise {h100} eager: casts / amax / "
-              "bookkeeping |", "| --- |" + " --- |" * 6]
+              f"| M x K x N | delayed {h100} kernels / torch ops / fused | blockwise {h100} kernels | blockwise {h100} "
+              f"kernels + floor | blockwise {h100} fused | blockwise {h100} torch ops | blockwise {h200} kernels / fused | "
+              f"blockwise {h100} torch ops: casts / amax / bookkeeping |", "| --- |" + " --- |" * 7]
     for r in seam["results"]:
         d, b, b2 = r["delayed"][h100], r["blockwise"][h100], r["blockwise"][h200]
         s = b["share_eager"]
         lines.append(
             f"| {r['m']} x {r['k']} x {r['n']} | {_x(d['speedup_kernels'])} / {_x(d['speedup_eager'])} / "
-            f"{_x(d['speedup_fused'])} | "
-            f"{_x(b['speedup_eager'])} | **{_x(b['speedup_fused'])}** | {_x(b['speedup_eager_floor'])} | "
-            f"{_x(b2['speedup_eager'])} / {_x(b2['speedup_fused'])} | {_pct(s['cast'])} / {_pct(s['amax'])} / "
-            f"{_pct(s['bookkeeping'])} |")
+            f"{_x(d['speedup_fused'])} | **{_x(b['speedup_kernels'])}** | {_x(b['speedup_kernels_floor'])} | "
+            f"{_x(b['speedup_fused'])} | {_x(b['speedup_eager'])} | {_x(b2['speedup_kernels'])} / "
+            f"{_x(b2['speedup_fused'])} | {_pct(s['cast'])} / {_pct(s['amax'])} / {_pct(s['bookkeeping'])} |")
     return lines
 
 
@@ -397,19 +399,19 @@ def mxfp8_section(mx: dict) -> list[str]:
               "FP8 tensor-core peak. BF16 weights, input and output gradient, against a BF16 `nn.Linear`, as in the "
               "sm90 table. MXFP8's fused bound computes each block's amax in the cast (no extra read); fp8-plugin keeps "
               "float32 scale_inv beside the FP8 data and writes the GEMM's swizzled E8M0 scales from it before each "
-              "GEMM, which both levels charge. MXFP8 casts have no fused kernel yet: eager is torch ops.", "",
-              "| M x K x N | BF16 B200 | MXFP8 B200 fused | MXFP8 eager | MXFP8 fused | MXFP8 eager + floor | "
-              "delayed eager / fused | MXFP8 eager: casts / amax / bookkeeping | MXFP8 fused: casts / bookkeeping | "
-              "kernels MXFP8 / BF16 |", "| --- |" + " --- |" * 9]
+              "GEMM (4 small ops per operand), which every level charges.", "",
+              "| M x K x N | BF16 B200 | MXFP8 kernels B200 | MXFP8 kernels | MXFP8 kernels + floor | MXFP8 fused | "
+              "MXFP8 torch ops | delayed kernels / fused | MXFP8 torch ops: casts / amax / bookkeeping | "
+              "launches MXFP8 kernels / torch ops / BF16 |", "| --- |" + " --- |" * 9]
     for r in mx["results"]:
         x, d = r["mxfp8"]["B200"], r["delayed"]["B200"]
-        s, f = x["share_eager"], x["share_fused"]
+        s = x["share_eager"]
         lines.append(
-            f"| {r['m']} x {r['k']} x {r['n']} | {x['bf16_us']:.0f} µs | {x['fp8_fused_us']:.0f} µs | "
-            f"{_x(x['speedup_eager'])} | **{_x(x['speedup_fused'])}** | {_x(x['speedup_eager_floor'])} | "
-            f"{_x(d['speedup_eager'])} / {_x(d['speedup_fused'])} | {_pct(s['cast'])} / {_pct(s['amax'])} / "
-            f"{_pct(s['bookkeeping'])} | {_pct(f['cast'])} / {_pct(f['bookkeeping'])} | "
-            f"{x['kernels_eager']} / {x['kernels_bf16']} |")
+            f"| {r['m']} x {r['k']} x {r['n']} | {x['bf16_us']:.0f} µs | {x['fp8_kernels_us']:.0f} µs | "
+            f"**{_x(x['speedup_kernels'])}** | {_x(x['speedup_kernels_floor'])} | {_x(x['speedup_fused'])} | "
+            f"{_x(x['speedup_eager'])} | {_x(d['speedup_kernels'])} / {_x(d['speedup_fused'])} | {_pct(s['cast'])} / "
+            f"{_pct(s['amax'])} / {_pct(s['bookkeeping'])} | {x['kernels_kernels']} / {x['kernels_eager']} / "
+            f"{x['kernels_bf16']} |")
     return lines
 
 

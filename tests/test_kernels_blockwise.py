@@ -23,6 +23,7 @@ import fp8_plugin as fp  # noqa: E402
 from fp8_plugin.numerics.kernels import blockwise, force_kernels  # noqa: E402
 from fp8_plugin.numerics.kernels.blockwise import cast_blocks, reference_blocks  # noqa: E402
 from fp8_plugin.numerics.quantizers import ScalingState  # noqa: E402
+from fp8_plugin.numerics.scale_layouts import mx_gemm_scale  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value", "ignore:overflow", "ignore:divide by zero")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -45,7 +46,7 @@ def check(x: torch.Tensor, dtype: torch.dtype, kind: str) -> None:
     block, mx, power_2, eps = KINDS[kind]
     state = ScalingState(4)
     state.amax_history[0, 0] = 0.25
-    data, scale_inv, data_t, scale_inv_t = cast_blocks(
+    data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = cast_blocks(
         x, dtype, block, mx=mx, power_2_scale=power_2, amax_epsilon=eps, transpose=True, record=True, role=0,
         scale=state.scale, amax_history=state.amax_history, nonfinite_amax_count=state.nonfinite_amax_count,
         workspace=state.kernel_workspace)
@@ -53,6 +54,13 @@ def check(x: torch.Tensor, dtype: torch.dtype, kind: str) -> None:
     want_t, want_inv_t, _ = reference_blocks(x.t(), dtype, block, mx=mx, power_2_scale=power_2, amax_epsilon=eps)
     assert same(scale_inv, want_inv) and same(scale_inv_t, want_inv_t)
     assert same(data, want) and same(data_t, want_t)
+    if block[0] == 1:  # 1xB grids in the blockwise GEMM's layout: column-major, so its conversion is a view
+        assert scale_inv.stride() == (1, scale_inv.shape[0]) and scale_inv_t.stride() == (1, scale_inv_t.shape[0])
+    if mx:  # the E8M0 bytes in the GEMM's swizzled layout, as scale_layouts makes them from scale_inv
+        assert torch.equal(gemm.view(torch.uint8), mx_gemm_scale(want_inv).view(torch.uint8))
+        assert torch.equal(gemm_t.view(torch.uint8), mx_gemm_scale(want_inv_t).view(torch.uint8))
+    else:
+        assert gemm is None and gemm_t is None
     # The statistics the torch ops record: observe_current(max of the block amaxes, scale 1).
     tensor_amax = amax.amax() if amax.numel() else torch.zeros(())
     finite = bool(torch.isfinite(tensor_amax))
@@ -84,7 +92,7 @@ def test_float16_and_float32_samples(src, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("shape", [(1, 1), (130, 70), (33, 257)])
+@pytest.mark.parametrize("shape", [(1, 1), (130, 70), (33, 257), (256, 160)])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
 def test_ragged_shapes_and_any_layout(kind, shape, layout):
     gen = torch.Generator().manual_seed(1)

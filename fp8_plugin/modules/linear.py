@@ -123,14 +123,15 @@ class _FP8LinearFunction(torch.autograd.Function):
                 x_data: torch.Tensor, x_scale_inv: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor,
                 xt_data: Optional[torch.Tensor], xt_scale_inv: Optional[torch.Tensor],
                 wt_data: Optional[torch.Tensor], wt_scale_inv: Optional[torch.Tensor],
-                state: ScalingState, info: _Backward) -> torch.Tensor:
+                x_gemm: Optional[torch.Tensor], w_gemm: Optional[torch.Tensor], xt_gemm: Optional[torch.Tensor],
+                wt_gemm: Optional[torch.Tensor], state: ScalingState, info: _Backward) -> torch.Tensor:
         # A tensor's rowwise and columnwise copies have blocks of one shape (1xB along each
         # copy's rows, or BxB), so one block tuple per operand serves both.
         fprop, dgrad, wgrad = info.gemms
         dtype = _output_dtype(x2d)
         if fprop:
-            qx = QuantizedTensor(x_data, x_scale_inv, info.x_block)
-            qw = QuantizedTensor(w_data, w_scale_inv, info.w_block)
+            qx = QuantizedTensor(x_data, x_scale_inv, info.x_block, x_gemm)
+            qw = QuantizedTensor(w_data, w_scale_inv, info.w_block, w_gemm)
             out = fp8_gemm(qx, qw, dtype, bias)
         else:
             out = _high_precision_gemm(x2d, _weight_2d(weight, info.weight_transposed), dtype, dtype, bias)
@@ -138,7 +139,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         # backward GEMM in high precision reads the unquantised operand instead of its FP8 copy.
         unquantised = ([] if wgrad else [x2d]) + ([] if dgrad else [weight])
         ctx.save_for_backward(xt_data, x_scale_inv if xt_scale_inv is None else xt_scale_inv,
-                              wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv, *unquantised)
+                              wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv, xt_gemm, wt_gemm,
+                              *unquantised)
         ctx.state, ctx.info, ctx.x_dtype, ctx.gemm_dtype = state, info, x2d.dtype, dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -147,7 +149,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         info: _Backward = ctx.info
-        xt_data, xt_scale_inv, wt_data, wt_scale_inv, *unquantised = ctx.saved_tensors
+        xt_data, xt_scale_inv, wt_data, wt_scale_inv, xt_gemm, wt_gemm, *unquantised = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         _, fp8_dgrad, fp8_wgrad = info.gemms
         x2d = None if fp8_wgrad else unquantised[0]
@@ -158,13 +160,13 @@ class _FP8LinearFunction(torch.autograd.Function):
             quantizer = make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False)
             qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
         if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block), ctx.x_dtype)
+            grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm), ctx.x_dtype)
         elif need_x:
             w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
             grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
             if fp8_w:
-                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block), torch.float32)
+                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), torch.float32)
             else:
                 grad_w = _high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, torch.float32)
             if info.weight_transposed:
@@ -172,7 +174,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             grad_w = grad_w.to(ctx.weight_dtype)
         if need_b:
             grad_b = grad_out.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, *([None] * 10)
+        return grad_x, grad_w, grad_b, *([None] * 14)
 
 
 class FP8Linear(nn.Linear):
@@ -394,7 +396,8 @@ class FP8Linear(nn.Linear):
             info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms)
             out = _FP8LinearFunction.apply(
                 x2d, self.weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
-                *_unpack(qx_t, qx), *_unpack(qw_t, qw), state, info,
+                *_unpack(qx_t, qx), *_unpack(qw_t, qw), qx.gemm_scale, qw.gemm_scale,
+                qx_t and qx_t.gemm_scale, qw_t and qw_t.gemm_scale, state, info,
             )  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
 

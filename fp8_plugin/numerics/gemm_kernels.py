@@ -59,6 +59,11 @@ def scaled_mm_tensorwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torc
     return out + kernel_bias(bias, out_dtype) if bias is not None and not fused else out
 
 
+def _mx_scale(q: QuantizedTensor) -> torch.Tensor:
+    # The swizzled E8M0 scales: the fused cast's own, else converted from scale_inv.
+    return q.gemm_scale if q.gemm_scale is not None else mx_gemm_scale(q.scale_inv)
+
+
 def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``torch.nn.functional.scaled_mm`` with block scales, no bias.
 
@@ -71,8 +76,8 @@ def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtyp
         swizzle = F.SwizzleType.SWIZZLE_32_4_4
         return F.scaled_mm(
             a.data, b.data.t(),
-            mx_gemm_scale(a.scale_inv), S.BlockWise1x32,
-            mx_gemm_scale(b.scale_inv), S.BlockWise1x32,
+            _mx_scale(a), S.BlockWise1x32,
+            _mx_scale(b), S.BlockWise1x32,
             swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype,
         )  # fmt: skip
     if b.block == (128, 128):

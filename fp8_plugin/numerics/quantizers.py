@@ -55,11 +55,16 @@ class QuantizedTensor:
     ``data`` is 2-D ``[rows, cols]`` in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
     ``block`` is None for per-tensor scaling (``scale_inv`` 0-dim) or the ``(rows, cols)`` tile
     each entry of a ``[ceil(rows / block[0]), ceil(cols / block[1])]`` ``scale_inv`` covers.
+    ``gemm_scale``: the same scales already in the layout a native block-scaled GEMM takes
+    (MXFP8: swizzled E8M0, :func:`fp8_plugin.numerics.scale_layouts.mx_gemm_scale`), written by
+    a fused cast; None where the GEMM converts ``scale_inv`` itself. An operation that changes
+    ``data`` (padding, transposing) drops it.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     block: Optional[tuple[int, int]] = None
+    gemm_scale: Optional[torch.Tensor] = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32, saturate: bool = True) -> torch.Tensor:
         """High-precision copy ``data * scale_inv`` in ``dtype``; finite data reads back finite
@@ -548,12 +553,12 @@ class BlockQuantizer(Quantizer):
 
         params = self.qparams
         with torch.no_grad():
-            data, scale_inv, data_t, scale_inv_t = ops.cast_blocks(
+            data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = ops.cast_blocks(
                 x, self.state, self.role, self.dtype, self.block, mx=params is None,
                 power_2_scale=bool(params and params.power_2_scale), amax_epsilon=params.amax_epsilon if params else 0.0,
                 transpose=columnwise, record=record)
-        row = QuantizedTensor(data, scale_inv, self.block)
-        return row, (QuantizedTensor(data_t, scale_inv_t, self.block) if columnwise else None)
+        row = QuantizedTensor(data, scale_inv, self.block, gemm)
+        return row, (QuantizedTensor(data_t, scale_inv_t, self.block, gemm_t) if columnwise else None)
 
 
 def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:

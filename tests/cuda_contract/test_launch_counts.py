@@ -76,3 +76,20 @@ def test_the_scale_update_of_a_whole_model_takes_at_most_four_launches(cuda, lay
     assert cuda.ops["fp8_plugin.scale_update.default"] == 1
     assert reductions == ([(3 * layers,)] if reduced else [])  # one reduction of every row's amax
     cuda.clean()
+
+
+@pytest.mark.parametrize("cuda,recipe,most", [((9, 0), fp.Float8BlockScaling(), 9), ((10, 0), fp.MXFP8BlockScaling(), 7)],
+                         indirect=["cuda"], ids=["sm90-blockwise", "sm100-mxfp8"])
+def test_block_scaled_step_casts_in_one_launch_each(cuda, recipe, most):
+    # One fused cast per tensor, which writes the scales in the GEMM's layouts (MXFP8's swizzled
+    # E8M0, 1x128 column-major); blockwise pads its 128x128 weight scales for 2 GEMMs; then the
+    # 3 GEMMs and the weight gradient's dtype cast.
+    layer = fp.FP8Linear(256, 384, bias=False, device=cuda.device, dtype=torch.bfloat16)
+    train_step(layer, recipe, *batch(layer))
+    optimizer_step([layer])
+    x, grad = batch(layer)
+    cuda.reset()
+    train_step(layer, recipe, x, grad)
+    assert cuda.ops["fp8_plugin.cast_blocks.default"] == 3
+    assert cuda.scaled_gemms() == 3
+    assert sum(cuda.launches.values()) <= most

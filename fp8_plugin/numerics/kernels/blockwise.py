@@ -12,6 +12,10 @@ sources: OCP MX v1.0 section 6.3, Transformer Engine's blockwise recipe). One pr
   column of the tile), with the scale_inv of each;
 - 128x128 blocks (blockwise weights): one scale for the tile, both copies.
 
+The scales are written where the native GEMMs read them: 1xB grids column-major (the blockwise
+GEMM's "M-major" layout), and for MXFP8 also the E8M0 bytes in cuBLAS's swizzled 32_4_4 layout
+(``QuantizedTensor.gemm_scale``), so no conversion runs before the GEMM.
+
 The tensor's amax goes to the layer's scaling state for statistics, as the torch ops record it
 (``ScalingState.observe_current`` with scale 1): folded into the state's workspace and moved by
 the cast's last program (:mod:`.tensorwise` explains the workspace). One launch. Bytes per
@@ -36,7 +40,7 @@ from ..scaling import divide
 from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 from .tensorwise import _finish, _fold_amax, _state_pointers
 
-__all__ = ["cast_blocks", "reference_blocks", "LAUNCHES"]
+__all__ = ["cast_blocks", "reference_blocks", "grid_tensors", "LAUNCHES"]
 
 LAUNCHES = {"cast_blocks": 1}
 
@@ -84,9 +88,21 @@ def _encode(x, scale, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
 
 
 @triton.jit
-def _block_cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, scale_inv_t_ptr, workspace_ptr, history_ptr,
-                       count_ptr, state_scale_ptr, M, N, stride_xm, stride_xn, n_programs,
-                       B: tl.constexpr, SQUARE: tl.constexpr, MX: tl.constexpr, FP8_MAX: tl.constexpr,
+def _e8m0_swizzled(gemm_ptr, rows, block_col, scale_inv, padded_block_cols):
+    # E8M0 bytes (the float32 power of two's exponent field; NaN's is 0xFF) at their places in
+    # cuBLAS's 32_4_4 layout (numerics/scale_layouts.swizzle_32_4_4): 128x4 tiles of the grid
+    # padded to [round_up(R, 128), padded_block_cols], row of tiles by row of tiles, the scale at
+    # (r, c) of a tile at byte (r % 32) * 16 + (r // 32) * 4 + c.
+    e8m0 = ((scale_inv.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    tile = (rows // 128) * (padded_block_cols // 4) + block_col // 4
+    offset = tile * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 + block_col % 4
+    tl.store(gemm_ptr + offset, e8m0)
+
+
+@triton.jit
+def _block_cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, scale_inv_t_ptr, gemm_ptr, gemm_t_ptr,
+                       workspace_ptr, history_ptr, count_ptr, state_scale_ptr, M, N, stride_xm, stride_xn,
+                       n_programs, B: tl.constexpr, SQUARE: tl.constexpr, MX: tl.constexpr, FP8_MAX: tl.constexpr,
                        E4M3: tl.constexpr, EMAX: tl.constexpr, POWER_2: tl.constexpr, EPS: tl.constexpr,
                        TRANSPOSE: tl.constexpr, RECORD: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -94,7 +110,7 @@ def _block_cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, scale_inv_t_ptr
     cols = pid_n * B + tl.arange(0, B)[None, :]
     inside = (rows < M) & (cols < N)
     x = as_float32(tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=inside, other=0))
-    bits = (x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF).to(tl.int32)
+    bits = (x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF).to(tl.int32)
     n_blocks_n = tl.cdiv(N, B)
     n_blocks_m = tl.cdiv(M, B)
     if SQUARE:
@@ -107,19 +123,25 @@ def _block_cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, scale_inv_t_ptr
             tl.store(out_t_ptr + cols * M + rows, code, mask=inside)
             tl.store(scale_inv_t_ptr + pid_n * n_blocks_m + pid_m, scale_inv)
     else:
+        # 1xB grids are written column-major ([R, C] with strides (1, R)): the layout the
+        # blockwise GEMM takes (scale_layouts.blockwise_1x128_gemm_scale is then a view).
         row_bits = tl.max(bits, axis=1)  # [B]: one 1xB block per row of the tile
         scale, scale_inv = _block_scales(row_bits, MX, FP8_MAX, EMAX, POWER_2, EPS)
         code = _encode(x, scale[:, None], FP8_MAX, E4M3)
         tl.store(out_ptr + rows * N + cols, code, mask=inside)
         row = pid_m * B + tl.arange(0, B)
-        tl.store(scale_inv_ptr + row * n_blocks_n + pid_n, scale_inv, mask=row < M)
+        tl.store(scale_inv_ptr + pid_n * M + row, scale_inv, mask=(row < M) & (row * 0 + pid_n < n_blocks_n))
+        if MX:  # the grid covers the swizzled layout's padding: its blocks are zeros, E8M0 byte 0
+            _e8m0_swizzled(gemm_ptr, row, pid_n, scale_inv, tl.num_programs(1))
         if TRANSPOSE:  # x.T in 1xB blocks: one block per column of the tile
             col_bits = tl.max(bits, axis=0)
             scale_t, scale_inv_t = _block_scales(col_bits, MX, FP8_MAX, EMAX, POWER_2, EPS)
             code_t = _encode(x, scale_t[None, :], FP8_MAX, E4M3)
             tl.store(out_t_ptr + cols * M + rows, code_t, mask=inside)
             col = pid_n * B + tl.arange(0, B)
-            tl.store(scale_inv_t_ptr + col * n_blocks_m + pid_m, scale_inv_t, mask=col < N)
+            tl.store(scale_inv_t_ptr + pid_m * N + col, scale_inv_t, mask=(col < N) & (col * 0 + pid_m < n_blocks_m))
+            if MX:
+                _e8m0_swizzled(gemm_t_ptr, col, pid_m, scale_inv_t, tl.num_programs(0))
     _fold_amax(x, workspace_ptr)
     _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, 1.0, RECORD, True)
 
@@ -127,7 +149,7 @@ def _block_cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, scale_inv_t_ptr
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, mx: bool, power_2_scale: bool = False,
                 amax_epsilon: float = 0.0, transpose: bool, record: bool, scale: torch.Tensor,
                 amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                ) -> tuple[torch.Tensor, ...]:
     """Block-scaled cast of ``x`` and, where asked, of ``x.T``, in one pass.
 
     Args:
@@ -144,10 +166,12 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
             :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`.
 
     Returns:
-        ``(data [M, N], scale_inv, data_t [N, M] or None, scale_inv_t or None)``: row-major
-        FP8 and float32 ``scale_inv`` of ``[ceil(M / block[0]), ceil(N / block[1])]`` (the
-        columnwise copy's of ``[ceil(N / block[0]), ceil(M / block[1])]``), bit for bit as
-        :func:`reference_blocks`.
+        ``(data [M, N], scale_inv, data_t [N, M] or None, scale_inv_t or None, gemm_scale or
+        None, gemm_scale_t or None)``: row-major FP8 and float32 ``scale_inv`` of ``[ceil(M /
+        block[0]), ceil(N / block[1])]`` (the columnwise copy's of ``[ceil(N / block[0]), ceil(M
+        / block[1])]``; 1xB grids column-major), bit for bit as :func:`reference_blocks`; with
+        ``mx``, the E8M0 scales swizzled as the GEMM takes them (uint8, as
+        :func:`~fp8_plugin.numerics.scale_layouts.mx_gemm_scale` makes them from ``scale_inv``).
 
     Raises:
         ValueError: ``x`` not 2-D or of another dtype; ``dtype`` not FP8; a block shape other
@@ -167,16 +191,37 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
     square = block[0] == block[1]
     out = torch.empty(m, n, dtype=dtype, device=x.device)
     out_t = torch.empty(n, m, dtype=dtype, device=x.device) if transpose else out
-    scale_inv = torch.empty(-(-m // block[0]), -(-n // b), dtype=torch.float32, device=x.device)
-    scale_inv_t = (torch.empty(-(-n // block[0]), -(-m // b), dtype=torch.float32, device=x.device) if transpose
-                   else scale_inv)
-    grid = (triton.cdiv(max(m, 1), b), triton.cdiv(max(n, 1), b))
+    scale_inv, scale_inv_t = grid_tensors(m, n, block, transpose, x.device)
+    gemm = gemm_t = None
+    if mx:  # the grid also covers the padding of the swizzled layout: 128 rows x 4 blocks per tile
+        grid = (4 * triton.cdiv(max(m, 1), 128), 4 * triton.cdiv(max(n, 1), 128))
+        gemm = torch.empty(grid[0] * grid[1] * 32, dtype=torch.uint8, device=x.device)
+        gemm_t = torch.empty_like(gemm) if transpose else None
+    else:
+        grid = (triton.cdiv(max(m, 1), b), triton.cdiv(max(n, 1), b))
     _block_cast_kernel[grid](
-        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), scale_inv, scale_inv_t, work, history, count, state_scale,
+        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), scale_inv,
+        scale_inv if scale_inv_t is None else scale_inv_t, out.view(torch.uint8) if gemm is None else gemm,
+        out.view(torch.uint8) if gemm_t is None else gemm_t, work, history, count, state_scale,
         m, n, x.stride(0), x.stride(1), grid[0] * grid[1], B=b, SQUARE=square, MX=mx, FP8_MAX=fp8_max(dtype),
         E4M3=dtype == torch.float8_e4m3fn, EMAX=E8M0_EMAX[dtype], POWER_2=power_2_scale, EPS=float(amax_epsilon),
         TRANSPOSE=transpose, RECORD=record, enable_fp_fusion=False, num_warps=8 if b == 128 else 4)
-    return out, scale_inv, (out_t if transpose else None), (scale_inv_t if transpose else None)
+    e8m0 = torch.float8_e8m0fnu
+    return (out, scale_inv, out_t if transpose else None, scale_inv_t, None if gemm is None else gemm.view(e8m0),
+            None if gemm_t is None else gemm_t.view(e8m0))
+
+
+def grid_tensors(m: int, n: int, block: tuple[int, int], transpose: bool, device: torch.device
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The (empty) float32 scale_inv grids of an ``[M, N]`` cast in ``block`` s and of its
+    transpose (None without ``transpose``): 1xB grids column-major, 128x128 row-major."""
+    def grid(rows: int, cols: int) -> torch.Tensor:
+        shape = (-(-rows // block[0]), -(-cols // block[1]))
+        if block[0] == block[1]:
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.empty_strided(shape, (1, shape[0]), dtype=torch.float32, device=device)
+
+    return grid(m, n), (grid(n, m) if transpose else None)
 
 
 def reference_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,

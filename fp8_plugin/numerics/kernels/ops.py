@@ -81,16 +81,21 @@ def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, marg
 def _cast_blocks_eager(x: torch.Tensor, scale: torch.Tensor, amax_history: torch.Tensor,
                        nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
                        block_rows: int, block_cols: int, mx: bool, power_2_scale: bool, amax_epsilon: float,
-                       transpose: bool, record: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       transpose: bool, record: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import blockwise
 
-    data, scale_inv, data_t, scale_inv_t = blockwise.cast_blocks(
+    outputs = blockwise.cast_blocks(
         x, dtype, (block_rows, block_cols), mx=mx, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
         transpose=transpose, record=record, scale=scale, amax_history=amax_history,
         nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role)
-    if not transpose:
-        data_t, scale_inv_t = x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
-    return data, scale_inv, data_t, scale_inv_t
+    return _absent_as_empty(x, outputs, dtype)
+
+
+def _absent_as_empty(x: torch.Tensor, outputs: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    # A custom op returns tensors only: an output not asked for is an empty tensor.
+    kinds = (dtype, torch.float32, dtype, torch.float32, torch.float8_e8m0fnu, torch.float8_e8m0fnu)
+    return tuple(t if t is not None else x.new_empty((0,), dtype=kind) for t, kind in zip(outputs, kinds))
 
 
 _cast_blocks_op = torch.library.custom_op("fp8_plugin::cast_blocks", _cast_blocks_eager,
@@ -100,14 +105,16 @@ _cast_blocks_op = torch.library.custom_op("fp8_plugin::cast_blocks", _cast_block
 @_cast_blocks_op.register_fake
 def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, block_rows, block_cols, mx, power_2_scale,
       amax_epsilon, transpose, record):
+    from .blockwise import grid_tensors
+
     m, n = x.shape
-
-    def blocks(rows: int, cols: int) -> tuple[int, int]:
-        return -(-rows // block_rows), -(-cols // block_cols)
-
-    data_t = x.new_empty((n, m) if transpose else (0,), dtype=dtype)
-    scale_inv_t = x.new_empty(blocks(n, m) if transpose else (0,), dtype=torch.float32)
-    return x.new_empty((m, n), dtype=dtype), x.new_empty(blocks(m, n), dtype=torch.float32), data_t, scale_inv_t
+    scale_inv, scale_inv_t = grid_tensors(m, n, (block_rows, block_cols), transpose, x.device)
+    gemm = gemm_t = None
+    if mx:
+        gemm = x.new_empty((512 * -(-m // 128) * -(-n // 128),), dtype=torch.float8_e8m0fnu)
+        gemm_t = torch.empty_like(gemm) if transpose else None
+    data_t = x.new_empty((n, m), dtype=dtype) if transpose else None
+    return _absent_as_empty(x, (x.new_empty((m, n), dtype=dtype), scale_inv, data_t, scale_inv_t, gemm, gemm_t), dtype)
 
 
 def _scale_update_gather_eager(table: torch.Tensor, current: torch.Tensor) -> None:
@@ -163,13 +170,19 @@ def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: 
 
 
 def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,
-                power_2_scale: bool, amax_epsilon: float, transpose: bool, record: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                power_2_scale: bool, amax_epsilon: float, transpose: bool, record: bool) -> tuple[Optional[torch.Tensor], ...]:
     """The block-scaled fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
-    :func:`~fp8_plugin.numerics.kernels.blockwise.cast_blocks`; ``(data, scale_inv, data_t or
-    None, scale_inv_t or None)``."""
+    :func:`~fp8_plugin.numerics.kernels.blockwise.cast_blocks`; ``(data, scale_inv, data_t,
+    scale_inv_t, gemm_scale, gemm_scale_t)``, None for what was not made."""
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
             block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
-    data, scale_inv, data_t, scale_inv_t = (torch.ops.fp8_plugin.cast_blocks(*args) if _traced(x)
-                                            else _cast_blocks_eager(*args))
-    return data, scale_inv, (data_t if transpose else None), (scale_inv_t if transpose else None)
+    if not _traced(x):
+        from . import blockwise
+
+        return blockwise.cast_blocks(
+            x, dtype, block, mx=mx, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, transpose=transpose,
+            record=record, scale=state.scale, amax_history=state.amax_history,
+            nonfinite_amax_count=state.nonfinite_amax_count, workspace=state.kernel_workspace, role=role)
+    outputs = torch.ops.fp8_plugin.cast_blocks(*args)
+    made = (True, True, transpose, transpose, mx, mx and transpose)
+    return tuple(t if keep else None for t, keep in zip(outputs, made))
