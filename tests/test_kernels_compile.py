@@ -22,7 +22,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fp8_plugin.numerics.kernels import blockwise as bw, scale_update as su, tensorwise as tw
+from fp8_plugin.numerics.kernels import blockwise as bw, grouped as gr, scale_update as su, tensorwise as tw
 
 ptr = {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
 dims = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
@@ -45,7 +45,7 @@ cases = {
                                             "MAX_OVER_MARGIN": "fp32"},
                        {"FP8_MAX": 57344.0, "E4M3": False, "TRANSPOSE": True, "RECORD": True, "TILE": 64}),
     "scale update": (su._update_kernel, {"table_ptr": "*i64", "params_ptr": "*fp32", "current_ptr": "*fp32"},
-                     {"FROM_CURRENT": True, "FIELDS": 8, "PARAMS": 4, "BLOCK": 1024}),
+                     {"FROM_CURRENT": True, "FIELDS": 9, "PARAMS": 4, "BLOCK": 1024}),
     "blocks 1x128 e4m3 T": (bw._block_cast_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
                                                    "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32", "gemm_ptr": "*u8", "gemm_t_ptr": "*u8",
                                                    "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
@@ -58,7 +58,18 @@ cases = {
                                                     "state_scale_ptr": "*fp32", **dims, "n_programs": "i32"},
                             {"B": 32, "SQUARE": False, "MX": True, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8,
                              "POWER_2": False, "EPS": 0.0, "TRANSPOSE": True, "RECORD": True}),
-    "scale update gather": (su._gather_kernel, {"table_ptr": "*i64", "current_ptr": "*fp32"}, {"FIELDS": 8}),
+    "groups amax": (gr._group_amax_kernel, {"x_ptr": "*i16", "group_ptr": "*i64", "table_ptr": "*i64",
+                                            "workspace_ptr": "*i32", "S": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
+                                            "stride_g": "i32", "stride_r": "i32", "stride_k": "i32"},
+                    {"DELAYED": True, "FIELDS": 9, "TILE_ROWS": 32, "TILE_COLS": 128}),
+    "groups cast e4m3": (gr._group_cast_kernel, {"x_ptr": "*i16", "group_ptr": "*i64", "table_ptr": "*i64",
+                                                 "workspace_ptr": "*i32", "out_ptr": "*u8", "scale_inv_ptr": "*fp32",
+                                                 "S": "i32", "K": "i32", "E": "i32", "ROWS_PER_GROUP": "i32",
+                                                 "stride_g": "i32", "stride_r": "i32", "stride_k": "i32",
+                                                 "n_programs": "i32", "MAX_OVER_MARGIN": "fp32"},
+                         {"FP8_MAX": 448.0, "E4M3": True, "DELAYED": True, "RECORD": True, "FIELDS": 9,
+                          "TILE_ROWS": 32, "TILE_COLS": 128}),
+    "scale update gather": (su._gather_kernel, {"table_ptr": "*i64", "current_ptr": "*fp32"}, {"FIELDS": 9}),
 }
 result = {}
 for arch in map(int, sys.argv[1:]):
@@ -81,7 +92,7 @@ def test_every_kernel_compiles_for_sm90_and_sm100_without_fma_or_ftz():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 11
+    assert len(result) == 13
     for name, facts in result.items():
         assert facts["cubin"] > 0, name
         assert facts["fma"] == 0 and facts["ftz"] == 0, (name, facts)

@@ -100,3 +100,9 @@ def test_a_callable_amax_algorithm_keeps_the_torch_ops(monkeypatch):
     with force_kernels("triton"):
         update_delayed_scaling([(recipe, 0, group)], None, {})
     assert not group[0].amax_history[0, 0]  # updated (rolled) by the torch ops
+
+
+def test_the_kernels_know_grad_outputs_row_of_the_scaling_state():
+    from fp8_plugin.numerics.quantizers import GRAD_OUTPUT
+
+    assert scale_update.GRAD_OUTPUT_ROLE == GRAD_OUTPUT

@@ -37,8 +37,9 @@ pending scale updates after each step (:func:`fp8_plugin.update_pending_scales`)
 the gate activation and the routing weights stay in high precision, as in transformers'
 ``grouped_mm`` implementation, whose steps this forward follows.
 
-Block-scaled recipes (MXFP8, 128-blockwise) are refused for experts: their grouped casts and
-GEMMs are not implemented. Routers (``gate`` / ``router``) stay in high precision: routing
+On a CUDA GPU the per-expert casts are fused kernels (:mod:`.expert_casts`), 3 launches each
+at any expert count. Block-scaled recipes (MXFP8, 128-blockwise) are refused for experts: their
+grouped casts and GEMMs are not implemented. Routers (``gate`` / ``router``) stay in high precision: routing
 decisions flip on small logit changes, and Transformer Engine and Megatron-LM keep them out of
 FP8 too. Expert parallelism (``_is_expert_parallel``) runs the experts in high precision, with
 a warning.
@@ -59,14 +60,12 @@ from torch.utils.hooks import RemovableHandle
 from .._private.torch_api import in_backward_pass
 from ..numerics.device import recipe_name
 from ..numerics.device_kind import device_kind
-from ..numerics.formats import fp8_dtype, fp8_max
-from ..numerics.grouped_gemm import (
-    EXPERT_GEMMS, group_amax, group_offsets, grouped_gemm, grouped_gemm_wgrad, quantize_groups,
-)
+from ..numerics.formats import fp8_dtype
+from ..numerics.grouped_gemm import EXPERT_GEMMS, group_offsets, grouped_gemm, grouped_gemm_wgrad
 from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, ScalingState, mark_recorded, recipe_key
 from ..numerics.recipes import DelayedScaling, Float8CurrentScaling, Recipe
-from ..numerics.scaling import divide, quantize, scale_from_amax
 from .autocast import current_context, note_fp8_forward
+from .expert_casts import cast_expert_weights, cast_rows  # noqa: F401  (cast_expert_weights: public here too)
 from .scaling_group import ScalingGroup
 
 __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "ExpertsPlan", "plan_experts",
@@ -178,26 +177,6 @@ def _observe(observers: tuple, role: int, x: torch.Tensor, data: torch.Tensor, s
         fn(role, x, cast)
 
 
-def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.Tensor, dtype: torch.dtype,
-            record: bool) -> torch.Tensor:
-    # One scale per expert: delayed (its history, or its own amax before it has one) or current.
-    with torch.no_grad():
-        one = torch.ones((), dtype=torch.float32, device=amax.device)
-        current = scale_from_amax(amax, fp8_max(dtype), recipe.margin, one)
-        if recipe.delayed():
-            initialized = torch.stack([s.initialized[role] for s in states])
-            scale = torch.where(initialized, torch.stack([s.scale[role] for s in states]), current)
-            if record:
-                for g, s in enumerate(states):
-                    s.record_amax(role, amax[g])
-        else:
-            scale = current
-            if record:
-                for g, s in enumerate(states):
-                    s.observe_current(role, amax[g], scale[g])
-    return scale
-
-
 class _FP8GroupedLinearFunction(torch.autograd.Function):
     """``y[rows of e] = x_e @ W_e.T`` for the token rows ``x`` ``[S, K]`` sorted by expert;
     ``weight`` ``[E, N, K]`` (``[E, K, N]`` when transposed). Saves the FP8 copies (1 byte per
@@ -205,19 +184,18 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group_of_row: torch.Tensor, offsets: torch.Tensor,
-                states: list[ScalingState], info: _Info, qw: torch.Tensor, sw_inv: torch.Tensor) -> torch.Tensor:
+                states: list[ScalingState], info: _Info, qw: torch.Tensor, sw_inv: torch.Tensor,
+                tables: Optional[dict]) -> torch.Tensor:
         # qw [E, N, K] / sw_inv [E]: the weight's cast, made (or taken from the cache) before the call.
-        recipe, experts = info.recipe, qw.shape[0]
+        recipe = info.recipe
         dtype = fp8_dtype(recipe.fp8_format, backward=False)
         with torch.no_grad():
-            sx = _scales(recipe, INPUT, states, group_amax(x, group_of_row, experts), dtype, info.record_forward)
-            qx = quantize_groups(x, sx, group_of_row, dtype)
-            sx_inv = divide(1.0, sx)
+            qx, sx_inv = cast_rows(x, group_of_row, states, INPUT, recipe, dtype, info.record_forward, tables)
             out = grouped_gemm(qx, sx_inv, qw, sw_inv, offsets, info.out_dtype, "fprop")
             if info.observers and info.record_forward:
                 _observe(info.observers, INPUT, x, qx, sx_inv, group_of_row)
         ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row, offsets)
-        ctx.states, ctx.info = states, info
+        ctx.states, ctx.info, ctx.tables = states, info, tables
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return out
 
@@ -228,11 +206,9 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
         dtype = fp8_dtype(info.recipe.fp8_format, backward=True)
-        experts = qw.shape[0]
-        sg = _scales(info.recipe, GRAD_OUTPUT, ctx.states, group_amax(grad_out, group_of_row, experts), dtype,
-                     info.record_backward)
-        qg = quantize_groups(grad_out, sg, group_of_row, dtype)
-        sg_inv = divide(1.0, sg)
+        with torch.no_grad():
+            qg, sg_inv = cast_rows(grad_out, group_of_row, ctx.states, GRAD_OUTPUT, info.recipe, dtype,
+                                    info.record_backward, ctx.tables)
         if info.observers and info.record_backward:
             _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, group_of_row)
         if need_x:  # dgrad: g_e [m, N] @ W_e [N, K]
@@ -242,29 +218,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
             if info.transposed:
                 grad_w = grad_w.transpose(1, 2)
             grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
-
-
-def cast_expert_weights(weight: torch.Tensor, states: list[ScalingState], recipe: Recipe, record: bool,
-                        transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 cast of a stack of expert weights, one scale per expert.
-
-    Args:
-        weight: ``[E, N, K]`` (``[E, K, N]`` with ``transposed``), any floating dtype.
-        states, recipe: as in :func:`fp8_grouped_linear`.
-        record: record each expert's weight amax (a training cast).
-
-    Returns:
-        ``(data, scale_inv)``: ``[E, N, K]`` FP8 in the recipe's forward format (contiguous) and
-        float32 ``[E]``.
-    """
-    dtype = fp8_dtype(recipe.fp8_format, backward=False)
-    with torch.no_grad():
-        w = weight.detach().transpose(1, 2) if transposed else weight.detach()
-        experts = w.shape[0]
-        amax = w.abs().amax(dim=(1, 2)).to(torch.float32) if w.numel() else w.new_zeros(experts, dtype=torch.float32)
-        sw = _scales(recipe, WEIGHT, states, amax, dtype, record)
-        return quantize(w, sw.view(-1, 1, 1), dtype).contiguous(), divide(1.0, sw)
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor,
@@ -272,7 +226,8 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
                        states: list[ScalingState], recipe: Recipe, *, transposed: bool = False,
                        record_forward: bool = True, record_backward: bool = True,
                        out_dtype: Optional[torch.dtype] = None, observers: tuple = (),
-                       weight_cast: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                       weight_cast: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                       tables: Optional[dict] = None) -> torch.Tensor:
     """``y[rows of e] = x_e @ W_e.T`` with FP8 grouped GEMMs (fprop; dgrad and wgrad in backward).
 
     Args:
@@ -299,6 +254,9 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
             ``[rows, 1]``) at every recording cast (per-layer statistics), without a host read.
         weight_cast: the weight's cast from :func:`cast_expert_weights` under this recipe and
             these scales (a cache's); None casts it here.
+        tables: a dict the caller keeps between calls (its module's): the fused casts' cache of
+            the experts' state addresses (:func:`fp8_plugin.numerics.kernels.ops.cast_groups`);
+            None builds them at each call.
 
     Returns:
         ``[S, N]`` in ``out_dtype``. The gradients: ``x`` in its dtype, ``weight`` in its dtype
@@ -311,7 +269,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     info = _Info(recipe, record_forward, record_backward and grad, transposed, out_dtype or x.dtype, tuple(observers))
     if weight_cast is None:
-        weight_cast = cast_expert_weights(weight, states, recipe, record_forward, transposed)
+        weight_cast = cast_expert_weights(weight, states, recipe, record_forward, transposed, tables)
     qw, sw_inv = weight_cast
     if info.observers and record_forward:
         w = weight.detach().transpose(1, 2) if transposed else weight.detach()
@@ -320,7 +278,8 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
         _observe(info.observers, WEIGHT, w.reshape(experts * n, -1), qw.reshape(experts * n, -1), sw_inv, rows_of)
     if offsets is None:
         offsets = group_offsets(expert_of_row, weight.shape[0])
-    out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, offsets, states, info, qw, sw_inv)
+    out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, offsets, states, info, qw, sw_inv,
+                                          None if torch.compiler.is_compiling() else tables)
     for state in states:
         if record_forward:
             mark_recorded(state, recipe, INPUT)
@@ -393,6 +352,7 @@ class FP8ExpertsMixin:
         self._fp8_observers: OrderedDict[int, Callable] = OrderedDict()  # weakly referenced by the handles
         self.cache_fp8_weights = True
         self._fp8_weight_cache: dict[str, tuple[tuple, bool, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._fp8_tables: dict = {}  # the fused casts' address tables of the experts' states
 
     def clear_weight_cache(self) -> None:
         """Drop the cached FP8 casts of the expert weights (rebuilt at the next FP8 forward);
@@ -408,7 +368,7 @@ class FP8ExpertsMixin:
         # cast the training step whose amax slot it filled.
         transposed = bool(self.is_transposed)
         if not self.cache_fp8_weights or torch.compiler.is_compiling():
-            return cast_expert_weights(weight, states, recipe, record, transposed)
+            return cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
         scales = tuple(t for st in states for t in (st.scale, st.scale._version, st.initialized,
                                                        st.initialized._version)) if recipe.delayed() else ()
         step = self.scaling_group.step if record else None
@@ -418,7 +378,7 @@ class FP8ExpertsMixin:
         if cached is not None and (cached[1] or not record) and _same_key(cached[0], key, record):
             return cached[2]
         self._fp8_weight_cache.pop(proj, None)  # free the stale cast before making a new one
-        cast = cast_expert_weights(weight, states, recipe, record, transposed)
+        cast = cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
         self._fp8_weight_cache[proj] = (key, record, cast)
         return cast
 
@@ -512,7 +472,7 @@ class FP8ExpertsMixin:
         weight_cast = self._weight_cast(proj, weight, states, recipe, record_forward)
         out = fp8_grouped_linear(x, weight, expert_ids_g, offsets, states, recipe, transposed=bool(self.is_transposed),
                                  record_forward=record_forward, record_backward=record_backward, out_dtype=out_dtype,
-                                 observers=observers, weight_cast=weight_cast)
+                                 observers=observers, weight_cast=weight_cast, tables=self._fp8_tables)
         if self.has_bias:
             bias = getattr(self, f"{proj}_bias")
             out = out + bias[expert_ids_g].to(out.dtype)

@@ -23,7 +23,7 @@ from torch import nn
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
 from .formats import fp8_dtype, fp8_max
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
-from .kernels import fused_casts
+from .kernels import fusable, fused_casts
 from .scaling import amax as tensor_amax
 from .scaling import dequantize, divide, quantize, scale_from_amax
 
@@ -429,7 +429,7 @@ class PerTensorQuantizer(Quantizer):
         self.max = fp8_max(self.dtype)
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        if _fusable(x):
+        if fusable(x):
             return self._fused(x, columnwise=False)[0]
         if self.host:
             self.state.use_recipe(self.recipe)
@@ -453,7 +453,7 @@ class PerTensorQuantizer(Quantizer):
         return q
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        if _fusable(x):
+        if fusable(x):
             return self._fused(x, columnwise)
         return super().quantize_pair(x, columnwise)
 
@@ -476,11 +476,6 @@ class PerTensorQuantizer(Quantizer):
             mark_recorded(self.state, self.recipe, self.role)
         row = QuantizedTensor(data, scale_inv)
         return row, (QuantizedTensor(data_t, scale_inv) if columnwise else None)
-
-
-def _fusable(x: torch.Tensor) -> bool:
-    # The fused kernels take the training dtypes; a float64 model keeps the torch ops.
-    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and fused_casts(x.device)[0]
 
 
 class BlockQuantizer(Quantizer):
@@ -543,7 +538,7 @@ class BlockQuantizer(Quantizer):
         return row, col
 
     def _fusable(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and self.block in ((1, 32), (1, 128), (128, 128)) and _fusable(x)
+        return x.dim() == 2 and self.block in ((1, 32), (1, 128), (128, 128)) and fusable(x)
 
     def _fused(self, x: torch.Tensor, columnwise: bool, record: bool
                ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
@@ -604,7 +599,7 @@ def update_delayed_scaling(
         if not groups:
             return
         if fused_casts(groups[0][2][0].device)[0]:
-            from .kernels import scale_update
+            from .kernels import ops, scale_update  # noqa: F401  (ops: registers the update's custom ops)
 
             if all(scale_update.supported(recipe) for recipe, _, _ in groups):
                 rows = [(recipe, role, state) for recipe, role, states in groups for state in states]

@@ -32,7 +32,8 @@ meta, the GPU's own on a real one) holds, for the length of one test:
   (``_local_scalar_dense``, copies to the CPU: a host sync on a GPU; on meta tensors an error
   anyway, on a real GPU they succeed, so this record is what catches them there), copies of CPU
   tensors to the device (a blocking host-to-device copy waits for the GPU's queue: a sync too;
-  one made by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen),
+  one made by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen; a
+  non-blocking one from pinned memory waits in the stream only and is not recorded),
   CPU tensors mixed into ops on device tensors (all but one kind, torch's own: the 0-dim int64
   philox seed and offset its memory-efficient attention hands its backward, ``HOST_RNG_ARGUMENTS``),
   and the rules of torch's CUDA ``_scaled_mm`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp`` in
@@ -235,7 +236,7 @@ class _Recorder(TorchDispatchMode):
         if (name in _HOST_READS and gpu in devices) or (name == "aten._to_copy.default" and gpu in devices
                                                         and target == "cpu"):
             c.host_reads.append(name)
-        if name == "aten._to_copy.default" and devices == {"cpu"} and target == gpu:
+        if name == "aten._to_copy.default" and devices == {"cpu"} and target == gpu and not _async_copy(tensors, kwargs):
             c.to_device_copies.append(f"{name}: {[tuple(t.shape) for t in tensors]}")
         mixed = _mixed_devices(func, name, tensors, args, kwargs, gpu)
         if mixed:
@@ -251,6 +252,11 @@ class _Recorder(TorchDispatchMode):
 # Ops that allocate without launching a kernel.
 _ALLOCATIONS = ("aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
                 "aten.new_empty.default", "aten.new_empty_strided.default")
+
+
+def _async_copy(tensors: list[torch.Tensor], kwargs: dict) -> bool:
+    # A non-blocking copy from pinned memory waits in the stream, not on the host: no sync.
+    return bool(kwargs.get("non_blocking")) and all(t.is_pinned() for t in tensors)
 
 
 def _launches(func, name: str) -> int:

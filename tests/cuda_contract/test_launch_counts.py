@@ -93,3 +93,28 @@ def test_block_scaled_step_casts_in_one_launch_each(cuda, recipe, most):
     assert cuda.ops["fp8_plugin.cast_blocks.default"] == 3
     assert cuda.scaled_gemms() == 3
     assert sum(cuda.launches.values()) <= most
+
+
+def grouped_step_launches(cuda, experts: int) -> int:
+    # fp8_grouped_linear forward + backward on sorted token rows, every expert routed.
+    from fp8_plugin.modules.experts import fp8_grouped_linear
+    from fp8_plugin.numerics.quantizers import ScalingState
+
+    tokens, k, n = 96, 128, 64
+    states = [ScalingState(16, device=cuda.device) for _ in range(experts)]
+    x = torch.empty(tokens, k, device=cuda.device, dtype=torch.bfloat16).normal_().requires_grad_()
+    weight = torch.empty(experts, n, k, device=cuda.device, dtype=torch.bfloat16).normal_().requires_grad_()
+    expert_of_row = torch.arange(tokens, device=cuda.device) * experts // tokens
+    grad = torch.empty(tokens, n, device=cuda.device, dtype=torch.bfloat16).normal_()
+    cuda.reset()
+    out = fp8_grouped_linear(x, weight, expert_of_row, None, states, fp.DelayedScaling(), tables={})
+    out.backward(grad)
+    # The token rows, the weight stack and grad_output: one fused per-expert cast each (zero
+    # fill, amax pass, cast).
+    assert cuda.ops["fp8_plugin.cast_groups.default"] == 3
+    cuda.clean()
+    return sum(cuda.launches.values())
+
+
+def test_an_experts_step_launches_as_many_kernels_at_any_expert_count(cuda):
+    assert grouped_step_launches(cuda, 4) == grouped_step_launches(cuda, 32) <= 40

@@ -8,8 +8,11 @@ Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors against that refere
 
 Modules: :mod:`.fp8_bits` (the FP8 encoding with integer operations), :mod:`.tensorwise`
 (per-tensor casts: cast + transpose + amax in one pass; current scaling's amax and cast; each
-recording its amax into the layer's scaling state), :mod:`.ops` (the same casts as torch custom
-ops, for ``torch.compile``, fake tensors and dispatch modes).
+recording its amax into the layer's scaling state), :mod:`.blockwise` (MXFP8 and 128-blockwise
+casts, both copies and the GEMM's scale layouts in one pass), :mod:`.grouped` (the experts'
+per-expert casts), :mod:`.scale_update` (delayed scaling's update of a whole model in one
+launch), :mod:`.ops` (the casts as torch custom ops, for ``torch.compile``, fake tensors and
+dispatch modes).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from ..device_kind import device_kind
 
-__all__ = ["fused_casts", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR"]
+__all__ = ["fused_casts", "fusable", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR"]
 
 KERNEL_PATHS = ("auto", "triton", "torch")
 # Set to "torch" to keep the torch ops on a GPU (a comparison, or a Triton build that misbehaves).
@@ -72,6 +75,13 @@ def fused_casts(device: torch.device) -> tuple[bool, str]:
     if torch.compiler.is_compiling():
         return False, "torch.compile fuses the torch ops itself"
     return _triton_available()
+
+
+def fusable(x: torch.Tensor) -> bool:
+    """Whether a cast of ``x`` runs as the fused kernels: :func:`fused_casts` for its device,
+    and a dtype the kernels take (float32, bfloat16, float16; a float64 model keeps the torch
+    ops)."""
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and fused_casts(x.device)[0]
 
 
 @lru_cache(maxsize=None)

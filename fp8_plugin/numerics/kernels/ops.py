@@ -19,14 +19,15 @@ import torch
 
 from ..._private.torch_api import in_dispatch_mode
 
-__all__ = ["cast_delayed", "cast_current", "cast_blocks", "OP_LAUNCHES", "OP_INPUT_READS"]
+__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "OP_LAUNCHES", "OP_INPUT_READS"]
 
 # Kernel launches and reads of the input per call of each op, for the cost model and the
 # launch-count tests (tensorwise.LAUNCHES says the same of the Python entry points).
-OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "cast_blocks": 1, "scale_update_gather": 1, "scale_update": 1}
+OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "cast_blocks": 1, "cast_groups": 3, "scale_update_gather": 1,
+               "scale_update": 1}
 # Reads of the whole input per call: delayed scaling's steady state reads it once (its first cast
 # twice, once per training run), current scaling twice (amax, then the cast).
-OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2, "cast_blocks": 1}
+OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2, "cast_blocks": 1, "cast_groups": 1}
 
 
 def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, ...]:
@@ -117,6 +118,24 @@ def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, bloc
     return _absent_as_empty(x, (x.new_empty((m, n), dtype=dtype), scale_inv, data_t, scale_inv_t, gemm, gemm_t), dtype)
 
 
+def _cast_groups_eager(x: torch.Tensor, group_of_row: Optional[torch.Tensor], table: torch.Tensor, experts: int,
+                       dtype: torch.dtype, margin: int, delayed: bool, record: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import grouped
+
+    return grouped.cast_groups(x, group_of_row, table, experts, dtype, margin, delayed=delayed, record=record)
+
+
+# Writes the experts' states through the addresses in ``table`` (as the scale update does); its
+# outputs are always used, so nothing that traces it drops it. Not run inside compiled graphs.
+_cast_groups_op = torch.library.custom_op("fp8_plugin::cast_groups", _cast_groups_eager, mutates_args=())
+
+
+@_cast_groups_op.register_fake
+def _(x, group_of_row, table, experts, dtype, margin, delayed, record):
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((experts,), dtype=torch.float32)
+
+
 def _scale_update_gather_eager(table: torch.Tensor, current: torch.Tensor) -> None:
     from . import scale_update
 
@@ -186,3 +205,18 @@ def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tu
     outputs = torch.ops.fp8_plugin.cast_blocks(*args)
     made = (True, True, transpose, transpose, mx, mx and transpose)
     return tuple(t if keep else None for t, keep in zip(outputs, made))
+
+
+def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], states: list, role: int, recipe,
+                dtype: torch.dtype, *, record: bool, tables: Optional[dict] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' fused per-expert cast of token rows ``[S, K]`` (with ``group_of_row``) or a
+    weight stack ``[E, N, K]``: see :func:`~fp8_plugin.numerics.kernels.grouped.cast_groups`;
+    ``states`` are the E experts' :class:`ScalingState`, ``tables`` the caller's cache of their
+    address table (:func:`~fp8_plugin.numerics.kernels.scale_update.bulk_update`'s). Returns
+    ``(data, scale_inv [E])``."""
+    from . import scale_update
+
+    table = scale_update.table_for([(recipe, role, state) for state in states], x.device, tables)[0]
+    args = (x, group_of_row, table, len(states), dtype, recipe.margin, recipe.delayed(), record)
+    return torch.ops.fp8_plugin.cast_groups(*args) if _traced(x) else _cast_groups_eager(*args)

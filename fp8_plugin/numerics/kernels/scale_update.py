@@ -31,19 +31,25 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import fp8_dtype, fp8_max
+
 __all__ = ["bulk_update", "build_table", "Row", "LAUNCHES"]
 
+# The row of grad_output in a ScalingState (quantizers.GRAD_OUTPUT; the kernels sit below the
+# quantizers, which call them): its format is the recipe's backward one.
+GRAD_OUTPUT_ROLE = 2
 # Launches per update, with and without the amax reduction (the reduction's own not counted).
 LAUNCHES = {"with reduction": 2, "without reduction": 1}
 _POLICIES = {"clip": 0, "keep": 1, "skip": 2}
 _ALGOS = {"max": 0, "most_recent": 1}
 # Columns of the address table: history row, scale, initialized, outlier count, outlier ratio
-# (addresses), history length, amax algorithm, outlier policy.
-_FIELDS = 8
+# (addresses), history length, amax algorithm, outlier policy, non-finite amax count (address).
+FIELDS = 9
 # Columns of the parameter table (float32): FP8 max, 2**margin, FP8 max / 2**margin, outlier factor.
 _PARAMS = 4
-# Layouts a caller's cache keeps: one per reduction setting, and room for a changing pending set.
-_CACHED_LAYOUTS = 4
+# Layouts a caller's cache keeps: one per reduction setting or (experts) per role and projection,
+# and room for a changing pending set.
+_CACHED_LAYOUTS = 8
 
 # One row: (recipe, role, state).
 Row = tuple
@@ -107,25 +113,35 @@ def _update_kernel(table_ptr, params_ptr, current_ptr, FROM_CURRENT: tl.constexp
 
 
 def build_table(rows: Sequence[Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The address table (int64 ``[n, 8]``) and parameter table (float32 ``[n, 4]``) of ``rows``
-    on ``device`` (on ``meta``: shapes only). One host-to-device copy each."""
-    from ..formats import fp8_dtype, fp8_max
-    from ..quantizers import GRAD_OUTPUT
-
+    """The address table (int64 ``[n, 9]``) and parameter table (float32 ``[n, 4]``) of ``rows``
+    on ``device`` (on ``meta``: shapes only). Copied from pinned memory without blocking the
+    host on a GPU. A recipe without delayed scaling's fields (current scaling: its casts read
+    the table for the states' addresses alone) gets their defaults."""
     if device.type == "meta":
-        return (torch.empty(len(rows), _FIELDS, dtype=torch.int64, device=device),
+        return (torch.empty(len(rows), FIELDS, dtype=torch.int64, device=device),
                 torch.empty(len(rows), _PARAMS, dtype=torch.float32, device=device))
     table, params = [], []
     for recipe, role, state in rows:
-        max_value = fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT))
+        max_value = fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT_ROLE))
+        algo = getattr(recipe, "amax_compute_algo", "max")
         table.append([state.amax_history[role].data_ptr(), state.scale[role].data_ptr(),
                       state.initialized[role].data_ptr(), state.outlier_count[role].data_ptr(),
                       state.outlier_ratio[role].data_ptr(), state.amax_history.shape[1],
-                      _ALGOS[recipe.amax_compute_algo], _POLICIES[recipe.amax_outlier_policy]])
+                      _ALGOS.get(algo, 0) if isinstance(algo, str) else 0,
+                      _POLICIES[getattr(recipe, "amax_outlier_policy", "keep")],
+                      state.nonfinite_amax_count[role].data_ptr()])
         params.append([max_value, 2.0**recipe.margin, max_value / 2.0**recipe.margin,
-                       float(recipe.amax_outlier_factor)])
-    return (torch.tensor(table, dtype=torch.int64).to(device),
-            torch.tensor(params, dtype=torch.float32).to(device))
+                       float(getattr(recipe, "amax_outlier_factor", 1.0))])
+    return (_to_device(torch.tensor(table, dtype=torch.int64), device),
+            _to_device(torch.tensor(params, dtype=torch.float32), device))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # From pinned memory and non-blocking on a GPU: the copy waits in the stream, not the host
+    # (torch's pinned-memory allocator keeps the buffer until the copy has run).
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def layout_key(rows: Sequence[Row]) -> tuple:
@@ -134,6 +150,20 @@ def layout_key(rows: Sequence[Row]) -> tuple:
     return tuple((role, recipe, state.amax_history.data_ptr(), state.amax_history.shape[1], state.scale.data_ptr(),
                   state.initialized.data_ptr(), state.outlier_count.data_ptr(), state.outlier_ratio.data_ptr())
                  for recipe, role, state in rows)
+
+
+def table_for(rows: Sequence[Row], device: torch.device, tables: Optional[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`build_table` of ``rows``, from the caller's cache ``tables`` (a dict it keeps
+    between steps, keyed by :func:`layout_key`; None builds anew) where the layout is there."""
+    key = layout_key(rows) if device.type != "meta" else None
+    cached = tables.get(key) if tables is not None and key is not None else None
+    if cached is None:
+        cached = build_table(rows, device)
+        if tables is not None and key is not None:
+            while len(tables) >= _CACHED_LAYOUTS:  # the oldest first: the steady state repeats a few
+                tables.pop(next(iter(tables)))
+            tables[key] = cached
+    return cached
 
 
 def supported(recipe) -> bool:
@@ -160,20 +190,11 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     from ..._private.torch_api import in_dispatch_mode
 
     device = rows[0][2].scale.device
-    key = layout_key(rows) if device.type != "meta" else None
-    cached = tables.get(key) if tables is not None and key is not None else None
-    if cached is None:
-        cached = build_table(rows, device)
-        if tables is not None and key is not None:
-            while len(tables) >= _CACHED_LAYOUTS:  # the oldest first: the steady state repeats one or two
-                tables.pop(next(iter(tables)))
-            tables[key] = cached
-    table, params = cached
+    table, params = table_for(rows, device, tables)
     block = triton.next_power_of_2(max(state.amax_history.shape[1] for _, _, state in rows)) if device.type != "meta" \
         else 1
     current = torch.empty(len(rows), dtype=torch.float32, device=device)
-    from . import ops  # registers the custom ops
-
+    # Traced (meta tensors, a dispatch mode): the custom ops of .ops, which the quantizers import.
     traced = device.type == "meta" or in_dispatch_mode()
     if reduce_amax is not None:
         (torch.ops.fp8_plugin.scale_update_gather if traced else _gather)(table, current)
@@ -182,9 +203,9 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
 
 
 def _gather(table: torch.Tensor, current: torch.Tensor) -> None:
-    _gather_kernel[(table.shape[0],)](table, current, FIELDS=_FIELDS)
+    _gather_kernel[(table.shape[0],)](table, current, FIELDS=FIELDS)
 
 
 def _update(table: torch.Tensor, params: torch.Tensor, current: torch.Tensor, from_current: bool, block: int) -> None:
-    _update_kernel[(table.shape[0],)](table, params, current, FROM_CURRENT=from_current, FIELDS=_FIELDS,
+    _update_kernel[(table.shape[0],)](table, params, current, FROM_CURRENT=from_current, FIELDS=FIELDS,
                                       PARAMS=_PARAMS, BLOCK=block, enable_fp_fusion=False)
