@@ -156,9 +156,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         weight = None if fp8_dgrad else unquantised[-1]
         fp8_x, fp8_w = need_x and fp8_dgrad, need_w and fp8_wgrad
         grad_x = grad_w = grad_b = None
+        bias_sum = None  # grad_out.sum(0) in float32, from the grad_output cast where it runs
         if fp8_x or fp8_w:
             quantizer = make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False)
-            qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
+            if need_b:  # the bias gradient in the same pass over grad_out (TE's bgrad_quantize)
+                qg, qg_t, bias_sum = quantizer.quantize_pair_and_sum(grad_out, columnwise=fp8_w)
+            else:
+                qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
         if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
             grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm), ctx.x_dtype)
         elif need_x:
@@ -173,7 +177,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_w = grad_w.t()
             grad_w = grad_w.to(ctx.weight_dtype)
         if need_b:
-            grad_b = grad_out.to(torch.float32).sum(0).to(ctx.bias_dtype)
+            grad_b = (grad_out.to(torch.float32).sum(0) if bias_sum is None else bias_sum).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, *([None] * 14)
 
 

@@ -100,6 +100,15 @@ class Quantizer(ABC):
         row = self.quantize(x)
         return row, (row.t() if columnwise else None)
 
+    def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
+                              ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:
+        """:meth:`quantize_pair` and ``x.sum(0)`` in float32 ``[cols]``: a grad_output's cast
+        and its layer's bias gradient (Transformer Engine's ``bgrad_quantize``). Here the sum is
+        torch's own; a fused cast computes it in the same pass, within float32 summation error
+        of it."""
+        row, col = self.quantize_pair(x, columnwise)
+        return row, col, x.to(torch.float32).sum(0)
+
 
 class ScalingState(nn.Module):
     """Per-tensor FP8 scaling state of one layer: a row per role (input, weight, grad_output).
@@ -457,12 +466,18 @@ class PerTensorQuantizer(Quantizer):
             return self._fused(x, columnwise)
         return super().quantize_pair(x, columnwise)
 
-    def _fused(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+    def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
+                              ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:
+        if fusable(x):
+            return self._fused(x, columnwise, bias_grad=True)
+        return super().quantize_pair_and_sum(x, columnwise)
+
+    def _fused(self, x: torch.Tensor, columnwise: bool, bias_grad: bool = False):
         # The same numerics as quantize() and its transposed copy, and the same scaling state
         # afterwards, bit for bit, in two launches (numerics/kernels/tensorwise.py): delayed
         # scaling reads x once in the steady state (its amax folded into the cast), current
         # scaling twice (amax, then the cast); the scale is chosen or computed on the device and
-        # the amax recorded by the cast's last program.
+        # the amax recorded by the cast's last program. With bias_grad, also x.sum(0) in float32.
         from .kernels import ops
 
         if self.host:
@@ -470,12 +485,13 @@ class PerTensorQuantizer(Quantizer):
         cast = ops.cast_delayed if self.recipe.delayed() else ops.cast_current
         with torch.no_grad():
             x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            data, data_t, _, scale_inv = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
-                                              transpose=columnwise, record=self.record)
+            data, data_t, _, scale_inv, bias = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
+                                                    transpose=columnwise, record=self.record, bias_grad=bias_grad)
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)
         row = QuantizedTensor(data, scale_inv)
-        return row, (QuantizedTensor(data_t, scale_inv) if columnwise else None)
+        col = QuantizedTensor(data_t, scale_inv) if columnwise else None
+        return (row, col, bias) if bias_grad else (row, col)
 
 
 class BlockQuantizer(Quantizer):

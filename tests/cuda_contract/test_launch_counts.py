@@ -32,13 +32,19 @@ def optimizer_step(layers):
         for layer in layers:
             layer.weight.add_(1e-3)  # the next forward casts the weight anew
             layer.weight.grad = None
+            if layer.bias is not None:
+                layer.bias.grad = None
 
 
 @pytest.mark.parametrize("recipe,op,most", [(fp.DelayedScaling(), "cast_delayed", 10),
                                             (fp.Float8CurrentScaling(), "cast_current", 14)],
                          ids=["delayed", "current"])
-def test_fp8_linear_step_launches_at_most_the_target(cuda, recipe, op, most):
-    layer = fp.FP8Linear(256, 384, bias=False, device=cuda.device, dtype=torch.bfloat16)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_fp8_linear_step_launches_at_most_the_target(cuda, recipe, op, most, bias):
+    # With a bias, its gradient comes from the grad_output cast: 2 more launches (the sum over
+    # the cast's row tiles, the cast to the bias dtype) and no pass of its own over grad_output.
+    most += 2 if bias else 0
+    layer = fp.FP8Linear(256, 384, bias=bias, device=cuda.device, dtype=torch.bfloat16)
     train_step(layer, recipe, *batch(layer))
     optimizer_step([layer])
     fp.update_pending_scales(layer)

@@ -30,23 +30,26 @@ OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "cast_blocks": 1, "cast_gro
 OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2, "cast_blocks": 1, "cast_groups": 1}
 
 
-def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, ...]:
+def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool, bias_grad: bool) -> tuple[torch.Tensor, ...]:
     m, n = x.shape
     data_t = x.new_empty((n, m) if transpose else (0,), dtype=dtype)
     scalar = x.new_empty((), dtype=torch.float32)
-    return x.new_empty((m, n), dtype=dtype), data_t, scalar, x.new_empty((), dtype=torch.float32)
+    bias = x.new_empty((n,) if bias_grad else (0,), dtype=torch.float32)
+    return x.new_empty((m, n), dtype=dtype), data_t, scalar, x.new_empty((), dtype=torch.float32), bias
 
 
 def _cast_delayed_eager(x: torch.Tensor, scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
                      nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
-                     margin: int, transpose: bool, record: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     margin: int, transpose: bool, record: bool, bias_grad: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import tensorwise
 
+    bias = torch.empty(x.shape[1] if bias_grad else 0, dtype=torch.float32, device=x.device)
     data, data_t, s, s_inv = tensorwise.cast_transpose_delayed(
         x, dtype, margin, transpose=transpose, record=record, scale=scale, initialized=initialized,
-        amax_history=amax_history, nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role)
-    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv
+        amax_history=amax_history, nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role,
+        bias_grad_out=bias if bias_grad else None)
+    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv, bias
 
 
 _cast_delayed_op = torch.library.custom_op("fp8_plugin::cast_delayed", _cast_delayed_eager,
@@ -54,20 +57,23 @@ _cast_delayed_op = torch.library.custom_op("fp8_plugin::cast_delayed", _cast_del
 
 
 @_cast_delayed_op.register_fake
-def _(x, scale, initialized, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record):
-    return _outputs(x, dtype, transpose)
+def _(x, scale, initialized, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record,
+      bias_grad):
+    return _outputs(x, dtype, transpose, bias_grad)
 
 
 def _cast_current_eager(x: torch.Tensor, scale: torch.Tensor, amax_history: torch.Tensor,
                      nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
-                     margin: int, transpose: bool, record: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     margin: int, transpose: bool, record: bool, bias_grad: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import tensorwise
 
+    bias = torch.empty(x.shape[1] if bias_grad else 0, dtype=torch.float32, device=x.device)
     data, data_t, s, s_inv = tensorwise.cast_transpose_current(
         x, dtype, margin, transpose=transpose, record=record, scale=scale, amax_history=amax_history,
-        nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role)
-    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv
+        nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role,
+        bias_grad_out=bias if bias_grad else None)
+    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv, bias
 
 
 _cast_current_op = torch.library.custom_op("fp8_plugin::cast_current", _cast_current_eager,
@@ -75,8 +81,8 @@ _cast_current_op = torch.library.custom_op("fp8_plugin::cast_current", _cast_cur
 
 
 @_cast_current_op.register_fake
-def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record):
-    return _outputs(x, dtype, transpose)
+def _(x, scale, amax_history, nonfinite_amax_count, workspace, role, dtype, margin, transpose, record, bias_grad):
+    return _outputs(x, dtype, transpose, bias_grad)
 
 
 def _cast_blocks_eager(x: torch.Tensor, scale: torch.Tensor, amax_history: torch.Tensor,
@@ -164,28 +170,29 @@ def _traced(x: torch.Tensor) -> bool:
 
 
 def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,
-                 record: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+                 record: bool, bias_grad: bool = False) -> tuple[Optional[torch.Tensor], ...]:
     """Delayed scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state`` (a
     :class:`~fp8_plugin.numerics.quantizers.ScalingState`): see
     :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_delayed` (arguments, bytes,
-    results, errors); ``(data, data_t or None, scale, scale_inv)``."""
+    results, errors); ``(data, data_t or None, scale, scale_inv, bias_grad or None)``, the last
+    ``x.sum(0)`` in float32 where ``bias_grad``."""
     args = (x, state.scale, state.initialized, state.amax_history, state.nonfinite_amax_count,
-            state.kernel_workspace, role, dtype, margin, transpose, record)
-    data, data_t, scale, scale_inv = (torch.ops.fp8_plugin.cast_delayed(*args) if _traced(x)
-                                      else _cast_delayed_eager(*args))
-    return data, (data_t if transpose else None), scale, scale_inv
+            state.kernel_workspace, role, dtype, margin, transpose, record, bias_grad)
+    data, data_t, scale, scale_inv, bias = (torch.ops.fp8_plugin.cast_delayed(*args) if _traced(x)
+                                            else _cast_delayed_eager(*args))
+    return data, (data_t if transpose else None), scale, scale_inv, (bias if bias_grad else None)
 
 
 def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,
-                 record: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+                 record: bool, bias_grad: bool = False) -> tuple[Optional[torch.Tensor], ...]:
     """Current scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
-    :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`; ``(data, data_t or
-    None, scale, scale_inv)``."""
+    :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`; as
+    :func:`cast_delayed`."""
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
-            margin, transpose, record)
-    data, data_t, scale, scale_inv = (torch.ops.fp8_plugin.cast_current(*args) if _traced(x)
-                                      else _cast_current_eager(*args))
-    return data, (data_t if transpose else None), scale, scale_inv
+            margin, transpose, record, bias_grad)
+    data, data_t, scale, scale_inv, bias = (torch.ops.fp8_plugin.cast_current(*args) if _traced(x)
+                                            else _cast_current_eager(*args))
+    return data, (data_t if transpose else None), scale, scale_inv, (bias if bias_grad else None)
 
 
 def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,

@@ -95,6 +95,15 @@ def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm,
     tl.store(out_ptr + rows * N + cols, code, mask=inside)
     if TRANSPOSE:
         tl.store(out_t_ptr + cols * M + rows, code, mask=inside)
+    return x
+
+
+@triton.jit
+def _bias_partials(x, partials_ptr, pid_m, pid_n, N, TILE: tl.constexpr):
+    # The tile's column sums of the unscaled input (the bias gradient's share of these rows), in
+    # float32: row pid_m of a [row tiles, N] buffer that one sum over its rows finishes.
+    cols = pid_n * TILE + tl.arange(0, TILE)
+    tl.store(partials_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
 
 
 @triton.jit
@@ -153,14 +162,16 @@ def _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, 
 
 @triton.jit
 def _current_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr,
-                    scale_out_ptr, scale_inv_out_ptr, M, N, stride_xm, stride_xn, n_programs, MAX_OVER_MARGIN,
-                    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, RECORD: tl.constexpr,
-                    TILE: tl.constexpr):
+                    scale_out_ptr, scale_inv_out_ptr, partials_ptr, M, N, stride_xm, stride_xn, n_programs,
+                    MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
+                    RECORD: tl.constexpr, BGRAD: tl.constexpr, TILE: tl.constexpr):
     scale = _own_scale(_read_amax(workspace_ptr), MAX_OVER_MARGIN)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
-    _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
-               pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
+    x = _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
+                   pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
+    if BGRAD:
+        _bias_partials(x, partials_ptr, pid_m, pid_n, N, TILE)
     _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, True)
 
 
@@ -175,9 +186,9 @@ def _amax_unless_initialized_kernel(x_ptr, workspace_ptr, initialized_ptr, M, N,
 
 @triton.jit
 def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, state_scale_ptr, history_ptr,
-                    count_ptr, scale_out_ptr, scale_inv_out_ptr, M, N, stride_xm, stride_xn, n_programs,
+                    count_ptr, scale_out_ptr, scale_inv_out_ptr, partials_ptr, M, N, stride_xm, stride_xn, n_programs,
                     MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
-                    RECORD: tl.constexpr, TILE: tl.constexpr):
+                    RECORD: tl.constexpr, BGRAD: tl.constexpr, TILE: tl.constexpr):
     # The scale of PerTensorQuantizer under delayed scaling: the state's scale once initialized,
     # else the tensor's own from the amax the previous kernel folded (which this kernel's own
     # folds cannot change: they fold the same values).
@@ -186,8 +197,10 @@ def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, s
     scale = tl.where(initialized, tl.load(state_scale_ptr), own)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
-    _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
-               pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, True, TILE)
+    x = _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
+                   pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, True, TILE)
+    if BGRAD:
+        _bias_partials(x, partials_ptr, pid_m, pid_n, N, TILE)
     _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, False)
 
 
@@ -204,6 +217,16 @@ def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torc
     out = torch.empty(m, n, dtype=dtype, device=x.device)
     out_t = torch.empty(n, m, dtype=dtype, device=x.device) if transpose else out
     return out, out_t
+
+
+def _partials(x: torch.Tensor, grid: tuple[int, int], bias_grad_out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # The per-row-tile column sums of x for a fused bias gradient (None: not asked).
+    if bias_grad_out is None:
+        return None
+    if bias_grad_out.shape != (x.shape[1],) or bias_grad_out.dtype != torch.float32:
+        raise ValueError(f"bias_grad_out must be float32 [{x.shape[1]}], got {bias_grad_out.dtype} "
+                         f"{list(bias_grad_out.shape)}")
+    return torch.empty(grid[0], x.shape[1], dtype=torch.float32, device=x.device)
 
 
 def _grid(x: torch.Tensor) -> tuple[int, int]:
@@ -266,7 +289,7 @@ def _state_pointers(role: int, scale: torch.Tensor, amax_history: torch.Tensor, 
 
 def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
                            scale: torch.Tensor, amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor,
-                           workspace: torch.Tensor, role: int
+                           workspace: torch.Tensor, role: int, bias_grad_out: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Current scaling's cast of ``x``, its amax recorded into a :class:`ScalingState`'s tensors.
 
@@ -288,6 +311,11 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
         workspace: int32 ``[3, 2]``, zeros between casts (``ScalingState.kernel_workspace``):
             the running amax bits and the count of finished programs; zeroed again by the cast.
         role: the state's row: 0 input, 1 weight, 2 grad_output.
+        bias_grad_out: float32 ``[N]`` or None: receives ``x.sum(0)`` in float32, the bias
+            gradient of a layer whose grad_output ``x`` is (Transformer Engine's
+            ``bgrad_quantize``): column sums of each 64-row tile in the cast, then one sum over
+            the tiles (one more launch, ``ceil(M / 64) * N * 4`` bytes): not torch's summation
+            order, within float32 summation error of it.
 
     Returns:
         ``(data [M, N], data_t [N, M] or None, scale, scale_inv)``: ``scale`` is
@@ -306,16 +334,21 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
     _amax_kernel[grid](loadable(x), work, *args, TILE=_TILE, enable_fp_fusion=False)
+    partials = _partials(x, grid, bias_grad_out)
     _current_kernel[grid](
         loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), work, history, count, state_scale, scale_out, scale_inv,
-        *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype),
-        E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record, TILE=_TILE, enable_fp_fusion=False)
+        scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin,
+        FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record,
+        BGRAD=partials is not None, TILE=_TILE, enable_fp_fusion=False)
+    if partials is not None:
+        torch.sum(partials, 0, out=bias_grad_out)
     return out, (out_t if transpose else None), scale_out, scale_inv
 
 
 def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
                            scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
-                           nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int
+                           nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int,
+                           bias_grad_out: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Delayed scaling's cast: the state's scale once it holds one, else the tensor's own (first
     step); the amax recorded into the state's current-step history slot.
@@ -334,7 +367,8 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
         record: with a finite amax ``amax_history[role, 0] = max(amax_history[role, 0], amax)``,
             else ``nonfinite_amax_count[role] += 1``. False leaves them as they are.
         scale, initialized: the state's float32 and bool ``[3]``: the delayed scale, read.
-        amax_history, nonfinite_amax_count, workspace, role: as in :func:`cast_transpose_current`.
+        amax_history, nonfinite_amax_count, workspace, role, bias_grad_out: as in
+            :func:`cast_transpose_current`.
 
     Returns:
         ``(data, data_t or None, scale, scale_inv)``: ``scale`` is ``where(initialized[role],
@@ -353,10 +387,14 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     grid = _grid(x)
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
     _amax_unless_initialized_kernel[grid](loadable(x), work, initialized[role], *args, TILE=_TILE, enable_fp_fusion=False)
+    partials = _partials(x, grid, bias_grad_out)
     _delayed_kernel[grid](
         loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), work, initialized[role], state_scale, history, count,
-        scale_out, scale_inv, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype),
-        E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record, TILE=_TILE, enable_fp_fusion=False)
+        scale_out, scale_inv, scale_inv if partials is None else partials, *args, grid[0] * grid[1],
+        fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose,
+        RECORD=record, BGRAD=partials is not None, TILE=_TILE, enable_fp_fusion=False)
+    if partials is not None:
+        torch.sum(partials, 0, out=bias_grad_out)
     return out, (out_t if transpose else None), scale_out, scale_inv
 
 
