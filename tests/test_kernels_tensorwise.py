@@ -350,6 +350,47 @@ def test_the_bias_gradient_comes_from_the_grad_output_cast_within_float32_summat
     assert ((layer.bias.grad.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(amax_history_len=4), fp.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_a_fullgraph_compile_holds_the_fused_casts_as_custom_ops_and_trains_as_eager(recipe):
+    torch.manual_seed(0)
+    layer = fp.FP8Linear(64, 48, bias=True)
+    twin = copy.deepcopy(layer)
+    graphs = []
+
+    def backend(gm, example_inputs):  # dynamo's graph, run as it is: what Inductor would be given
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(32, 64)
+    with force_kernels("triton"):
+        compiled = torch.compile(layer, fullgraph=True, backend=backend)
+        for _ in range(2):
+            for module in (compiled, twin):
+                with fp.autocast(recipe=recipe):
+                    y = module(x)
+                y.square().mean().backward()
+            fp.update_pending_scales(layer)
+            fp.update_pending_scales(twin)
+    op = "fp8_plugin.cast_delayed" if recipe.delayed() else "fp8_plugin.cast_current"
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert targets.count(op) >= 2  # input and weight in the forward graph, each one op
+    assert torch.equal(layer.weight.grad, twin.weight.grad) and torch.equal(layer.bias.grad, twin.bias.grad)
+    for name, t in layer.fp8_state.tensors().items():
+        assert torch.equal(t, twin.fp8_state.tensors()[name]), name
+
+
+def test_compiled_code_keeps_the_torch_ops_unless_the_environment_asks_for_the_kernels(monkeypatch):
+    from fp8_plugin.numerics.device_kind import meta_as_cuda
+    from fp8_plugin.numerics.kernels import ENV_VAR
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with meta_as_cuda((9, 0)):
+        assert fused_casts(torch.device("meta")) == (False, "torch.compile fuses the torch ops itself")
+        monkeypatch.setenv(ENV_VAR, "triton")
+        assert fused_casts(torch.device("meta")) == (True, "")
+
+
 def test_the_kernels_run_on_cuda_devices_only_unless_forced():
     assert fused_casts(torch.device("cpu")) == (False, "the fused kernels run on CUDA GPUs, not on cpu")
     assert fused_casts(torch.device("meta"))[0] is False  # meta is a GPU only inside meta_as_cuda

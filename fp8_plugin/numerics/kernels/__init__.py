@@ -63,7 +63,9 @@ def fused_casts(device: torch.device) -> tuple[bool, str]:
 
     Yes on a real CUDA device where Triton imports (torch's CUDA wheels ship it), unless
     ``FP8_PLUGIN_CAST_KERNELS=torch`` is set or :func:`force_kernels` says otherwise. Not while
-    ``torch.compile`` traces: Inductor fuses the torch ops itself. CPU runs the torch ops. Meta
+    ``torch.compile`` traces (Inductor fuses the torch ops itself) unless
+    ``FP8_PLUGIN_CAST_KERNELS=triton`` (or :func:`force_kernels`) asks for them: compiled graphs
+    then hold each cast as one custom op (:mod:`.ops`), ``fullgraph=True`` included. CPU runs the torch ops. Meta
     tensors presented as a GPU (:func:`~fp8_plugin.numerics.device_kind.meta_as_cuda`, the CUDA
     contract suite and the cost model) take the fused path, as the custom ops of
     :mod:`.ops` with their fake kernels. Decided from the device type alone: no host read.
@@ -72,7 +74,8 @@ def fused_casts(device: torch.device) -> tuple[bool, str]:
         return _forced == "triton", "" if _forced == "triton" else "forced: torch ops"
     if device_kind(device) != "cuda":  # meta tensors presented as a GPU (meta_as_cuda) take the ops' fake kernels
         return False, f"the fused kernels run on CUDA GPUs, not on {device.type}"
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and os.environ.get(ENV_VAR, "auto") != "triton":
+        # FP8_PLUGIN_CAST_KERNELS=triton keeps them in compiled graphs too, as custom ops.
         return False, "torch.compile fuses the torch ops itself"
     return _triton_available()
 
