@@ -26,6 +26,11 @@ from fp8_plugin.numerics.kernels import blockwise as bw, grouped as gr, scale_up
 
 ptr = {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
 dims = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
+blocks = {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8", "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32",
+          "gemm_ptr": "*u8", "gemm_t_ptr": "*u8", "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
+          "state_scale_ptr": "*fp32", **dims, "n_programs": "i32"}
+block_consts = {"SQUARE": False, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8, "POWER_2": False, "EPS": 0.0,
+                "TRANSPOSE": True, "RECORD": True}
 cases = {
     "cast_transpose e4m3 T amax": (tw._cast_transpose_kernel, {**ptr, "scale_ptr": "*fp32", **dims},
                                    {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "AMAX": True, "TILE": 64}),
@@ -47,18 +52,8 @@ cases = {
                         "TILE": 64}),
     "scale update": (su._update_kernel, {"table_ptr": "*i64", "params_ptr": "*fp32", "current_ptr": "*fp32"},
                      {"FROM_CURRENT": True, "FIELDS": 9, "PARAMS": 4, "BLOCK": 1024}),
-    "blocks 1x128 e4m3 T": (bw._block_cast_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
-                                                   "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32", "gemm_ptr": "*u8", "gemm_t_ptr": "*u8",
-                                                   "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
-                                                   "state_scale_ptr": "*fp32", **dims, "n_programs": "i32"},
-                            {"B": 128, "SQUARE": False, "MX": False, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8,
-                             "POWER_2": False, "EPS": 0.0, "TRANSPOSE": True, "RECORD": True}),
-    "blocks mxfp8 e4m3 T": (bw._block_cast_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
-                                                    "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32", "gemm_ptr": "*u8", "gemm_t_ptr": "*u8",
-                                                    "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
-                                                    "state_scale_ptr": "*fp32", **dims, "n_programs": "i32"},
-                            {"B": 32, "SQUARE": False, "MX": True, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8,
-                             "POWER_2": False, "EPS": 0.0, "TRANSPOSE": True, "RECORD": True}),
+    "blocks 1x128 e4m3 T": (bw._block_cast_kernel, blocks, {**block_consts, "B": 128, "MX": False}),
+    "blocks mxfp8 e4m3 T": (bw._block_cast_kernel, blocks, {**block_consts, "B": 32, "MX": True}),
     "groups amax": (gr._group_amax_kernel, {"x_ptr": "*i16", "group_ptr": "*i64", "table_ptr": "*i64",
                                             "workspace_ptr": "*i32", "S": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
                                             "stride_g": "i32", "stride_r": "i32", "stride_k": "i32"},
