@@ -131,7 +131,7 @@ cp "$WORK/device.log" "$WORK/device.txt"
 step probe 60 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
 step contract 100 contract "$CONTRACT"
 cp "$WORK/contract.log" "$WORK/contract.txt"
-step layer 45 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
+step layer 70 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
     --steps 5 --warmup 2 --output "$WORK/layer.json"
 # shellcheck disable=SC2086  # MODEL holds several arguments
 step model 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections model $MODEL \
