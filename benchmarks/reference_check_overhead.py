@@ -18,7 +18,7 @@ figures. Each step is timed on the wall clock and in process CPU time. Reports, 
   check changes nothing, so it is 0).
 
 With ``--gemm-figures-cost N`` it also times one check by itself, with and without its per-GEMM
-figures (the dgrad and wgrad hooks of ``fp8_plugin.training.reference_check.gemm_sqnr_hooks``
+figures (the dgrad and wgrad hooks of ``fp8_plugin.training.reference.figures.gemm_sqnr_hooks``
 left out), alternating in this process so that both see the same machine load: the classifier
 after one FP8 training step on its first batch, process CPU time and wall time, best of ``N``
 each; ``--gemm-figures-only`` skips the training runs. Target: the figures add at most 25%.
@@ -60,7 +60,7 @@ from finetune_classifier import Classifier, make_loaders  # noqa: E402  (example
 from fp8_plugin.tools.data import bbc_news_path, minilm_path  # noqa: E402
 from fp8_plugin.numerics.device import recipe_name  # noqa: E402
 from fp8_plugin.lightning import FP8Precision  # noqa: E402
-from fp8_plugin.training import reference_check  # noqa: E402
+from fp8_plugin.training.reference import replay as reference_replay  # noqa: E402
 from fp8_plugin.training.precision_strings import settings_for_loop  # noqa: E402
 from fp8_suite.common import device_name, git_commit, write_report  # noqa: E402  (benchmarks/)
 
@@ -141,23 +141,23 @@ def gemm_figures_cost(args, tokenizer, repeats: int) -> dict:
     step()
     fp8_plugin.update_pending_scales(model)
     step_cpu = step()  # scales from the step before, as a check in training finds them
-    hooks = reference_check.gemm_sqnr_hooks
+    hooks = reference_replay.gemm_sqnr_hooks
     times: dict = {"with": {"cpu": [], "wall": []}, "without": {"cpu": [], "wall": []}}
     try:
         for _ in range(repeats + 1):  # the first pair pays one-time costs: left out
             for label in ("without", "with"):
-                reference_check.gemm_sqnr_hooks = hooks if label == "with" else (lambda *a, **k: [])
-                rng = reference_check.capture_rng_state(device)
+                reference_replay.gemm_sqnr_hooks = hooks if label == "with" else (lambda *a, **k: [])
+                rng = reference_replay.capture_rng_state(device)
                 sync()
                 start = (time.process_time(), time.perf_counter())
-                reference_check.compare(model, lambda: model(**batch).loss, rng_state=rng, compute_dtype=dtype,
+                reference_replay.compare(model, lambda: model(**batch).loss, rng_state=rng, compute_dtype=dtype,
                                         device_type=kind,
-                                        reference_dtype=reference_check.reference_gemm_dtype(dtype, kind))
+                                        reference_dtype=reference_replay.reference_gemm_dtype(dtype, kind))
                 sync()
                 times[label]["cpu"].append(time.process_time() - start[0])
                 times[label]["wall"].append(time.perf_counter() - start[1])
     finally:
-        reference_check.gemm_sqnr_hooks = hooks
+        reference_replay.gemm_sqnr_hooks = hooks
     for label in times:
         times[label] = {clock: values[1:] for clock, values in times[label].items()}
     return {**times, "batch": list(batch["input_ids"].shape), "train_step_cpu_seconds": step_cpu,

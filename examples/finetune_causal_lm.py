@@ -18,7 +18,7 @@ its validation forwards run in the compute dtype, not in FP8.
 The FP8 run checks itself against BF16 every ``--reference-every`` optimizer steps (default 8;
 the config file's ``reference_every`` under ``accelerate launch``, unless the option is given):
 the step's last micro-batch is replayed with FP8 on and off, and the loss, gradients and each
-layer's output SQNR are compared (:mod:`fp8_plugin.training.reference_check`). Each check's figures
+layer's output SQNR are compared (:mod:`fp8_plugin.training.reference`). Each check's figures
 are printed, and a summary at the end of the run. A check costs about two training steps (two
 replays, forward and backward), so the default interval adds about a quarter to the FP8 run;
 ``--reference-every 0`` turns the checks off.

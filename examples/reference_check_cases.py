@@ -49,7 +49,7 @@ import fp8_plugin as fp  # noqa: E402
 from fp8_plugin.numerics.quantizers import GRAD_OUTPUT  # noqa: E402
 from fp8_plugin.tools.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
 from fp8_plugin.training.core import FP8Training  # noqa: E402
-from fp8_plugin.training.reference_check import GEMMS, ReferenceCheck, ReferenceResult  # noqa: E402
+from fp8_plugin.training.reference import GEMMS, ReferenceCheck, ReferenceResult  # noqa: E402
 
 CASES = ("forward", "backward", "bisection")
 # Where each fault is planted (names in MeanPoolClassifier).

@@ -26,7 +26,7 @@ from .numerics.formats import Format
 from .tools.export import export
 from .training.distributed import amax_reducer
 from .training.faults import FaultPolicy, FP8NonFiniteError
-from .training.reference_check import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
+from .training.reference import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
 from .training.statistics import FP8Statistics
 from .numerics.recipes import (
     AutoRecipe,

@@ -379,7 +379,7 @@ def test_before_step_hooks_run_once_per_optimizer_step_with_its_gradients_and_we
         assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, want))
 
 
-# BF16 reference checks (fp8_plugin.training.reference_check) through the Accelerator.
+# BF16 reference checks (fp8_plugin.training.reference) through the Accelerator.
 
 
 def tiny_gpt2():

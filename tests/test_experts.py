@@ -538,7 +538,7 @@ def test_experts_casts_observed_at_once_give_the_per_expert_figures_added_up():
 
 
 def test_reference_check_measures_each_experts_module_and_falls_it_back():
-    from fp8_plugin.training.reference_check import ReferenceCheck, reference_check
+    from fp8_plugin.training.reference import ReferenceCheck, reference_check
 
     model = tiny_mixtral()
     convert_model(model)

@@ -1,7 +1,7 @@
 """Per-GEMM precision and per-GEMM figures: each of an FP8 layer's three GEMMs (fprop, dgrad,
 wgrad) can run in high precision (the recipes' ``override_linear_precision``, Transformer
 Engine's field; ``FP8Linear.fp8_gemms``, saved in checkpoints), and every BF16 reference check
-reports each GEMM's own SQNR (fp8_plugin/training/reference_check.py, ``gemm_sqnr_db``).
+reports each GEMM's own SQNR (fp8_plugin/training/reference/, ``gemm_sqnr_db``).
 Expected values come from float64 computations written here, from error bounds, and from the
 OCP OFP8 formats' rounding noise."""
 
@@ -19,8 +19,10 @@ from fp8_plugin.accelerate.settings import resolve_settings
 from fp8_plugin.numerics.device import resolve_recipe
 from fp8_plugin.numerics.gemm import fp8_gemm_in_bf16
 from fp8_plugin.numerics.quantizers import STATE_VERSION
-from fp8_plugin.training import reference_check as fp8_reference_check
-from fp8_plugin.training.reference_check import ReferenceCheck, ReferenceChecker
+from fp8_plugin.training.reference import figures as reference_figures
+from fp8_plugin.training.reference import policy as reference_policy
+from fp8_plugin.training.reference import replay as reference_replay
+from fp8_plugin.training.reference import ReferenceCheck, ReferenceChecker
 from reference import E4M3_MAX, E5M2_MAX, count_fp8_gemms, cpu_scaled_mm_uses_onednn, fp8_operand
 
 # Round-to-nearest noise of one operand, relative power E[err^2 / x^2] = 2^(-2m) / 12 * E[1/m^2]
@@ -252,9 +254,9 @@ def test_gemm_figures_match_an_independent_float64_computation_and_the_healthy_b
     # Current scaling: every scale is FP8_MAX / amax of the very tensor cast, known here. The
     # dgrad and wgrad figures' FP8 GEMMs run in float32 or, as on a CPU whose BF16 GEMMs are the
     # faster, as BF16 GEMMs of the FP8 values: both against the same float64 expectation.
-    monkeypatch.setattr(fp8_reference_check, "_cpu_bf16_is_faster", lambda: bf16_backward)
+    monkeypatch.setattr(reference_figures, "_cpu_bf16_is_faster", lambda: bf16_backward)
     bf16_gemms = []
-    monkeypatch.setattr(fp8_reference_check, "fp8_gemm_in_bf16",
+    monkeypatch.setattr(reference_figures, "fp8_gemm_in_bf16",
                         lambda a, b: bf16_gemms.append(1) or fp8_gemm_in_bf16(a, b))
     model = _model(fp.Float8CurrentScaling())
     batch = _batch()
@@ -511,7 +513,7 @@ def test_bisection_localises_a_layer_in_log_n_replays():
 
     config = ReferenceCheck(policy="fallback", max_fallback_replays=10)
     with pytest.warns(UserWarning, match="moved to high precision: 5"):
-        fp8_reference_check.apply_policy(model, result, config, verify=verify)
+        reference_policy.apply_policy(model, result, config, verify=verify)
     worst = result.worst_gemms(1)[0]  # first the GEMM furthest below its band, alone
     assert replays[0] == [] and [t["moves"] for t in result.fallback_tried][0] == [f"{worst[0]}.{worst[1]}"]
     assert replays[1:] == [["0", "1", "2", "3"], ["4", "5", "6", "7"], ["4", "5"], ["4"], ["5"]]
@@ -526,7 +528,7 @@ def test_a_healthy_run_under_fallback_moves_nothing_and_trains_bit_for_bit_as_wi
         results = []
         for step in range(4):
             batch = _batch(seed=step)
-            rng = fp8_reference_check.capture_rng_state(torch.device("cpu"))
+            rng = reference_replay.capture_rng_state(torch.device("cpu"))
             with torch.autocast("cpu", torch.bfloat16), fp.autocast():
                 loss = _loss(model, batch)
             loss.backward()

@@ -1,4 +1,4 @@
-"""BF16 reference checks (fp8_plugin/training/reference_check.py): figures, policies, and that a check
+"""BF16 reference checks (fp8_plugin/training/reference/): figures, policies, and that a check
 changes nothing in the run it checks. Plain PyTorch, real Lightning Trainers and Fabric, CPU."""
 
 import json
@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import fp8_plugin as fp
 from fp8_plugin.modules.convert import fp8_state_dict
 from fp8_plugin.lightning import FP8Precision
-from fp8_plugin.training.reference_check import ReferenceCheck, capture_rng_state, output_loss, resolve_reference_check
+from fp8_plugin.training.reference import ReferenceCheck, capture_rng_state, output_loss, resolve_reference_check
 
 # Expected output SQNR of a healthy E4M3 x E4M3 GEMM. Round-to-nearest with 3 mantissa bits
 # errs uniformly within half an ulp, ulp = 2^(e-3) for |x| in [2^e, 2^(e+1)); for mantissas

@@ -1,4 +1,4 @@
-"""The escalation of a verified fallback (fp8_plugin/training/reference_check.py,
+"""The escalation of a verified fallback (fp8_plugin/training/reference/,
 ``ESCALATION_STEPS``): when no candidate move restores a failed check's figures within
 ``max_fallback_replays``, model-wide steps are tried in order, each kept only when a replay with
 it passes; every replay is recorded with its figures before and after; under ``"raise"`` the
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import fp8_plugin as fp
-from fp8_plugin.training import reference_check as rc
-from fp8_plugin.training.reference_check import ESCALATION_STEPS, ReferenceCheck, ReferenceChecker
+from fp8_plugin.training import reference as rc
+from fp8_plugin.training.reference import ESCALATION_STEPS, ReferenceCheck, ReferenceChecker
 from reference import count_fp8_gemms
 from test_gemm_precision import Net, _batch  # the two-layer net of the per-GEMM tests
 

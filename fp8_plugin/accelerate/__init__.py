@@ -9,7 +9,7 @@
 May import: :mod:`fp8_plugin.training` and below, Accelerate.
 """
 
-from ..training.reference_check import ReferenceCheck
+from ..training.reference import ReferenceCheck
 from .accelerator import Accelerator
 from .settings import FP8Kwargs, FP8Settings, resolve_settings
 

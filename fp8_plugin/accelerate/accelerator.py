@@ -22,7 +22,7 @@ torchao) is asked for or run, and then:
   so ``unwrap_model(model).save_pretrained()`` and safetensors checkpoints work unchanged;
 - with ``fp8_reference_every`` (or a ``ReferenceCheck``, an ``FP8Kwargs`` field, the config
   file's ``reference_every`` / ``reference_policy``) the BF16 reference checks of
-  :mod:`fp8_plugin.training.reference_check` run: each training forward of a prepared model is offered for
+  :mod:`fp8_plugin.training.reference` run: each training forward of a prepared model is offered for
   replay, the check runs in the optimizer step (one process or DDP), its figures go to
   ``accelerator.log`` (the trackers), the summary and report files come with ``end_training()``,
   and the checks' history travels in ``save_state``.
@@ -60,7 +60,7 @@ from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns
 from ..training.deepspeed_engine import REFUSED, attach_to_engine, check_deepspeed_config
-from ..training.reference_check import METRIC_PREFIX, ReferenceCheck, output_loss
+from ..training.reference import METRIC_PREFIX, ReferenceCheck, output_loss
 from ..training.reference_report import with_written
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
 from ..training.statistics import FP8Statistics, statistics_config
@@ -94,10 +94,10 @@ class Accelerator(_AccelerateAccelerator):
             ``torch.float16`` (dynamic loss scaling through Accelerate's own ``GradScaler``) or
             ``torch.float32`` (no autocast). It sets Accelerate's base mixed precision.
         fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
-            off); see :mod:`fp8_plugin.training.reference_check`. The model's output must hold its loss
+            off); see :mod:`fp8_plugin.training.reference`. The model's output must hold its loss
             (``output.loss``, ``output["loss"]`` or a 0-dim tensor), else pass
             ``ReferenceCheck(output_loss=...)``. One process or DDP (refused under FSDP).
-        fp8_reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (interval,
+        fp8_reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` (interval,
             policy, thresholds, report files); its ``every`` and ``policy`` count as given here.
             Both also come from :class:`FP8Kwargs` or the config file's ``fp8_config``
             (``reference_every``, ``reference_policy``).
@@ -484,7 +484,7 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
     With reference checks on, a training forward (``module.training``, grad enabled) is first
     offered to them (``FP8Training.capture_replay``, kept on due steps only, with the RNG state of
     this moment): the replay calls the unwrapped forward with the same arguments and reads the
-    loss with ``ReferenceCheck.output_loss`` (default :func:`~fp8_plugin.training.reference_check.output_loss`).
+    loss with ``ReferenceCheck.output_loss`` (default :func:`~fp8_plugin.training.reference.output_loss`).
 
     The wrapper is a method with ``__wrapped__``, as Accelerate's own autocast wrapper is, so
     ``unwrap_model(model, keep_fp32_wrapper=False)`` removes it with Accelerate's.

@@ -33,7 +33,7 @@ from ..numerics.recipes import AutoRecipe, DelayedScaling, MXFP8BlockScaling, Re
 from ..training.core import COMPUTE_DTYPES, Patterns
 from ..training.faults import NONFINITE_POLICIES, FaultPolicy
 from ..training.precision_strings import PRECISION_STRINGS, parse_precision_string
-from ..training.reference_check import POLICIES, ReferenceCheck, resolve_reference_check
+from ..training.reference import POLICIES, ReferenceCheck, resolve_reference_check
 
 __all__ = ["FP8Kwargs", "FP8Settings", "resolve_settings", "ENV_PREFIX", "BASE_PRECISION"]
 
@@ -70,10 +70,10 @@ class FP8Kwargs:
         use_autocast_during_eval: run FP8 GEMMs in evaluation forwards too (Accelerate's
             Transformer Engine option of that name; default False: evaluation in high precision).
         reference_every: run a BF16 reference check every this many optimizer steps (0: off);
-            see :mod:`fp8_plugin.training.reference_check`.
+            see :mod:`fp8_plugin.training.reference`.
         reference_policy: what a failed check does: one of ``"log"``, ``"warn"``,
             ``"fallback"``, ``"raise"``.
-        reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (thresholds,
+        reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` (thresholds,
             ``output_loss``, report files); its ``every`` and ``policy`` count as given here.
         nonfinite: what an optimizer step with non-finite gradients does without loss scaling:
             ``"skip"`` (default) or ``"raise"``; see :mod:`fp8_plugin.training.faults`.
@@ -441,7 +441,7 @@ def resolve_settings(
     The BF16 reference checks are on when any level gives ``reference_every`` (> 0),
     ``reference_policy`` or a ``ReferenceCheck``: each of ``every`` and ``policy`` comes from
     the highest level giving it, the other settings from the highest ``ReferenceCheck`` given
-    (else the :class:`~fp8_plugin.training.reference_check.ReferenceCheck` defaults: every 200 steps,
+    (else the :class:`~fp8_plugin.training.reference.ReferenceCheck` defaults: every 200 steps,
     policy ``"warn"``); ``reference_every`` 0 turns them off.
 
     Args:

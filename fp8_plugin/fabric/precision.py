@@ -26,7 +26,7 @@ from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, check_arguments
 from ..training.faults import resolve_fault_policy
 from ..training.precision_strings import settings_for_loop
-from ..training.reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from ..training.reference import ReferenceCheck, output_loss, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
 
 __all__ = ["FP8Precision", "precision_plugin_from_string"]
@@ -52,7 +52,7 @@ class FP8Precision(MixedPrecision):
         reference_every: run a BF16 reference check every this many optimizer steps (0 or
             None: off): the last forward of the set-up model before ``optimizer.step()`` is
             replayed, its loss read by ``ReferenceCheck.output_loss``. Single device or DDP.
-        reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (interval,
+        reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` (interval,
             thresholds, policy, report files). Figures: :meth:`reference_metrics` after each
             step (for ``fabric.log_dict``), :meth:`reference_summary` at the end.
         nonfinite, max_consecutive_skips: what ``fabric.step``-time non-finite gradients do

@@ -10,7 +10,7 @@ micro-batches), evaluation runs in high precision, ``save_model`` writes a vanil
 ``fp8_config`` keys apply as in :mod:`fp8_plugin.accelerate.settings`.
 
 With ``fp8_reference_every`` (or ``fp8_reference_check``, or the config file's
-``reference_every``) the BF16 reference checks of :mod:`fp8_plugin.training.reference_check` run on the
+``reference_every``) the BF16 reference checks of :mod:`fp8_plugin.training.reference` run on the
 Trainer's micro-batches: each optimizer step that ran a check is logged (``control.should_log``)
 with its ``fp8_ref/...`` figures merged into the Trainer's log, so they reach
 ``trainer.state.log_history`` and the ``report_to`` integrations; ``train()`` ends by printing
@@ -42,8 +42,8 @@ from ..accelerate.settings import BASE_PRECISION
 from ..numerics.recipes import Recipe
 from ..training.core import Patterns
 from ..training.files import atomic_write
-from ..training.reference_check import METRIC_PREFIX as REFERENCE_PREFIX
-from ..training.reference_check import ReferenceCheck
+from ..training.reference import METRIC_PREFIX as REFERENCE_PREFIX
+from ..training.reference import ReferenceCheck
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
 from ..training.statistics import FP8Statistics
 
@@ -67,7 +67,7 @@ class FP8Trainer(Trainer):
             off); the model's output must hold the loss (the Trainer's default ``compute_loss``
             with labels in the batch), else pass ``ReferenceCheck(output_loss=...)``. One
             process or DDP.
-        fp8_reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` (interval,
+        fp8_reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` (interval,
             policy, thresholds, report files).
         fp8_nonfinite, fp8_max_consecutive_skips: what an optimizer step with non-finite
             gradients does (``"skip"``, the default: not taken, and the Trainer's scheduler

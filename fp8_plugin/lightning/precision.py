@@ -32,7 +32,7 @@ from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
 from ..training.faults import FaultPolicy, resolve_fault_policy
-from ..training.reference_check import ReferenceCheck, output_loss, resolve_reference_check
+from ..training.reference import ReferenceCheck, output_loss, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
@@ -305,9 +305,9 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         device: device type of the loss scaler; None means "cuda" when CUDA is available, else
             "cpu".
         reference_every: run a BF16 reference check every this many optimizer steps (0 or
-            None: off); see :mod:`fp8_plugin.training.reference_check`. Needs automatic optimization;
+            None: off); see :mod:`fp8_plugin.training.reference`. Needs automatic optimization;
             single device or DDP.
-        reference_check: a :class:`~fp8_plugin.training.reference_check.ReferenceCheck` with the
+        reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` with the
             interval, thresholds, policy and report files.
         nonfinite: without loss scaling, what a step with non-finite gradients does:
             ``"skip"`` (default: no optimizer step, a warning naming the first FP8 layer that

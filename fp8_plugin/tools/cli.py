@@ -315,7 +315,7 @@ def _quantization_errors(model: Any, inputs: dict, progress: Any) -> tuple[dict[
     import torch
 
     from ..modules.linear import FP8Linear
-    from ..training.reference_check import sqnr_db, sqnr_hook
+    from ..training.reference import sqnr_db, sqnr_hook
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear) and m.use_fp8]
     device = next(model.parameters()).device

@@ -26,7 +26,7 @@ from ..numerics.quantizers import check_saved_state, is_scaling_state_key
 from ..numerics.recipes import AutoRecipe, Recipe, check_recipe
 from .distributed import amax_reducer
 from .faults import FaultMonitor, FaultPolicy
-from .reference_check import ReferenceCheck, ReferenceChecker
+from .reference import ReferenceCheck, ReferenceChecker
 from .statistics import FP8Statistics, StatisticsCollector
 
 __all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
@@ -69,7 +69,7 @@ class FP8Training:
     Attributes:
         module: the converted model (None before :meth:`convert`).
         report: its :class:`~fp8_plugin.modules.convert.ConversionReport`.
-        reference: the :class:`~fp8_plugin.training.reference_check.ReferenceChecker` (None when off).
+        reference: the :class:`~fp8_plugin.training.reference.ReferenceChecker` (None when off).
         faults: the :class:`~fp8_plugin.training.faults.FaultMonitor` (skipped steps, outliers reported).
         statistics: the :class:`~fp8_plugin.training.statistics.StatisticsCollector` (None when off).
     """

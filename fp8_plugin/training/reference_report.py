@@ -20,7 +20,7 @@ __all__ = ["CheckHistory", "move_text", "summary_text", "report_data", "write_js
 
 class CheckHistory(Protocol):
     """What the reports read of a run's checks: a
-    :class:`~fp8_plugin.training.reference_check.ReferenceChecker` is one. Declared here so that
+    :class:`~fp8_plugin.training.reference.ReferenceChecker` is one. Declared here so that
     the reports need not import the checks, which import the reports."""
 
     config: Any  # ReferenceCheck: thresholds and the report paths

@@ -48,7 +48,7 @@ mode patches none of them):
 - ``torch.cuda.get_device_capability`` (numerics/gemm.py, numerics/grouped_gemm.py,
   numerics/device.py): not patched; the project reads it through ``device_kind.cuda_capability``,
   which presents the chosen one.
-- ``torch.cuda.get_rng_state`` / ``torch.cuda.set_rng_state`` (training/reference_check.py, and
+- ``torch.cuda.get_rng_state`` / ``torch.cuda.set_rng_state`` (training/reference/, and
   ``torch.random.fork_rng``, which the reference check calls with the device): **patched**. A CPU
   build has no CUDA generator; the stand-ins keep one generator state (a uint8 tensor, as
   torch's) per device and check that the device they are given is the meta device.

@@ -74,7 +74,7 @@ from fp8_plugin.numerics import gemm
 from fp8_plugin.numerics.device_kind import cuda_capability, device_kind, meta_as_cuda
 from fp8_plugin.numerics.quantizers import QuantizedTensor
 from fp8_plugin.training.core import FP8Training
-from fp8_plugin.training.reference_check import _restore_rng_state, capture_rng_state
+from fp8_plugin.training.reference.replay import _restore_rng_state, capture_rng_state
 
 META = torch.device("meta")
 CONTRACT_DEVICES = ("meta", "cuda")  # tensors on cuda.device: these tests run on a real GPU too (conftest.py)

@@ -1,0 +1,228 @@
+"""The replay: the checked micro-batch run again from its training forward's RNG state, in FP8 and
+in the reference precision, each into gradient buffers of its own, and the two compared
+(:func:`compare`); the model's buffers, the RNG stream and ``.grad`` come back untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._private.torch_api import has_tensor_hooks
+from ...modules.autocast import replay
+from ...modules.experts import FP8ExpertsMixin
+from ...modules.linear import FP8Linear
+from ...numerics.device import bf16_matmul_is_fast
+from ...numerics.device_kind import device_kind
+from ...numerics.recipes import GEMMS, Recipe
+from .figures import _cosine, _has_gemm_figures, _rel_error, _shared_weights, gemm_sqnr_hooks, sqnr_db, sqnr_hook
+from .result import ReferenceResult
+
+
+def output_loss(output: Any) -> torch.Tensor:
+    """The loss in a model's output: ``output.loss`` (transformers), ``output["loss"]``, or the
+    output itself when it is a 0-dim tensor.
+
+    Raises:
+        ValueError: none of these; pass ``ReferenceCheck(output_loss=...)``.
+    """
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            f"The reference check found no scalar loss in the model's output ({type(output).__name__}); valid: an "
+            "output with .loss or ['loss'], or a 0-dim tensor. Pass ReferenceCheck(output_loss=fn) to read it"
+        )
+    return loss.reshape(())
+
+
+@dataclass(frozen=True)
+class _RNGState:
+    cpu: torch.Tensor
+    device: Optional[torch.device]
+    device_state: Optional[torch.Tensor]
+
+
+def capture_rng_state(device: torch.device) -> _RNGState:
+    """The CPU RNG state and, on CUDA, the device's: what a training forward draws dropout from."""
+    device = torch.device(device)
+    if device_kind(device) == "cuda":
+        return _RNGState(torch.get_rng_state(), device, torch.cuda.get_rng_state(device))
+    return _RNGState(torch.get_rng_state(), None, None)
+
+
+def _restore_rng_state(state: _RNGState) -> None:
+    torch.set_rng_state(state.cpu)
+    if state.device is not None:
+        torch.cuda.set_rng_state(state.device_state, state.device)
+
+
+def _fp8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    # FP8 linear layers and MoE experts modules: each is checked, and falls back, as one layer.
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8ExpertsMixin))]
+
+
+def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
+            compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
+            recipe: Optional[Recipe] = None, reference_dtype: Optional[torch.dtype] = None,
+            group: Optional["dist.ProcessGroup"] = None) -> Optional[ReferenceResult]:
+    """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
+
+    Returns None, comparing nothing, when ``run_replay`` returns None (a loop that skips the
+    micro-batch, as Lightning does when ``training_step`` returns None).
+
+    Args:
+        model: the converted model whose parameters and FP8 layers are compared.
+        run_replay: runs the micro-batch's forward through ``model`` and returns its scalar loss.
+        rng_state: the RNG state at the start of the training forward being replayed.
+        compute_dtype: dtype of the non-FP8 ops (torch autocast; float32: none); the reference
+            runs the FP8 layers in it too.
+        device_type: the autocast device type.
+        step: recorded in the result.
+        recipe: the recipe the FP8 replay runs (None: each layer's own, as in training).
+        reference_dtype: the dtype the reference runs the FP8 layers' GEMMs in, outside torch
+            autocast (None: ``compute_dtype``, as ``nn.Linear`` would under autocast); the
+            other ops run in ``compute_dtype`` either way.
+        group: process group whose ranks' figures are summed; None means the world when
+            torch.distributed is initialised (every rank of it must call this together).
+
+    Raises:
+        ValueError: the replay's loss is not a scalar tensor, or ``model`` has sharded (DTensor)
+            parameters (FSDP2).
+    """
+    start = time.perf_counter()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in trainable], [p for _, p in trainable]
+    sharded = [n for n, p in zip(names, params) if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"]
+    if sharded:
+        raise ValueError(
+            f"Reference checks do not support sharded parameters (FSDP / DTensor), found {sharded[0]!r}; "
+            "valid set-ups: one process, DDP"
+        )
+    layers = [(name, layer) for name, layer in _fp8_layers(model) if layer.use_fp8]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [rng_state.device] if rng_state.device is not None else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device_kind(devices[0]) if devices else "cuda"):
+            replayed = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe)
+            if replayed is None:
+                return None
+            loss_fp8, grads_fp8 = replayed
+            recipes = {name: layer._forward_context.recipe if layer._forward_context else None
+                       for name, layer in layers}
+            # Per layer: output signal and noise; per GEMM (fprop, dgrad, wgrad) signal and noise.
+            energies = torch.zeros(len(layers), 2, dtype=torch.float64, device=loss_fp8.device)
+            gemm_energies = torch.zeros(len(layers), len(GEMMS), 2, dtype=torch.float64, device=loss_fp8.device)
+            handles = [layer.register_forward_hook(sqnr_hook(
+                energies[i], recipes[name], gemm_energies[i, 0] if _has_gemm_figures(layer, recipes[name]) else None))
+                for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
+            gemm_dtype = reference_dtype or compute_dtype  # the dtype the reference replay's GEMMs run in
+            shared = _shared_weights(model)
+            handles += [handle for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])
+                        for handle in gemm_sqnr_hooks(layer, gemm_energies[i], recipes[name],
+                                                      layer._forward_context.gemms, gemm_dtype,
+                                                      id(layer.weight) in shared or has_tensor_hooks(layer.weight))]
+            try:
+                loss_ref, grads_ref = _replay(run_replay, params, rng_state, False, compute_dtype, device_type, None,
+                                              reference_dtype)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    finally:
+        with torch.no_grad():  # running statistics and the like: as the training forward left them
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    # One flat float64 tensor: the losses, the layers' signal and noise energies, and per
+    # parameter <g8, gr>, |g8|^2, |gr|^2, |g8 - gr|^2; summed over ranks in one all-reduce.
+    stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten(), gemm_energies.flatten()]
+    for g8, gr in zip(grads_fp8, grads_ref):
+        stats.append(_grad_stats(g8, gr, loss_fp8.device))
+    flat = torch.cat([s.to(loss_fp8.device) for s in stats])
+    world = 1
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        world = dist.get_world_size(group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    values = flat.tolist()
+    loss8, lossr = values[0] / world, values[1] / world
+    layer_values = values[2:2 + 2 * len(layers)]
+    gemm_start = 2 + 2 * len(layers)
+    gemm_values = values[gemm_start:gemm_start + 2 * len(GEMMS) * len(layers)]
+    grad_values = values[gemm_start + 2 * len(GEMMS) * len(layers):]
+    sqnr, gemm_sqnr = {}, {}
+    for i, (name, layer) in enumerate(layers):
+        if recipes[name] is not None:
+            sqnr[name] = sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
+        if _has_gemm_figures(layer, recipes[name]):
+            pairs = gemm_values[2 * len(GEMMS) * i:2 * len(GEMMS) * (i + 1)]
+            # A GEMM that did not run (no signal, no noise) has no figure.
+            gemm_sqnr[name] = {gemm: sqnr_db(pairs[2 * j], pairs[2 * j + 1]) for j, gemm in enumerate(GEMMS)
+                               if pairs[2 * j] != 0 or pairs[2 * j + 1] != 0}
+    totals = [0.0, 0.0, 0.0, 0.0]
+    param_figures = {}
+    for i, name in enumerate(names):
+        four = grad_values[4 * i:4 * i + 4]
+        param_figures[name] = (_cosine(*four[:3]), _rel_error(four[2], four[3]))
+        totals = [t + v for t, v in zip(totals, four)]
+    return ReferenceResult(
+        step=step,
+        loss_fp8=loss8,
+        loss_reference=lossr,
+        loss_rel_diff=abs(loss8 - lossr) / abs(lossr) if lossr != 0 else (0.0 if loss8 == 0 else math.inf),
+        grad_cosine=_cosine(*totals[:3]),
+        grad_rel_error=_rel_error(totals[2], totals[3]),
+        param_figures=param_figures,
+        layer_sqnr_db=sqnr,
+        gemm_sqnr_db=gemm_sqnr,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def reference_gemm_dtype(compute_dtype: torch.dtype, device_type: str) -> Optional[torch.dtype]:
+    """The dtype a reference check runs the FP8 layers' GEMMs in: float32 on a CPU whose BF16
+    matmuls are slow (no AVX512-BF16 or AMX: tens of times slower than float32, which made a
+    check cost a dozen training steps there), else None (``compute_dtype``, as in training).
+    A float32 reference is the more exact one; the other ops stay in ``compute_dtype``."""
+    if device_type != "cpu" or compute_dtype != torch.bfloat16:
+        return None
+    return None if _cpu_bf16_is_fast() else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_bf16_is_fast() -> bool:
+    return bf16_matmul_is_fast("cpu")[0]
+
+
+def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], rng_state: _RNGState, fp8: bool,
+            compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe],
+            reference_dtype: Optional[torch.dtype] = None):
+    _restore_rng_state(rng_state)
+    with torch.enable_grad(), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
+            device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        loss = run_replay()
+    if loss is None:
+        return None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"The reference replay must return a scalar loss tensor, got {type(loss).__name__}")
+    loss = loss.reshape(())
+    if not params or not loss.requires_grad:
+        return loss.detach().float(), [None] * len(params)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss.detach().float(), grads
+
+
+def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if g8 is None and gr is None:
+        return torch.zeros(4, dtype=torch.float64, device=device)
+    a = g8.detach().to(torch.float64) if g8 is not None else torch.zeros_like(gr, dtype=torch.float64)
+    b = gr.detach().to(torch.float64) if gr is not None else torch.zeros_like(a)
+    return torch.stack([(a * b).sum(), a.square().sum(), b.square().sum(), (a - b).square().sum()])
