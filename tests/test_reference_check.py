@@ -461,3 +461,31 @@ def test_a_weight_tied_between_two_layers_gets_the_per_call_wgrad_figure_of_the_
     for name in ("0", "2"):
         assert abs(figures[True][name] - figures[False][name]) <= 1e-2, figures
         assert figures[True][name] > 20.0, figures  # a healthy figure, not the other share's 0 dB
+
+
+def test_a_loss_fn_that_enters_fp8_autocast_itself_is_refused_naming_the_cause():
+    # Before the guard, the reference replay ran in FP8 too: the check compared FP8 with FP8
+    # (cosine 1, every SQNR infinite) and passed whatever the model did.
+    model = _converted()
+    batch = _batch(outlier=1e6)
+    _plant_outlier_fault(model)
+
+    def loss_fn_with_autocast(m, b):
+        with fp.autocast():
+            return m(*b)
+
+    with pytest.raises(RuntimeError, match=r"reference replay ran 2 FP8 forwards.*fp8_plugin.autocast\(\) inside"):
+        fp.reference_check(model, batch, loss_fn_with_autocast)
+    # The documented loss_fn (no autocast inside) finds the planted fault.
+    assert not fp.reference_check(model, batch, _loss).passed
+
+
+def test_an_fp8_replay_that_runs_no_fp8_forward_is_refused():
+    model = _converted()
+
+    def loss_fn_fp8_off(m, b):
+        with fp.autocast(enabled=False):
+            return m(*b)
+
+    with pytest.raises(RuntimeError, match=r"FP8 replay ran no FP8 forward.*2 FP8 layers"):
+        fp.reference_check(model, _batch(), loss_fn_fp8_off)

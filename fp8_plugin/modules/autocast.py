@@ -68,6 +68,12 @@ def note_fp8_forward() -> None:
         _local.fp8_forwards += 1
 
 
+def fp8_forward_count() -> int:
+    """FP8 forwards run on this thread so far (eager ones; compiled code is not counted): the
+    reference checks compare it before and after each replay."""
+    return _local.fp8_forwards
+
+
 _warned_no_fp8 = False
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._private.torch_api import has_tensor_hooks
-from ...modules.autocast import replay
+from ...modules.autocast import fp8_forward_count, replay
 from ...modules.experts import FP8ExpertsMixin
 from ...modules.linear import FP8Linear
 from ...numerics.device import bf16_matmul_is_fast
@@ -114,7 +114,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     devices = [rng_state.device] if rng_state.device is not None else []
     try:
         with torch.random.fork_rng(devices=devices, device_type=device_kind(devices[0]) if devices else "cuda"):
-            replayed = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe)
+            replayed = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe,
+                               fp8_layers=_ran_fp8(layers))
             if replayed is None:
                 return None
             loss_fp8, grads_fp8 = replayed
@@ -204,11 +205,14 @@ def _cpu_bf16_is_fast() -> bool:
 
 def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], rng_state: _RNGState, fp8: bool,
             compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe],
-            reference_dtype: Optional[torch.dtype] = None):
+            reference_dtype: Optional[torch.dtype] = None, fp8_layers: int = 0):
+    # fp8_layers: the FP8 layers the FP8 replay must run in FP8 (the guard below).
     _restore_rng_state(rng_state)
+    before = fp8_forward_count()
     with torch.enable_grad(), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
             device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         loss = run_replay()
+    _check_fp8_forwards(fp8, fp8_forward_count() - before, fp8_layers)
     if loss is None:
         return None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -218,6 +222,28 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
         return loss.detach().float(), [None] * len(params)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return loss.detach().float(), grads
+
+
+def _ran_fp8(layers: Sequence[tuple[str, nn.Module]]) -> int:
+    # The FP8 layers expected to run in FP8: a GEMM in FP8, and a last forward (if any) in FP8.
+    return sum(1 for _, layer in layers if any(getattr(layer, "fp8_gemms", (True,)))
+               and (layer._forward_context is None or layer._forward_context.recipe is not None))
+
+
+def _check_fp8_forwards(fp8: bool, ran: int, fp8_layers: int) -> None:
+    # A check that cannot fail is worse than none: the reference replay must run no FP8 GEMM,
+    # and the FP8 replay some, or the two compare FP8 with FP8 (or high precision with itself).
+    if not fp8 and ran:
+        raise RuntimeError(
+            f"FP8 reference check: the reference replay ran {ran} FP8 forwards: the replayed step enters "
+            "fp8_plugin.autocast() inside the check's own FP8 switch (for example a loss_fn that wraps the model "
+            "call in fp8_plugin.autocast() inside), so both replays ran in FP8 and the check could not fail; "
+            "call the model in loss_fn without fp8_plugin.autocast (the check turns FP8 on and off itself)")
+    if fp8 and fp8_layers and not ran:
+        raise RuntimeError(
+            f"FP8 reference check: the FP8 replay ran no FP8 forward, though {fp8_layers} FP8 layers ran in FP8 in "
+            "training: the replayed step turns FP8 off (fp8_plugin.autocast(enabled=False) inside loss_fn) or "
+            "does not call the model; call the model in loss_fn without fp8_plugin.autocast")
 
 
 def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
