@@ -60,10 +60,10 @@ cases = {
                     {"DELAYED": True, "FIELDS": 9, "TILE_ROWS": 32, "TILE_COLS": 128}),
     "groups cast e4m3": (gr._group_cast_kernel, {"x_ptr": "*i16", "group_ptr": "*i64", "table_ptr": "*i64",
                                                  "workspace_ptr": "*i32", "out_ptr": "*u8", "scale_inv_ptr": "*fp32",
-                                                 "S": "i32", "K": "i32", "E": "i32", "ROWS_PER_GROUP": "i32",
+                                                 "S": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
                                                  "stride_g": "i32", "stride_r": "i32", "stride_k": "i32",
                                                  "n_programs": "i32", "MAX_OVER_MARGIN": "fp32"},
-                         {"FP8_MAX": 448.0, "E4M3": True, "DELAYED": True, "RECORD": True, "FIELDS": 9,
+                         {"E": 8, "FP8_MAX": 448.0, "E4M3": True, "DELAYED": True, "RECORD": True, "FIELDS": 9,
                           "TILE_ROWS": 32, "TILE_COLS": 128}),
     "scale update gather": (su._gather_kernel, {"table_ptr": "*i64", "current_ptr": "*fp32"}, {"FIELDS": 9}),
 }

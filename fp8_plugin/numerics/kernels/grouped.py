@@ -94,10 +94,12 @@ def _group_scale(table_ptr, groups, amax_bits, mask, MAX_OVER_MARGIN, DELAYED: t
 
 
 @triton.jit
-def _group_cast_kernel(x_ptr, group_ptr, table_ptr, workspace_ptr, out_ptr, scale_inv_ptr, S, K, E, ROWS_PER_GROUP,
-                       stride_g, stride_r, stride_k, n_programs, MAX_OVER_MARGIN, FP8_MAX: tl.constexpr,
-                       E4M3: tl.constexpr, DELAYED: tl.constexpr, RECORD: tl.constexpr, FIELDS: tl.constexpr,
-                       TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr):
+def _group_cast_kernel(x_ptr, group_ptr, table_ptr, workspace_ptr, out_ptr, scale_inv_ptr, S, K, ROWS_PER_GROUP,
+                       stride_g, stride_r, stride_k, n_programs, MAX_OVER_MARGIN, E: tl.constexpr,
+                       FP8_MAX: tl.constexpr, E4M3: tl.constexpr, DELAYED: tl.constexpr, RECORD: tl.constexpr,
+                       FIELDS: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr):
+    # E (the expert count) is a compile-time constant: the recording loop's bound (Triton 3.6's
+    # interpreter cannot take a loop bound from a kernel argument), one compile per model.
     rows, cols, in_rows, groups, offsets = _tile(x_ptr, group_ptr, tl.program_id(0), tl.program_id(1), S, K,
                                                  ROWS_PER_GROUP, stride_g, stride_r, stride_k, TILE_ROWS, TILE_COLS)
     # Each row's expert amax so far, by atomic reads (see tensorwise._read_amax), then its scale.
@@ -182,8 +184,9 @@ def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], table: to
     _group_amax_kernel[grid](source, groups, table, workspace, rows, k, per_group, *strides, DELAYED=delayed,
                              FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS, TILE_COLS=_TILE_COLS)
     _group_cast_kernel[grid](
-        source, groups, table, workspace, out.view(torch.uint8), scale_inv, rows, k, experts, per_group, *strides,
-        grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
+        source, groups, table, workspace, out.view(torch.uint8), scale_inv, rows, k, per_group, *strides,
+        grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, E=experts, FP8_MAX=fp8_max(dtype),
+        E4M3=dtype == torch.float8_e4m3fn,
         DELAYED=delayed, RECORD=record, FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS, TILE_COLS=_TILE_COLS,
         enable_fp_fusion=False)
     return out, scale_inv
