@@ -115,7 +115,9 @@ def _group_cast_kernel(x_ptr, group_ptr, table_ptr, workspace_ptr, out_ptr, scal
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], code, mask=mask)
     bits = (x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF).to(tl.int32)
     tl.atomic_max(workspace_ptr + groups, tl.max(bits, axis=1), mask=in_rows)
-    # The last program records every expert's amax and writes the scale_inv of all E.
+    # The last program records every expert's amax and writes the scale_inv of all E. Every
+    # thread's atomics on the workspace come before this program counts itself done.
+    tl.debug_barrier()
     done = tl.atomic_add(workspace_ptr + E, 1)
     if done == n_programs - 1:
         for g in range(0, E):

@@ -144,6 +144,9 @@ def _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, 
     # Every program counts itself done; the last one records the tensor's amax into the scaling
     # state, as ScalingState.record_amax (delayed) or observe_current (current) do, and zeroes
     # the workspace for the next cast: no zero fill and no bookkeeping op of its own.
+    # Every thread's folds and reads of the workspace come before this program counts itself
+    # done (the count is one thread's atomic; its release then covers them all).
+    tl.debug_barrier()
     done = tl.atomic_add(workspace_ptr + 1, 1)
     if done == n_programs - 1:
         bits = tl.atomic_xchg(workspace_ptr, 0)
