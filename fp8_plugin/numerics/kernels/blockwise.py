@@ -40,9 +40,8 @@ from ..scaling import divide
 from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 from .tensorwise import _finish, _fold_amax, _state_pointers
 
-__all__ = ["cast_blocks", "reference_blocks", "grid_tensors", "LAUNCHES"]
+__all__ = ["cast_blocks", "reference_blocks", "grid_tensors"]
 
-LAUNCHES = {"cast_blocks": 1}
 
 
 @triton.jit

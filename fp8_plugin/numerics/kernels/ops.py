@@ -24,8 +24,8 @@ from ..._private.torch_api import in_dispatch_mode
 
 __all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "OP_LAUNCHES", "OP_INPUT_READS"]
 
-# Kernel launches and reads of the input per call of each op, for the cost model and the
-# launch-count tests (tensorwise.LAUNCHES says the same of the Python entry points).
+# Kernel launches per call of each op (zero fills included), for the cost model and the
+# launch-count tests, which check them against what each eager entry point launches.
 OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "cast_blocks": 1, "cast_groups": 3, "scale_update_gather": 1,
                "scale_update": 1}
 # Reads of the whole input per call: delayed scaling's steady state reads it once (its first cast
@@ -41,18 +41,25 @@ def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool, bias_grad: bo
     return x.new_empty((m, n), dtype=dtype), data_t, scalar, x.new_empty((), dtype=torch.float32), bias
 
 
-def _cast_delayed_eager(x: torch.Tensor, scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
-                     nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
-                     margin: int, transpose: bool, record: bool, bias_grad: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tensorwise(kind: str, x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool, record: bool,
+                bias_grad: bool, **state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # tensorwise.cast_transpose_<kind> with the op's outputs: every one a tensor (empty where
+    # not asked for), the bias gradient last.
     from . import tensorwise
 
     bias = torch.empty(x.shape[1] if bias_grad else 0, dtype=torch.float32, device=x.device)
-    data, data_t, s, s_inv = tensorwise.cast_transpose_delayed(
-        x, dtype, margin, transpose=transpose, record=record, scale=scale, initialized=initialized,
-        amax_history=amax_history, nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role,
-        bias_grad_out=bias if bias_grad else None)
+    data, data_t, s, s_inv = getattr(tensorwise, f"cast_transpose_{kind}")(
+        x, dtype, margin, transpose=transpose, record=record, bias_grad_out=bias if bias_grad else None, **state)
     return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv, bias
+
+
+def _cast_delayed_eager(x: torch.Tensor, scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
+                        nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
+                        margin: int, transpose: bool, record: bool, bias_grad: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _tensorwise("delayed", x, dtype, margin, transpose, record, bias_grad, scale=scale, initialized=initialized,
+                       amax_history=amax_history, nonfinite_amax_count=nonfinite_amax_count, workspace=workspace,
+                       role=role)
 
 
 _cast_delayed_op = torch.library.custom_op("fp8_plugin::cast_delayed", _cast_delayed_eager,
@@ -66,17 +73,12 @@ def _(x, scale, initialized, amax_history, nonfinite_amax_count, workspace, role
 
 
 def _cast_current_eager(x: torch.Tensor, scale: torch.Tensor, amax_history: torch.Tensor,
-                     nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
-                     margin: int, transpose: bool, record: bool, bias_grad: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from . import tensorwise
-
-    bias = torch.empty(x.shape[1] if bias_grad else 0, dtype=torch.float32, device=x.device)
-    data, data_t, s, s_inv = tensorwise.cast_transpose_current(
-        x, dtype, margin, transpose=transpose, record=record, scale=scale, amax_history=amax_history,
-        nonfinite_amax_count=nonfinite_amax_count, workspace=workspace, role=role,
-        bias_grad_out=bias if bias_grad else None)
-    return data, (data_t if transpose else x.new_empty((0,), dtype=dtype)), s, s_inv, bias
+                        nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int, dtype: torch.dtype,
+                        margin: int, transpose: bool, record: bool, bias_grad: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _tensorwise("current", x, dtype, margin, transpose, record, bias_grad, scale=scale,
+                       amax_history=amax_history, nonfinite_amax_count=nonfinite_amax_count, workspace=workspace,
+                       role=role)
 
 
 _cast_current_op = torch.library.custom_op("fp8_plugin::cast_current", _cast_current_eager,

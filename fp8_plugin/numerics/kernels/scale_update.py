@@ -33,13 +33,11 @@ import triton.language as tl
 
 from ..formats import fp8_dtype, fp8_max
 
-__all__ = ["bulk_update", "build_table", "Row", "LAUNCHES"]
+__all__ = ["bulk_update", "build_table", "Row"]
 
 # The row of grad_output in a ScalingState (quantizers.GRAD_OUTPUT; the kernels sit below the
 # quantizers, which call them): its format is the recipe's backward one.
 GRAD_OUTPUT_ROLE = 2
-# Launches per update, with and without the amax reduction (the reduction's own not counted).
-LAUNCHES = {"with reduction": 2, "without reduction": 1}
 _POLICIES = {"clip": 0, "keep": 1, "skip": 2}
 _ALGOS = {"max": 0, "most_recent": 1}
 # Columns of the address table: history row, scale, initialized, outlier count, outlier ratio

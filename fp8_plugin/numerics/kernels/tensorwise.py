@@ -45,12 +45,10 @@ from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
 from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 
-__all__ = ["cast_transpose", "cast_transpose_delayed", "tensor_amax", "cast_transpose_current", "reference_cast",
-           "reference_delayed", "reference_current", "LAUNCHES"]
+__all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_current", "reference_cast",
+           "reference_delayed", "reference_current"]
 
 _TILE = 64
-# Kernel launches per call, for the cost model and the launch-count tests (zero fills included).
-LAUNCHES = {"cast_transpose": 1, "cast_transpose_new_amax": 2, "delayed": 2, "current": 2}
 
 
 @triton.jit
@@ -164,18 +162,31 @@ def _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, 
 
 
 @triton.jit
+def _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr, scale_out_ptr,
+                     scale_inv_out_ptr, partials_ptr, scale, M, N, stride_xm, stride_xn, n_programs,
+                     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
+                     RECORD: tl.constexpr, BGRAD: tl.constexpr, CURRENT: tl.constexpr, TILE: tl.constexpr):
+    # The common tail of the two recording casts, once the scale is chosen: the scale written
+    # by the first program, the tile cast (its amax folded where AMAX), the bias partials, and
+    # the last program's recording into the state.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
+    x = _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
+                   pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, AMAX, TILE)
+    if BGRAD:
+        _bias_partials(x, partials_ptr, pid_m, pid_n, N, TILE)
+    _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, CURRENT)
+
+
+@triton.jit
 def _current_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr,
                     scale_out_ptr, scale_inv_out_ptr, partials_ptr, M, N, stride_xm, stride_xn, n_programs,
                     MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
                     RECORD: tl.constexpr, BGRAD: tl.constexpr, TILE: tl.constexpr):
     scale = _own_scale(_read_amax(workspace_ptr), MAX_OVER_MARGIN)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
-    x = _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
-                   pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, False, TILE)
-    if BGRAD:
-        _bias_partials(x, partials_ptr, pid_m, pid_n, N, TILE)
-    _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, True)
+    _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr, scale_out_ptr,
+                     scale_inv_out_ptr, partials_ptr, scale, M, N, stride_xm, stride_xn, n_programs, FP8_MAX, E4M3,
+                     TRANSPOSE, False, RECORD, BGRAD, True, TILE)
 
 
 @triton.jit
@@ -198,13 +209,9 @@ def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, s
     initialized = tl.load(initialized_ptr).to(tl.int32) != 0
     own = _own_scale(_read_amax(workspace_ptr), MAX_OVER_MARGIN)
     scale = tl.where(initialized, tl.load(state_scale_ptr), own)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
-    x = _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
-                   pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, True, TILE)
-    if BGRAD:
-        _bias_partials(x, partials_ptr, pid_m, pid_n, N, TILE)
-    _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, scale, RECORD, False)
+    _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr, scale_out_ptr,
+                     scale_inv_out_ptr, partials_ptr, scale, M, N, stride_xm, stride_xn, n_programs, FP8_MAX, E4M3,
+                     TRANSPOSE, True, RECORD, BGRAD, False, TILE)
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -263,22 +270,6 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
             x.stride(0), x.stride(1), FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
             TRANSPOSE=transpose, AMAX=amax_out is not None, TILE=_TILE, enable_fp_fusion=False)
     return out, (out_t if transpose else None)
-
-
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """``amax(x)``: ``x.abs().amax()`` as a float32 0-dim tensor (0 for an empty ``x``, NaN if
-    ``x`` has a NaN), in one pass over ``x``; 2 launches (the zero fill and the kernel).
-
-    Args:
-        x: ``[M, N]`` float32, bfloat16 or float16, any strides.
-    """
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
-    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if x.numel():
-        _amax_kernel[_grid(x)](loadable(x), amax_bits, x.shape[0], x.shape[1], x.stride(0), x.stride(1), TILE=_TILE,
-                                   enable_fp_fusion=False)
-    return amax_bits.view(torch.float32).reshape(())
 
 
 def _state_pointers(role: int, scale: torch.Tensor, amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor,
