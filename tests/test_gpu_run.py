@@ -15,6 +15,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import torch
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
@@ -88,3 +90,36 @@ def test_variants_that_kill_or_hang_their_process_cost_one_line_each():
     others = [line for line in lines[:-1] if not line.startswith("CRASH")]
     assert len(others) == len(lines) - 3 and all(line.startswith(("PASS", "INFO")) for line in others), others
     assert lines[-1].endswith("2 CRASH, 1 INFO, 23 PASS")
+
+
+def test_on_hopper_the_blockwise_gemms_are_checked_and_only_mxfp8_is_skipped(monkeypatch):
+    # Each variant must keep its own kind's verdict: a closure over the loop's last kind skipped
+    # the blockwise GEMMs on the first H100 run with MXFP8's reason.
+    monkeypatch.syspath_prepend(str(PROBE.parent))
+    import gpu_probe
+
+    from fp8_plugin.numerics.device_kind import meta_as_cuda
+
+    def refuse(fn):
+        raise gpu_probe.Refused("ran")
+
+    monkeypatch.setattr(gpu_probe, "run_kernel", refuse)
+    with meta_as_cuda((9, 0)):
+        listed = list(gpu_probe.variants(torch.device("meta")))  # all first, as the probe's child runs them
+        verdicts = {name: run() for name, run in listed if name.startswith(("blockwise", "mxfp8"))}
+    assert len(verdicts) == 2 * 3 * 3 + 3 * 3
+    for name, words in verdicts.items():
+        expected = "REFUSED: ran" if name.startswith("blockwise") else "SKIP mxfp8 kernels are for sm10x"
+        assert words.startswith(expected), (name, words)
+
+
+def test_a_device_side_assertion_is_named_once_not_per_thread(monkeypatch):
+    monkeypatch.syspath_prepend(str(PROBE.parent))
+    import gpu_probe
+
+    printed = [f"/pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:111: operator(): block: [0,0,0], thread: [{t},0,0] "
+               "Assertion `-sizes[i] <= index && index < sizes[i] && \"index out of bounds\"` failed.\n" for t in range(40)]
+    words = gpu_probe._assertions(printed + ["Traceback (most recent call last):"])
+    assert words == ("; device-side: /pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:111: operator(): Assertion "
+                     "`-sizes[i] <= index && index < sizes[i] && \"index out of bounds\"` failed.")
+    assert gpu_probe._assertions(["RuntimeError: no assertion here"]) == ""

@@ -24,7 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fp8_plugin.numerics.kernels import blockwise as bw, grouped as gr, scale_update as su, tensorwise as tw
 
-ptr = {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_bits_ptr": "*i32"}
+# The per-tensor casts take bfloat16 and FP8 tensors as they are (bitcast inside the kernel).
+ptr = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv", "amax_bits_ptr": "*i32"}
 dims = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
 blocks = {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8", "scale_inv_ptr": "*fp32", "scale_inv_t_ptr": "*fp32",
           "gemm_ptr": "*u8", "gemm_t_ptr": "*u8", "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
@@ -34,22 +35,23 @@ block_consts = {"SQUARE": False, "FP8_MAX": 448.0, "E4M3": True, "EMAX": 8, "POW
 cases = {
     "cast_transpose e4m3 T amax": (tw._cast_transpose_kernel, {**ptr, "scale_ptr": "*fp32", **dims},
                                    {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "AMAX": True, "TILE": 64}),
-    "amax": (tw._amax_kernel, {"x_ptr": "*i16", "amax_bits_ptr": "*i32", **dims}, {"TILE": 64}),
-    "amax unless initialized": (tw._amax_unless_initialized_kernel, {"x_ptr": "*i16", "workspace_ptr": "*i32",
+    "amax": (tw._amax_kernel, {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", **dims}, {"TILE": 64}),
+    "amax unless initialized": (tw._amax_unless_initialized_kernel, {"x_ptr": "*bf16", "workspace_ptr": "*i32",
                                                                      "initialized_ptr": "*i1", **dims}, {"TILE": 64}),
-    "delayed e4m3 T": (tw._delayed_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
+    "delayed e4m3 T": (tw._delayed_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv",
                                             "workspace_ptr": "*i32", "initialized_ptr": "*i1",
                                             "state_scale_ptr": "*fp32", "history_ptr": "*fp32", "count_ptr": "*i64",
                                             "scale_out_ptr": "*fp32", "scale_inv_out_ptr": "*fp32", "partials_ptr": "*fp32",
                                             **dims, "n_programs": "i32", "MAX_OVER_MARGIN": "fp32"},
-                       {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "RECORD": True, "BGRAD": True, "TILE": 64}),
-    "current e5m2 T": (tw._current_kernel, {"x_ptr": "*i16", "out_ptr": "*u8", "out_t_ptr": "*u8",
+                       {"FP8_MAX": 448.0, "E4M3": True, "TRANSPOSE": True, "RECORD": True, "BGRAD": True,
+                        "SCALE_OUT": False, "TILE": 64}),
+    "current e5m2 T": (tw._current_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp8e5", "out_t_ptr": "*fp8e5",
                                             "workspace_ptr": "*i32", "history_ptr": "*fp32", "count_ptr": "*i64",
                                             "state_scale_ptr": "*fp32", "scale_out_ptr": "*fp32",
                                             "scale_inv_out_ptr": "*fp32", "partials_ptr": "*fp32", **dims,
                                             "n_programs": "i32", "MAX_OVER_MARGIN": "fp32"},
                        {"FP8_MAX": 57344.0, "E4M3": False, "TRANSPOSE": True, "RECORD": True, "BGRAD": True,
-                        "TILE": 64}),
+                        "SCALE_OUT": True, "TILE": 64}),
     "scale update": (su._update_kernel, {"table_ptr": "*i64", "params_ptr": "*fp32", "current_ptr": "*fp32"},
                      {"FROM_CURRENT": True, "FIELDS": 9, "PARAMS": 4, "BLOCK": 1024}),
     "blocks 1x128 e4m3 T": (bw._block_cast_kernel, blocks, {**block_consts, "B": 128, "MX": False}),

@@ -458,15 +458,21 @@ def fp8_gemm(
             _warn_once(reason)
         return _emulated(a, b, out_dtype, bias)
     m, n = a.data.shape[0], b.data.shape[0]
-    if device_kind(a.data.device) == "cuda":
+    device_type = device_kind(a.data.device)
+    if device_type == "cuda":
         # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
         # zeros rather than emulated: one copy of each operand against a far slower GEMM.
         multiples = _alignment(kind, b)
         a, b = pad_to_alignment(a, b, multiples)
         if bias is not None and b.data.shape[0] != n:
             bias = torch.cat([bias, bias.new_zeros(b.data.shape[0] - n)])
-    # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower.
-    with torch.autocast(device_kind(a.data.device), enabled=False):
+    # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower. Only
+    # where autocast is on (the forward, under the integrations): a context costs microseconds
+    # of CPU, and backward GEMMs run with autocast off.
+    if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            out = _native(kind, support, a, b, out_dtype, bias)
+    else:
         out = _native(kind, support, a, b, out_dtype, bias)
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place

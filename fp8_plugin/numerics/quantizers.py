@@ -15,7 +15,7 @@ import functools
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -110,6 +110,17 @@ class Quantizer(ABC):
         return row, col, x.to(torch.float32).sum(0)
 
 
+class StateRows(NamedTuple):
+    """One role's rows of a :class:`ScalingState`'s tensors, as views: what a fused cast reads
+    and writes (``numerics/kernels/tensorwise.py``)."""
+
+    scale: torch.Tensor  # float32 0-dim
+    initialized: torch.Tensor  # bool 0-dim
+    amax_history: torch.Tensor  # float32 [L]
+    nonfinite_amax_count: torch.Tensor  # int64 0-dim
+    workspace: torch.Tensor  # int32 [2]
+
+
 class ScalingState(nn.Module):
     """Per-tensor FP8 scaling state of one layer: a row per role (input, weight, grad_output).
 
@@ -172,6 +183,7 @@ class ScalingState(nn.Module):
         self.outlier_ratio = torch.zeros(3, dtype=torch.float32, device=device)
         # The fused casts' scratch (numerics/kernels/tensorwise.py): zeros between casts, not saved.
         self.kernel_workspace = torch.zeros(3, 2, dtype=torch.int32, device=device)
+        self._kernel_rows: dict[int, tuple[tuple[int, ...], StateRows]] = {}  # kernel_rows' cache
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
         self.fp8_gemms = (True, True, True)
@@ -193,6 +205,26 @@ class ScalingState(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state tensors by name (live, not copies)."""
         return {name: getattr(self, name) for name in _STATE_TENSORS}
+
+    def kernel_rows(self, role: int) -> StateRows:
+        """``role``'s rows of the state tensors, as views, made once and kept while the tensors
+        are the same: a fused cast then selects nothing on the host (each select is an op, some
+        microseconds of CPU per cast). A tensor replaced (a load, a reset, a move, a resized
+        history) changes the key, the data addresses, and the views are made again; the cached
+        views keep their storage alive, so a new tensor cannot take an old address."""
+        if self.scale.device.type == "meta":  # no addresses to key on
+            return StateRows(self.scale[role], self.initialized[role], self.amax_history[role],
+                             self.nonfinite_amax_count[role], self.kernel_workspace[role])
+        key = (self.scale.data_ptr(), self.initialized.data_ptr(), self.amax_history.data_ptr(),
+               self.nonfinite_amax_count.data_ptr(), self.kernel_workspace.data_ptr())
+        cache = self.__dict__.setdefault("_kernel_rows", {})  # a state unpickled from before the cache
+        cached = cache.get(role)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        rows = StateRows(self.scale[role], self.initialized[role], self.amax_history[role],
+                         self.nonfinite_amax_count[role], self.kernel_workspace[role])
+        cache[role] = (key, rows)
+        return rows
 
     def resize_history(self, length: int) -> None:
         """Keep the ``length`` most recent columns, padding older ones with zeros."""
@@ -485,7 +517,7 @@ class PerTensorQuantizer(Quantizer):
         cast = ops.cast_delayed if self.recipe.delayed() else ops.cast_current
         with torch.no_grad():
             x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            data, data_t, _, scale_inv, bias = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
+            data, data_t, scale_inv, bias = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
                                                     transpose=columnwise, record=self.record, bias_grad=bias_grad)
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)

@@ -193,11 +193,11 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
     scale_inv, scale_inv_t = grid_tensors(m, n, block, transpose, x.device)
     gemm = gemm_t = None
     if mx:  # the grid also covers the padding of the swizzled layout: 128 rows x 4 blocks per tile
-        grid = (4 * triton.cdiv(max(m, 1), 128), 4 * triton.cdiv(max(n, 1), 128))
+        grid = (4 * -(-max(m, 1) // 128), 4 * -(-max(n, 1) // 128))
         gemm = torch.empty(grid[0] * grid[1] * 32, dtype=torch.uint8, device=x.device)
         gemm_t = torch.empty_like(gemm) if transpose else None
     else:
-        grid = (triton.cdiv(max(m, 1), b), triton.cdiv(max(n, 1), b))
+        grid = (-(-max(m, 1) // b), -(-max(n, 1) // b))
     _block_cast_kernel[grid](
         loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), scale_inv,
         scale_inv if scale_inv_t is None else scale_inv_t, out.view(torch.uint8) if gemm is None else gemm,

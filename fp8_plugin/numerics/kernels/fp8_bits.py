@@ -74,6 +74,26 @@ def loadable(x):
 
 
 @triton.jit
+def raw_pointer(ptr):
+    """The pointer a kernel loads through for a tensor passed as it is: a bfloat16 tensor's as
+    int16 (its bits, which :func:`as_float32` widens), other dtypes unchanged. A bitcast inside
+    the kernel, where :func:`loadable` makes a view on the host (one op per launch)."""
+    # One return: a static if (a dtype test) keeps one branch, so the result has one type.
+    if ptr.dtype.element_ty == tl.bfloat16:
+        raw = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        raw = ptr
+    return raw
+
+
+@triton.jit
+def byte_pointer(ptr):
+    """An FP8 tensor's pointer as uint8, for storing the codes the encoders compute: the FP8
+    tensor is passed as it is (no ``.view(torch.uint8)`` on the host)."""
+    return ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+
+
+@triton.jit
 def as_float32(raw):
     """float32 values of a tile loaded from :func:`loadable`'s tensor. bfloat16 arrives as its
     int16 bits and widens by a 16-bit shift, exact on a GPU and under the interpreter alike:

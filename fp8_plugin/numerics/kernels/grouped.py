@@ -180,7 +180,7 @@ def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], table: to
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale_inv = torch.empty(experts, dtype=torch.float32, device=x.device)
     workspace = torch.zeros(experts + 1, dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(max(rows, 1), _TILE_ROWS), triton.cdiv(max(k, 1), _TILE_COLS))
+    grid = (-(-max(rows, 1) // _TILE_ROWS), -(-max(k, 1) // _TILE_COLS))
     source = loadable(x)
     _group_amax_kernel[grid](source, groups, table, workspace, rows, k, per_group, *strides, DELAYED=delayed,
                              FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS, TILE_COLS=_TILE_COLS)

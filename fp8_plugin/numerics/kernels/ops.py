@@ -179,13 +179,15 @@ def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: 
     """Delayed scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state`` (a
     :class:`~fp8_plugin.numerics.quantizers.ScalingState`): see
     :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_delayed` (arguments, bytes,
-    results, errors); ``(data, data_t or None, scale, scale_inv, bias_grad or None)``, the last
-    ``x.sum(0)`` in float32 where ``bias_grad``."""
+    results, errors); ``(data, data_t or None, scale_inv, bias_grad or None)``, the last
+    ``x.sum(0)`` in float32 where ``bias_grad`` (the scale itself is not returned: nothing reads
+    it, and an eager cast then makes one tensor fewer)."""
+    if not _traced(x):
+        return _direct("delayed", x, state, role, dtype, margin, transpose, record, bias_grad)
     args = (x, state.scale, state.initialized, state.amax_history, state.nonfinite_amax_count,
             state.kernel_workspace, role, dtype, margin, transpose, record, bias_grad)
-    data, data_t, scale, scale_inv, bias = (torch.ops.fp8_plugin.cast_delayed(*args) if _traced(x)
-                                            else _cast_delayed_eager(*args))
-    return data, (data_t if transpose else None), scale, scale_inv, (bias if bias_grad else None)
+    data, data_t, _, scale_inv, bias = torch.ops.fp8_plugin.cast_delayed(*args)
+    return data, (data_t if transpose else None), scale_inv, (bias if bias_grad else None)
 
 
 def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,
@@ -193,11 +195,28 @@ def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: 
     """Current scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
     :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`; as
     :func:`cast_delayed`."""
+    if not _traced(x):
+        return _direct("current", x, state, role, dtype, margin, transpose, record, bias_grad)
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
             margin, transpose, record, bias_grad)
-    data, data_t, scale, scale_inv, bias = (torch.ops.fp8_plugin.cast_current(*args) if _traced(x)
-                                            else _cast_current_eager(*args))
-    return data, (data_t if transpose else None), scale, scale_inv, (bias if bias_grad else None)
+    data, data_t, _, scale_inv, bias = torch.ops.fp8_plugin.cast_current(*args)
+    return data, (data_t if transpose else None), scale_inv, (bias if bias_grad else None)
+
+
+def _direct(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, transpose: bool,
+            record: bool, bias_grad: bool) -> tuple[Optional[torch.Tensor], ...]:
+    # A plain eager call: the kernels with the state's cached row views, and no placeholder
+    # tensors for what was not asked (every op is some microseconds of CPU per cast).
+    from . import tensorwise
+
+    bias = torch.empty(x.shape[1], dtype=torch.float32, device=x.device) if bias_grad else None
+    state_args = dict(scale=state.scale, amax_history=state.amax_history, nonfinite_amax_count=state.nonfinite_amax_count,
+                      workspace=state.kernel_workspace, role=role, rows=state.kernel_rows(role))
+    if kind == "delayed":
+        state_args["initialized"] = state.initialized
+    data, data_t, _, scale_inv = getattr(tensorwise, f"cast_transpose_{kind}")(
+        x, dtype, margin, transpose=transpose, record=record, bias_grad_out=bias, want_scale=False, **state_args)
+    return data, data_t, scale_inv, bias
 
 
 def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,

@@ -41,9 +41,10 @@ import triton
 import triton.language as tl
 
 from ..formats import fp8_max
+from ..quantizers import StateRows
 from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
-from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
+from .fp8_bits import as_float32, byte_pointer, e4m3_bits, e5m2_bits, raw_pointer, saturated
 
 __all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_current", "reference_cast",
            "reference_delayed", "reference_current"]
@@ -68,10 +69,12 @@ def _own_scale(amax, MAX_OVER_MARGIN):
 
 
 @triton.jit
-def _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n):
-    # The first program writes the scale the cast used and its correctly rounded reciprocal.
+def _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n, SCALE_OUT: tl.constexpr):
+    # The first program writes the scale the cast used (where asked) and its correctly rounded
+    # reciprocal.
     if (pid_m == 0) & (pid_n == 0):
-        tl.store(scale_out_ptr, scale)
+        if SCALE_OUT:
+            tl.store(scale_out_ptr, scale)
         tl.store(scale_inv_out_ptr, tl.math.div_rn(1.0, scale))
 
 
@@ -82,7 +85,7 @@ def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm,
     rows = pid_m * TILE + tl.arange(0, TILE)[:, None]
     cols = pid_n * TILE + tl.arange(0, TILE)[None, :]
     inside = (rows < M) & (cols < N)
-    x = as_float32(tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=inside, other=0))
+    x = as_float32(tl.load(raw_pointer(x_ptr) + rows * stride_xm + cols * stride_xn, mask=inside, other=0))
     if AMAX:
         _fold_amax(x, amax_bits_ptr)
     s = saturated(x, scale, FP8_MAX, E4M3)
@@ -90,9 +93,9 @@ def _cast_tile(x_ptr, out_ptr, out_t_ptr, amax_bits_ptr, scale, M, N, stride_xm,
         code = e4m3_bits(s)
     else:
         code = e5m2_bits(s)
-    tl.store(out_ptr + rows * N + cols, code, mask=inside)
+    tl.store(byte_pointer(out_ptr) + rows * N + cols, code, mask=inside)
     if TRANSPOSE:
-        tl.store(out_t_ptr + cols * M + rows, code, mask=inside)
+        tl.store(byte_pointer(out_t_ptr) + cols * M + rows, code, mask=inside)
     return x
 
 
@@ -118,8 +121,8 @@ def _amax_tile(x_ptr, amax_bits_ptr, rows_limit, N, stride_xm, stride_xn, TILE: 
     # The amax of this program's tile, rows below rows_limit only (none when it is 0: no load).
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)[:, None]
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)[None, :]
-    x = as_float32(tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=(rows < rows_limit) & (cols < N),
-                           other=0))
+    x = as_float32(tl.load(raw_pointer(x_ptr) + rows * stride_xm + cols * stride_xn,
+                           mask=(rows < rows_limit) & (cols < N), other=0))
     _fold_amax(x, amax_bits_ptr)
 
 
@@ -165,12 +168,13 @@ def _finish(workspace_ptr, n_programs, history_ptr, count_ptr, state_scale_ptr, 
 def _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr, scale_out_ptr,
                      scale_inv_out_ptr, partials_ptr, scale, M, N, stride_xm, stride_xn, n_programs,
                      FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
-                     RECORD: tl.constexpr, BGRAD: tl.constexpr, CURRENT: tl.constexpr, TILE: tl.constexpr):
+                     RECORD: tl.constexpr, BGRAD: tl.constexpr, CURRENT: tl.constexpr, SCALE_OUT: tl.constexpr,
+                     TILE: tl.constexpr):
     # The common tail of the two recording casts, once the scale is chosen: the scale written
     # by the first program, the tile cast (its amax folded where AMAX), the bias partials, and
     # the last program's recording into the state.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n)
+    _write_scale(scale, scale_out_ptr, scale_inv_out_ptr, pid_m, pid_n, SCALE_OUT)
     x = _cast_tile(x_ptr, out_ptr, out_t_ptr, workspace_ptr, scale, M, N, stride_xm, stride_xn,
                    pid_m, pid_n, FP8_MAX, E4M3, TRANSPOSE, AMAX, TILE)
     if BGRAD:
@@ -182,11 +186,11 @@ def _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, coun
 def _current_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr,
                     scale_out_ptr, scale_inv_out_ptr, partials_ptr, M, N, stride_xm, stride_xn, n_programs,
                     MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
-                    RECORD: tl.constexpr, BGRAD: tl.constexpr, TILE: tl.constexpr):
+                    RECORD: tl.constexpr, BGRAD: tl.constexpr, SCALE_OUT: tl.constexpr, TILE: tl.constexpr):
     scale = _own_scale(_read_amax(workspace_ptr), MAX_OVER_MARGIN)
     _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr, scale_out_ptr,
                      scale_inv_out_ptr, partials_ptr, scale, M, N, stride_xm, stride_xn, n_programs, FP8_MAX, E4M3,
-                     TRANSPOSE, False, RECORD, BGRAD, True, TILE)
+                     TRANSPOSE, False, RECORD, BGRAD, True, SCALE_OUT, TILE)
 
 
 @triton.jit
@@ -202,7 +206,7 @@ def _amax_unless_initialized_kernel(x_ptr, workspace_ptr, initialized_ptr, M, N,
 def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, state_scale_ptr, history_ptr,
                     count_ptr, scale_out_ptr, scale_inv_out_ptr, partials_ptr, M, N, stride_xm, stride_xn, n_programs,
                     MAX_OVER_MARGIN, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr,
-                    RECORD: tl.constexpr, BGRAD: tl.constexpr, TILE: tl.constexpr):
+                    RECORD: tl.constexpr, BGRAD: tl.constexpr, SCALE_OUT: tl.constexpr, TILE: tl.constexpr):
     # The scale of PerTensorQuantizer under delayed scaling: the state's scale once initialized,
     # else the tensor's own from the amax the previous kernel folded (which this kernel's own
     # folds cannot change: they fold the same values).
@@ -211,7 +215,7 @@ def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, s
     scale = tl.where(initialized, tl.load(state_scale_ptr), own)
     _cast_and_record(x_ptr, out_ptr, out_t_ptr, workspace_ptr, history_ptr, count_ptr, state_scale_ptr, scale_out_ptr,
                      scale_inv_out_ptr, partials_ptr, scale, M, N, stride_xm, stride_xn, n_programs, FP8_MAX, E4M3,
-                     TRANSPOSE, True, RECORD, BGRAD, False, TILE)
+                     TRANSPOSE, True, RECORD, BGRAD, False, SCALE_OUT, TILE)
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -240,7 +244,8 @@ def _partials(x: torch.Tensor, grid: tuple[int, int], bias_grad_out: Optional[to
 
 
 def _grid(x: torch.Tensor) -> tuple[int, int]:
-    return (triton.cdiv(max(x.shape[0], 1), _TILE), triton.cdiv(max(x.shape[1], 1), _TILE))
+    # Integer arithmetic: triton.cdiv called on the host goes through Triton's JIT wrapper (µs).
+    return (-(-max(x.shape[0], 1) // _TILE), -(-max(x.shape[1], 1) // _TILE))
 
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transpose: bool,
@@ -264,9 +269,9 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     _check(x, dtype)
     out, out_t = _outputs(x, dtype, transpose)
     if x.numel():
-        amax_bits = amax_out.view(torch.int32) if amax_out is not None else out.view(torch.uint8)
+        amax_bits = amax_out.view(torch.int32) if amax_out is not None else out
         _cast_transpose_kernel[_grid(x)](
-            loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), amax_bits, scale, x.shape[0], x.shape[1],
+            x, out, out_t, amax_bits, scale, x.shape[0], x.shape[1],
             x.stride(0), x.stride(1), FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
             TRANSPOSE=transpose, AMAX=amax_out is not None, TILE=_TILE, enable_fp_fusion=False)
     return out, (out_t if transpose else None)
@@ -275,16 +280,32 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
 def _state_pointers(role: int, scale: torch.Tensor, amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor,
                     workspace: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # One role's row of each state tensor: views, whose data pointers Triton takes as they are.
-    if workspace.dtype != torch.int32 or workspace.shape != (amax_history.shape[0], 2):
-        raise ValueError(f"workspace must be int32 [{amax_history.shape[0]}, 2] zeros (ScalingState.kernel_workspace), "
-                         f"got {workspace.dtype} {list(workspace.shape)}")
+    _check_workspace(workspace, amax_history.shape[0])
     return scale[role], amax_history[role], nonfinite_amax_count[role], workspace[role]
+
+
+def _check_workspace(workspace: torch.Tensor, roles: int) -> None:
+    if workspace.dtype != torch.int32 or workspace.shape != (roles, 2):
+        raise ValueError(f"workspace must be int32 [{roles}, 2] zeros (ScalingState.kernel_workspace), "
+                         f"got {workspace.dtype} {list(workspace.shape)}")
+
+
+def _role_rows(role: int, scale: torch.Tensor, initialized: Optional[torch.Tensor], amax_history: torch.Tensor,
+               nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, rows) -> tuple[torch.Tensor, ...]:
+    # (scale, initialized, history, count, workspace) rows of ``role``: the caller's cached views
+    # (ScalingState.kernel_rows) where given, else selected here.
+    _check_workspace(workspace, amax_history.shape[0])
+    if rows is not None:
+        return rows.scale, rows.initialized, rows.amax_history, rows.nonfinite_amax_count, rows.workspace
+    return (scale[role], None if initialized is None else initialized[role], amax_history[role],
+            nonfinite_amax_count[role], workspace[role])
 
 
 def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
                            scale: torch.Tensor, amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor,
-                           workspace: torch.Tensor, role: int, bias_grad_out: Optional[torch.Tensor] = None
-                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+                           workspace: torch.Tensor, role: int, bias_grad_out: Optional[torch.Tensor] = None,
+                           rows: Optional[StateRows] = None, want_scale: bool = True
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """Current scaling's cast of ``x``, its amax recorded into a :class:`ScalingState`'s tensors.
 
     Two launches, no host read: an amax pass (``x`` read once, folded into ``workspace``), then
@@ -310,6 +331,9 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
             ``bgrad_quantize``): column sums of each 64-row tile in the cast, then one sum over
             the tiles (one more launch, ``ceil(M / 64) * N * 4`` bytes): not torch's summation
             order, within float32 summation error of it.
+        rows: ``role``'s rows of those tensors as views, where the caller keeps them
+            (:meth:`ScalingState.kernel_rows`): no select on the host; None selects them here.
+        want_scale: return the scale too (False: None in its place, one tensor fewer to make).
 
     Returns:
         ``(data [M, N], data_t [N, M] or None, scale, scale_inv)``: ``scale`` is
@@ -321,19 +345,20 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
         ValueError: as :func:`cast_transpose`; ``workspace`` of another shape or dtype.
     """
     _check(x, dtype)
-    state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
+    state_scale, _, history, count, work = _role_rows(role, scale, None, amax_history, nonfinite_amax_count, workspace,
+                                                      rows)
     out, out_t = _outputs(x, dtype, transpose)
-    scale_out = torch.empty((), dtype=torch.float32, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
     grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_kernel[grid](loadable(x), work, *args, TILE=_TILE, enable_fp_fusion=False)
+    _amax_kernel[grid](x, work, *args, TILE=_TILE, enable_fp_fusion=False)
     partials = _partials(x, grid, bias_grad_out)
     _current_kernel[grid](
-        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), work, history, count, state_scale, scale_out, scale_inv,
+        x, out, out_t, work, history, count, state_scale, scale_inv if scale_out is None else scale_out, scale_inv,
         scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin,
         FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record,
-        BGRAD=partials is not None, TILE=_TILE, enable_fp_fusion=False)
+        BGRAD=partials is not None, SCALE_OUT=want_scale, TILE=_TILE, enable_fp_fusion=False)
     if partials is not None:
         torch.sum(partials, 0, out=bias_grad_out)
     return out, (out_t if transpose else None), scale_out, scale_inv
@@ -342,8 +367,9 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
 def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
                            scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
                            nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int,
-                           bias_grad_out: Optional[torch.Tensor] = None
-                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+                           bias_grad_out: Optional[torch.Tensor] = None, rows: Optional[StateRows] = None,
+                           want_scale: bool = True
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """Delayed scaling's cast: the state's scale once it holds one, else the tensor's own (first
     step); the amax recorded into the state's current-step history slot.
 
@@ -361,7 +387,7 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
         record: with a finite amax ``amax_history[role, 0] = max(amax_history[role, 0], amax)``,
             else ``nonfinite_amax_count[role] += 1``. False leaves them as they are.
         scale, initialized: the state's float32 and bool ``[3]``: the delayed scale, read.
-        amax_history, nonfinite_amax_count, workspace, role, bias_grad_out: as in
+        amax_history, nonfinite_amax_count, workspace, role, bias_grad_out, rows, want_scale: as in
             :func:`cast_transpose_current`.
 
     Returns:
@@ -374,19 +400,21 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
         ValueError: as :func:`cast_transpose_current`.
     """
     _check(x, dtype)
-    state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
+    state_scale, ready, history, count, work = _role_rows(role, scale, initialized, amax_history, nonfinite_amax_count,
+                                                          workspace, rows)
     out, out_t = _outputs(x, dtype, transpose)
-    scale_out = torch.empty((), dtype=torch.float32, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
     grid = _grid(x)
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_unless_initialized_kernel[grid](loadable(x), work, initialized[role], *args, TILE=_TILE, enable_fp_fusion=False)
+    _amax_unless_initialized_kernel[grid](x, work, ready, *args, TILE=_TILE, enable_fp_fusion=False)
     partials = _partials(x, grid, bias_grad_out)
     _delayed_kernel[grid](
-        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), work, initialized[role], state_scale, history, count,
-        scale_out, scale_inv, scale_inv if partials is None else partials, *args, grid[0] * grid[1],
+        x, out, out_t, work, ready, state_scale, history, count,
+        scale_inv if scale_out is None else scale_out, scale_inv, scale_inv if partials is None else partials, *args,
+        grid[0] * grid[1],
         fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose,
-        RECORD=record, BGRAD=partials is not None, TILE=_TILE, enable_fp_fusion=False)
+        RECORD=record, BGRAD=partials is not None, SCALE_OUT=want_scale, TILE=_TILE, enable_fp_fusion=False)
     if partials is not None:
         torch.sum(partials, 0, out=bias_grad_out)
     return out, (out_t if transpose else None), scale_out, scale_inv
