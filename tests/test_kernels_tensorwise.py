@@ -484,3 +484,44 @@ def test_an_eager_cast_makes_its_outputs_and_nothing_else_on_the_host(kind, kern
     assert seen.names == ["empty.memory_format"] * 3
     assert data.shape == (128, 96) and data_t.shape == (96, 128) and data.dtype == data_t.dtype == E4M3
     assert scale_inv.shape == () and scale_inv.dtype == torch.float32 and bias is None
+
+
+def test_a_delayed_cast_skips_its_amax_pass_once_the_host_knows_the_state_holds_a_scale(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fp8_plugin.numerics.kernels import ops, scale_update
+
+    launched = []
+    real_run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(1) or real_run(self, *a, **k))
+    recipe = fp.DelayedScaling(amax_history_len=4)
+
+    def cast(state, x):
+        launched.clear()
+        data, _, scale_inv, _ = ops.cast_delayed(x, state, 0, E4M3, 0, transpose=True, record=True)
+        return len(launched), data, scale_inv
+
+    def update(state):
+        launched.clear()
+        scale_update.bulk_update([(recipe, 0, state)], None)
+        return len(launched)
+
+    x = torch.randn(70, 130) * 5
+    state = ScalingState(4)
+    assert cast(state, x)[0] == 2 and not state.initialized_known(0)
+    assert update(state) == 1  # the flags come back with the update itself
+    assert state.initialized_known(0)
+    launches, data, scale_inv = cast(state, x)
+    assert launches == 1
+    # The steady-state cast, bit for bit as the torch ops: the state's scale, the amax recorded.
+    want, _, _, want_inv, want_amax = tensorwise.reference_delayed(x, state.scale[0], state.initialized[0], E4M3, 0, True)
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale_inv, want_inv)
+    assert state.amax_history[0, 0] == want_amax
+    # A state that got no positive amax stays unknown (its first cast's pass still runs), and a
+    # reset forgets what was known.
+    empty = ScalingState(4)
+    cast(empty, torch.zeros(70, 130))
+    update(empty)
+    assert not empty.initialized_known(0) and cast(empty, x)[0] == 2
+    state.reset()
+    assert not state.initialized_known(0) and cast(state, x)[0] == 2

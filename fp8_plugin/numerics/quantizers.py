@@ -184,6 +184,7 @@ class ScalingState(nn.Module):
         # The fused casts' scratch (numerics/kernels/tensorwise.py): zeros between casts, not saved.
         self.kernel_workspace = torch.zeros(3, 2, dtype=torch.int32, device=device)
         self._kernel_rows: dict[int, tuple[tuple[int, ...], StateRows]] = {}  # kernel_rows' cache
+        self._forget_initialized()
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
         self.fp8_gemms = (True, True, True)
@@ -225,6 +226,39 @@ class ScalingState(nn.Module):
                          self.nonfinite_amax_count[role], self.kernel_workspace[role])
         cache[role] = (key, rows)
         return rows
+
+    def initialized_known(self, role: int) -> bool:
+        """Whether the host knows, without asking the device, that ``role`` holds a scale
+        (``initialized[role]`` true): from the flags a fused scale update sends back without a
+        wait (:meth:`expect_initialized`), read once their copy has completed. False while
+        unknown: a delayed cast then runs its amax pass, which a first cast needs and a later
+        one skips (one launch fewer per cast)."""
+        known = self.__dict__.get("_initialized_known")
+        if known is None:  # a state unpickled from before this bookkeeping
+            self._forget_initialized()
+            known = self._initialized_known
+        if known[role]:
+            return True
+        probe = self._initialized_probe.get(role)
+        if probe is None:
+            return False
+        host, index, event = probe
+        if event is not None and not event.query():
+            return False
+        del self._initialized_probe[role]
+        known[role] = bool(host[index])
+        return known[role]
+
+    def expect_initialized(self, role: int, host: torch.Tensor, index: int, event: Any) -> None:
+        """``host[index]`` (a CPU tensor) will hold ``role``'s ``initialized`` flag once
+        ``event`` (a ``torch.cuda.Event``, or None: already) has completed."""
+        self.__dict__.setdefault("_initialized_probe", {})[role] = (host, index, event)
+
+    def _forget_initialized(self) -> None:
+        # The state tensors were (re)made: nothing is known of them on the host. Plain
+        # attributes, set past nn.Module's __setattr__.
+        self.__dict__["_initialized_known"] = [False, False, False]
+        self.__dict__["_initialized_probe"] = {}
 
     def resize_history(self, length: int) -> None:
         """Keep the ``length`` most recent columns, padding older ones with zeros."""
@@ -286,6 +320,7 @@ class ScalingState(nn.Module):
                 continue
             # A checkpoint written with another amax_history_len restores its own length.
             setattr(self, name, state[name].detach().to(device=device, dtype=getattr(self, name).dtype).clone())
+        self._forget_initialized()
         # Which recipe recorded them is not saved: the one in force at the next update applies.
         self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
         self.use_fp8 = use_fp8
@@ -316,6 +351,7 @@ class ScalingState(nn.Module):
         fresh = ScalingState(amax_history_len or self.amax_history_len, device=self.device)
         for name in _STATE_TENSORS:
             setattr(self, name, getattr(fresh, name))
+        self._forget_initialized()
         self.pending = {}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

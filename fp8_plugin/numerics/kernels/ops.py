@@ -213,7 +213,7 @@ def _direct(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype, ma
     state_args = dict(scale=state.scale, amax_history=state.amax_history, nonfinite_amax_count=state.nonfinite_amax_count,
                       workspace=state.kernel_workspace, role=role, rows=state.kernel_rows(role))
     if kind == "delayed":
-        state_args["initialized"] = state.initialized
+        state_args.update(initialized=state.initialized, initialized_known=state.initialized_known(role))
     data, data_t, _, scale_inv = getattr(tensorwise, f"cast_transpose_{kind}")(
         x, dtype, margin, transpose=transpose, record=record, bias_grad_out=bias, want_scale=False, **state_args)
     return data, data_t, scale_inv, bias

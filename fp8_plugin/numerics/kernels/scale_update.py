@@ -61,8 +61,8 @@ def _gather_kernel(table_ptr, current_ptr, FIELDS: tl.constexpr):
 
 
 @triton.jit
-def _update_kernel(table_ptr, params_ptr, current_ptr, FROM_CURRENT: tl.constexpr, FIELDS: tl.constexpr,
-                   PARAMS: tl.constexpr, BLOCK: tl.constexpr):
+def _update_kernel(table_ptr, params_ptr, current_ptr, flags_ptr, FROM_CURRENT: tl.constexpr, FIELDS: tl.constexpr,
+                   PARAMS: tl.constexpr, BLOCK: tl.constexpr, FLAGS: tl.constexpr):
     row = tl.program_id(0)
     base = table_ptr + row * FIELDS
     history = tl.load(base).to(tl.pointer_type(tl.float32))
@@ -103,6 +103,8 @@ def _update_kernel(table_ptr, params_ptr, current_ptr, FROM_CURRENT: tl.constexp
     scale = tl.minimum(tl.math.div_rn(max_over_margin, amax), 3.4028234663852886e38)  # the float32 max
     tl.store(scale_ptr, tl.where(valid, scale, previous))
     tl.store(initialized_ptr, (initialized | valid).to(tl.int8))
+    if FLAGS:  # each row's flag, contiguous, for the host (bulk_update's _publish_initialized)
+        tl.store(flags_ptr + row, (initialized | valid).to(tl.int8))
     # Roll by one step: every column moves one older, the current slot starts at 0. All loads
     # of the row are done before any store (the barrier: other threads' loads of the same row).
     tl.debug_barrier()
@@ -197,13 +199,42 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     if reduce_amax is not None:
         (torch.ops.fp8_plugin.scale_update_gather if traced else _gather)(table, current)
         reduce_amax(current)
-    (torch.ops.fp8_plugin.scale_update if traced else _update)(table, params, current, reduce_amax is not None, block)
+    if traced:
+        torch.ops.fp8_plugin.scale_update(table, params, current, reduce_amax is not None, block)
+        return
+    # Rows whose state does not yet know, on the host, that it holds a scale: their flags come
+    # back (once per state and role, in the first steps of a run or after a load).
+    unknown = [i for i, (_, role, state) in enumerate(rows) if not state.initialized_known(role)]
+    flags = torch.empty(len(rows), dtype=torch.int8, device=device) if unknown else None
+    _update(table, params, current, reduce_amax is not None, block, flags)
+    if unknown:
+        _publish_initialized(rows, flags, unknown)
 
 
 def _gather(table: torch.Tensor, current: torch.Tensor) -> None:
     _gather_kernel[(table.shape[0],)](table, current, FIELDS=FIELDS)
 
 
-def _update(table: torch.Tensor, params: torch.Tensor, current: torch.Tensor, from_current: bool, block: int) -> None:
-    _update_kernel[(table.shape[0],)](table, params, current, FROM_CURRENT=from_current, FIELDS=FIELDS,
-                                      PARAMS=_PARAMS, BLOCK=block, enable_fp_fusion=False)
+def _update(table: torch.Tensor, params: torch.Tensor, current: torch.Tensor, from_current: bool, block: int,
+            flags: Optional[torch.Tensor] = None) -> None:
+    # ``flags``: int8 [n] receiving each row's ``initialized`` after the update, or None.
+    _update_kernel[(table.shape[0],)](table, params, current, current if flags is None else flags,
+                                      FROM_CURRENT=from_current, FIELDS=FIELDS, PARAMS=_PARAMS, BLOCK=block,
+                                      FLAGS=flags is not None, enable_fp_fusion=False)
+
+
+def _publish_initialized(rows: Sequence[Row], flags: torch.Tensor, unknown: list[int]) -> None:
+    # The rows' ``initialized`` flags to the host without waiting for the device: a non-blocking
+    # copy into pinned memory and an event on a GPU (on a CPU the flags are already there).
+    # Each state reads its own once the event has completed (ScalingState.initialized_known):
+    # a delayed cast then skips the amax pass that only a first cast needs.
+    if flags.device.type == "cuda":
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = flags, None
+    for index in unknown:
+        _, role, state = rows[index]
+        state.expect_initialized(role, host, index, event)

@@ -11,7 +11,8 @@ Engine's ``cast_transpose`` (transformer_engine/common/transpose/cast_transpose.
 - :func:`cast_transpose_delayed` (delayed scaling as the layers run it): the state's scale and
   ``initialized`` flag are read on the device; in the steady state ``x`` is read once (the amax
   for the history folded into the cast), on a tensor's first cast twice (its own amax first);
-  2 launches (an amax pass whose loads are masked off once initialized, the cast).
+  2 launches (an amax pass whose loads are masked off once initialized, the cast), 1 once the
+  host knows the state holds a scale (the scale update sends the flags back without a wait).
 - :func:`cast_transpose_current` (current scaling): one pass for the amax (``x`` read once,
   nothing written per element), then the cast, whose every program computes the scale from that
   amax on the device (TE's ``(FP8_MAX / amax) / 2**margin``, correctly rounded, guarded) and
@@ -368,14 +369,15 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
                            scale: torch.Tensor, initialized: torch.Tensor, amax_history: torch.Tensor,
                            nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int,
                            bias_grad_out: Optional[torch.Tensor] = None, rows: Optional[StateRows] = None,
-                           want_scale: bool = True
+                           want_scale: bool = True, initialized_known: bool = False
                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """Delayed scaling's cast: the state's scale once it holds one, else the tensor's own (first
     step); the amax recorded into the state's current-step history slot.
 
-    Two launches, whatever ``initialized`` holds (no host read): an amax pass whose loads are
+    At most two launches, whatever ``initialized`` holds (no host read): an amax pass whose loads are
     masked off once the state is initialized (the steady state: ``x`` read once, its amax folded
-    into the cast), and the cast, whose last program records the amax as
+    into the cast; the pass is not launched where the host knows, ``initialized_known``), and
+    the cast, whose last program records the amax as
     ``ScalingState.record_amax`` does. Bytes per element: ``x``'s size read (twice on a tensor's
     first cast), 1 written per copy.
 
@@ -389,6 +391,10 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
         scale, initialized: the state's float32 and bool ``[3]``: the delayed scale, read.
         amax_history, nonfinite_amax_count, workspace, role, bias_grad_out, rows, want_scale: as in
             :func:`cast_transpose_current`.
+        initialized_known: the host knows ``initialized[role]`` is true
+            (:meth:`ScalingState.initialized_known`): the amax pass, which would read nothing,
+            is not launched (1 launch). Never true of a state the device could find
+            uninitialized: the cast would then scale by an amax still being folded.
 
     Returns:
         ``(data, data_t or None, scale, scale_inv)``: ``scale`` is ``where(initialized[role],
@@ -407,7 +413,8 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
     grid = _grid(x)
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_unless_initialized_kernel[grid](x, work, ready, *args, TILE=_TILE, enable_fp_fusion=False)
+    if not initialized_known:
+        _amax_unless_initialized_kernel[grid](x, work, ready, *args, TILE=_TILE, enable_fp_fusion=False)
     partials = _partials(x, grid, bias_grad_out)
     _delayed_kernel[grid](
         x, out, out_t, work, ready, state_scale, history, count,
