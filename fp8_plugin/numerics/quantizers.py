@@ -645,7 +645,9 @@ def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:
     amax becomes pending (its scale update is due), and the state now belongs to ``recipe``."""
     if recipe.delayed():
         state.pending[role] = recipe
-    state.recipe = recipe_key(recipe)
+    key = recipe_key(recipe)
+    if state.recipe != key:  # nn.Module's __setattr__ costs microseconds per cast
+        state.recipe = key
 
 
 def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> Quantizer:
