@@ -97,3 +97,15 @@ def test_zero_amax_at_start_gives_scale_one():
     fp.update_pending_scales(layer)
     assert layer.fp8_state.scale[INPUT].item() == 1.0
     assert not layer.fp8_state.initialized[INPUT]
+
+
+def test_gemm_accumulation_defaults_are_transformer_engines_and_bad_values_name_the_field():
+    # TE: fp8_gemm_fprop MMParams(use_split_accumulator=False), dgrad and wgrad True.
+    for recipe in (fp.DelayedScaling(), fp.Float8CurrentScaling()):
+        assert (recipe.fp8_gemm_fprop, recipe.fp8_gemm_dgrad, recipe.fp8_gemm_wgrad) == (
+            fp.MMParams(False), fp.MMParams(True), fp.MMParams(True))
+    with pytest.raises(TypeError, match=r"DelayedScaling\(fp8_gemm_wgrad=False\) is invalid; valid: MMParams"):
+        fp.DelayedScaling(fp8_gemm_wgrad=False)
+    with pytest.raises(TypeError, match=r"Float8CurrentScaling\(fp8_gemm_fprop=MMParams\(use_split_accumulator=1\)\) "
+                                        r"is invalid; valid: MMParams\(use_split_accumulator=True or False\)"):
+        fp.Float8CurrentScaling(fp8_gemm_fprop=fp.MMParams(use_split_accumulator=1))

@@ -28,7 +28,7 @@ from .autocast import current_context, note_fp8_forward
 from ..numerics.quantizers import (
     GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded, recipe_key,
 )  # fmt: skip
-from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags
+from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, split_accumulators
 from .scaling_group import ScalingGroup
 
 __all__ = ["FP8Linear"]
@@ -83,6 +83,9 @@ class _Backward:
     w_block: Optional[tuple[int, int]]
     weight_transposed: bool
     gemms: tuple[bool, bool, bool] = (True, True, True)  # FP8 (True) or high precision: fprop, dgrad, wgrad
+    # The recipe's use_split_accumulator per GEMM (fprop, dgrad, wgrad): plain bools, read from
+    # the recipe outside the autograd function (its traced body takes constants only).
+    split: tuple[bool, bool, bool] = (True, True, True)
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -132,7 +135,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if fprop:
             qx = QuantizedTensor(x_data, x_scale_inv, info.x_block, x_gemm)
             qw = QuantizedTensor(w_data, w_scale_inv, info.w_block, w_gemm)
-            out = fp8_gemm(qx, qw, dtype, bias)
+            out = fp8_gemm(qx, qw, dtype, bias, info.split[0])
         else:
             out = _high_precision_gemm(x2d, _weight_2d(weight, info.weight_transposed), dtype, dtype, bias)
         # A per-tensor scale_inv serves both copies and is passed once (None for the copy). A
@@ -164,13 +167,15 @@ class _FP8LinearFunction(torch.autograd.Function):
             else:
                 qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
         if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm), ctx.x_dtype)
+            grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm), ctx.x_dtype, None,
+                              info.split[1])
         elif need_x:
             w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
             grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
             if fp8_w:
-                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), torch.float32)
+                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), torch.float32,
+                                  None, info.split[2])
             else:
                 grad_w = _high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, torch.float32)
             if info.weight_transposed:
@@ -387,7 +392,7 @@ class FP8Linear(nn.Linear):
             mark_recorded(state, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
             if gemms[0]:
-                out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias)
+                out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias, split_accumulators(recipe)[0])
             else:
                 dtype = _output_dtype(x2d)
                 out = _high_precision_gemm(x2d, _weight_2d(self.weight, self.weight_transposed), dtype, dtype, self.bias)
@@ -397,7 +402,8 @@ class FP8Linear(nn.Linear):
                 # compiled backward. Should no backward run, the step's grad_output amax stays 0,
                 # which no scale update takes for a scale.
                 mark_recorded(state, recipe, GRAD_OUTPUT)
-            info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms)
+            info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms,
+                             split_accumulators(recipe))
             out = _FP8LinearFunction.apply(
                 x2d, self.weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
                 *_unpack(qx_t, qx), *_unpack(qw_t, qw), qx.gemm_scale, qw.gemm_scale,

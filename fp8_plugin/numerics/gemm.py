@@ -417,6 +417,7 @@ def fp8_gemm(
     b: QuantizedTensor,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
+    use_split_accumulator: bool = True,
 ) -> torch.Tensor:
     """``(a.data * a.scale_inv) @ (b.data * b.scale_inv).T + bias`` with FP32 accumulation.
 
@@ -438,6 +439,10 @@ def fp8_gemm(
             ``out_dtype``. This is the bias epilogue of cuBLASLt for low-precision outputs, what
             oneDNN does with a bias of the output dtype, and what torch's CPU ``_scaled_mm``
             does (it adds the bias it is given to its float32 result before the cast).
+        use_split_accumulator: for a native per-tensor GEMM on a GPU, False asks for fast
+            accumulation (``torch._scaled_mm(use_fast_accum=True)``, the partial sums in the
+            tensor cores' own precision; :class:`~fp8_plugin.numerics.recipes.MMParams`); the
+            emulation and the block kernels accumulate in float32 whatever it says.
 
     Returns:
         ``[M, N]`` tensor in ``out_dtype``, a new tensor (never a view).
@@ -451,7 +456,7 @@ def fp8_gemm(
     """
     if out_dtype not in _KERNEL_OUT_DTYPES:
         # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
-        return fp8_gemm(a, b, torch.float32, bias).to(out_dtype)
+        return fp8_gemm(a, b, torch.float32, bias, use_split_accumulator).to(out_dtype)
     kind, support, reason = _plan(a, b, out_dtype)
     if support is None:
         if reason:
@@ -469,11 +474,12 @@ def fp8_gemm(
     # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower. Only
     # where autocast is on (the forward, under the integrations): a context costs microseconds
     # of CPU, and backward GEMMs run with autocast off.
+    fast = not use_split_accumulator and device_type == "cuda"
     if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
-            out = _native(kind, support, a, b, out_dtype, bias)
+            out = _native(kind, support, a, b, out_dtype, bias, fast)
     else:
-        out = _native(kind, support, a, b, out_dtype, bias)
+        out = _native(kind, support, a, b, out_dtype, bias, fast)
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
     return out
@@ -527,9 +533,9 @@ def fp8_values_in_bf16(data: torch.Tensor) -> torch.Tensor:
 
 
 def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
-            bias: Optional[torch.Tensor]) -> torch.Tensor:
+            bias: Optional[torch.Tensor], fast_accum: bool = False) -> torch.Tensor:
     if kind == "tensorwise":
-        return _scaled_mm_tensorwise(a, b, out_dtype, bias)
+        return _scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
     # Block kernels: out_dtype where the kernel writes it, else bfloat16 then cast (documented).
     kernel_dtype = out_dtype if out_dtype in support.pairing_out_dtypes(a.data.dtype, b.data.dtype) else torch.bfloat16
     out = _scaled_mm_blocks(kind, a, b, kernel_dtype)

@@ -44,17 +44,18 @@ def kernel_bias(bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def scaled_mm_tensorwise(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
-                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+                         bias: Optional[torch.Tensor], fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` with per-tensor float32 ``scale_inv`` operands.
 
     The kernel's epilogue takes a bias only for low-precision outputs (torch's CUDA check: "Bias
     is not supported when out_dtype is set to Float32"); with a float32 output the bias is added
-    after, in float32.
+    after, in float32. ``fast_accum``: torch's ``use_fast_accum`` (a GPU's tensor cores keep
+    their partial sums in their own precision over the whole K).
     """
     fused = bias is not None and out_dtype != torch.float32
     out = torch._scaled_mm(
         a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
-        bias=kernel_bias(bias, out_dtype) if fused else None, out_dtype=out_dtype,
+        bias=kernel_bias(bias, out_dtype) if fused else None, out_dtype=out_dtype, use_fast_accum=fast_accum,
     )  # fmt: skip
     return out + kernel_bias(bias, out_dtype) if bias is not None and not fused else out
 

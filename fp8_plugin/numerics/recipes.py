@@ -26,6 +26,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "Float8BlockScaling",
     "QParams",
+    "MMParams",
     "AutoRecipe",
     "OverrideLinearPrecision",
     "GEMMS",
@@ -118,6 +119,44 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class MMParams(NamedTuple):
+    """How one FP8 GEMM of a per-tensor recipe accumulates on a GPU (Transformer Engine's
+    ``MMParams``; a named tuple here, which ``torch.compile`` traces where a recipe is built).
+
+    Args:
+        use_split_accumulator: True: the tensor cores' partial sums are promoted to float32
+            after each MMA instruction (cuBLAS without fast accumulation); False: they
+            accumulate over the whole K in the tensor cores' own precision (``use_fast_accum``
+            of ``torch._scaled_mm``): faster, with about 14 bits kept in the partial sums on
+            Hopper (DeepSeek-V3 Technical Report, arXiv:2412.19437, section 3.3.2).
+
+    A value that is not a bool is refused by the recipe that receives it (``TypeError``). CPUs
+    and the float32 emulation accumulate in float32 either way.
+    """
+
+    use_split_accumulator: bool = True
+
+
+def _check_mm_params(recipe: "Recipe", owner: str) -> None:
+    for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+        value = getattr(recipe, name)
+        if not isinstance(value, MMParams) or not isinstance(value.use_split_accumulator, bool):
+            raise TypeError(f"{owner}({name}={value!r}) is invalid; valid: MMParams(use_split_accumulator=True "
+                            "or False)")
+
+
+# Transformer Engine's defaults: fast accumulation in fprop, split accumulation in dgrad and wgrad
+# (its Float8CurrentScaling fields; for DelayedScaling its _2X_ACC_FPROP/_DGRAD/_WGRAD constants).
+_FPROP_MM, _BACKWARD_MM = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
+
+
+def split_accumulators(recipe: "Recipe") -> tuple[bool, bool, bool]:
+    """``use_split_accumulator`` of the recipe's (fprop, dgrad, wgrad) GEMMs; True (float32
+    promotion) for recipes without the fields (block scaling: its kernels scale per block)."""
+    return tuple(getattr(recipe, name, _BACKWARD_MM).use_split_accumulator
+                 for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"))
+
+
 class Recipe:
     """Base of all scaling recipes. ``fp8_format`` is a ``Format``."""
 
@@ -166,6 +205,10 @@ class DelayedScaling(Recipe):
         override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
             every FP8 layer in high precision (Transformer Engine's field; default all False:
             see :class:`OverrideLinearPrecision`).
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: :class:`MMParams` of each GEMM on a
+            GPU; default fast accumulation in fprop, split accumulation in dgrad and wgrad, as
+            Transformer Engine runs delayed scaling (its ``_2X_ACC_*`` constants, here fields
+            as on its ``Float8CurrentScaling``).
 
     The outlier policy is this project's addition to TE's recipe: TE keeps every amax.
 
@@ -174,7 +217,7 @@ class DelayedScaling(Recipe):
             an integer in [1, ``MAX_AMAX_HISTORY_LEN``] (65536), an unknown
             ``amax_compute_algo`` or ``amax_outlier_policy``, ``amax_outlier_factor`` not a
             finite number > 1, an unknown format, or E5M2 as the forward format.
-        TypeError: ``reduce_amax`` not a bool.
+        TypeError: ``reduce_amax`` not a bool; a ``fp8_gemm_*`` that is not an :class:`MMParams`.
     """
 
     margin: int = 0
@@ -185,10 +228,14 @@ class DelayedScaling(Recipe):
     amax_outlier_factor: float = 100.0
     amax_outlier_policy: str = "clip"
     override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
+    fp8_gemm_fprop: MMParams = _FPROP_MM
+    fp8_gemm_dgrad: MMParams = _BACKWARD_MM
+    fp8_gemm_wgrad: MMParams = _BACKWARD_MM
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "DelayedScaling")
+        _check_mm_params(self, "DelayedScaling")
         object.__setattr__(self, "override_linear_precision",
                            _check_override(self.override_linear_precision, "DelayedScaling"))
         if not _is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
@@ -252,18 +299,25 @@ class Float8CurrentScaling(Recipe):
         override_linear_precision: ``(fprop, dgrad, wgrad)`` bools, True running that GEMM of
             every FP8 layer in high precision (Transformer Engine's field; default all False:
             see :class:`OverrideLinearPrecision`).
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: :class:`MMParams` of each GEMM on a
+            GPU (Transformer Engine's fields and defaults: fast accumulation in fprop only).
 
     Raises:
         ValueError: an unknown format, or E5M2 as the forward format.
+        TypeError: a ``fp8_gemm_*`` that is not an :class:`MMParams`.
     """
 
     fp8_format: Format = Format.HYBRID
     margin: int = field(default=0, init=False)
     override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
+    fp8_gemm_fprop: MMParams = _FPROP_MM
+    fp8_gemm_dgrad: MMParams = _BACKWARD_MM
+    fp8_gemm_wgrad: MMParams = _BACKWARD_MM
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", parse_format(self.fp8_format))
         _check_forward_format(self.fp8_format, "Float8CurrentScaling")
+        _check_mm_params(self, "Float8CurrentScaling")
         object.__setattr__(self, "override_linear_precision",
                            _check_override(self.override_linear_precision, "Float8CurrentScaling"))
 

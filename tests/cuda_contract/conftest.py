@@ -151,6 +151,8 @@ class Contract:
     rng_states: dict = field(default_factory=dict)
     # (op, [(shape, stride, dtype) of each tensor operand]) of each scaled GEMM call.
     gemms: list = field(default_factory=list)
+    # use_fast_accum of each _scaled_mm, in call order (MMParams.use_split_accumulator negated).
+    fast_accum: list = field(default_factory=list)
     # Broken rules of the CUDA kernels that the meta kernels do not check.
     kernel_violations: list[str] = field(default_factory=list)
     # Kernel launches per op name: ops that launch one (not views, not bare allocations), and the
@@ -205,6 +207,7 @@ class Contract:
         self.mixed_devices.clear()
         self.float32_mm = 0
         self.gemms.clear()
+        self.fast_accum.clear()
         self.kernel_violations.clear()
         self.launches.clear()
 
@@ -245,6 +248,8 @@ class _Recorder(TorchDispatchMode):
             c.float32_mm += 1
         if name in SCALED_GEMMS:
             c.gemms.append((name, [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]))
+            if name == "aten._scaled_mm.default":  # schema: use_fast_accum is argument 7
+                c.fast_accum.append(bool(kwargs.get("use_fast_accum", args[7] if len(args) > 7 else False)))
             c.kernel_violations += _cuda_rules(name, tensors, args, kwargs, gpu)
         return func(*args, **kwargs)
 

@@ -7,6 +7,8 @@ training step of a layer, after an optimizer update of the weight and a scale up
 weight is cast again and delayed scaling casts with stored scales.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,3 +132,17 @@ def grouped_step_launches(cuda, experts: int) -> int:
 
 def test_an_experts_step_launches_as_many_kernels_at_any_expert_count(cuda):
     assert grouped_step_launches(cuda, 4) == grouped_step_launches(cuda, 32) <= 40
+
+
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(), fp.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_fprop_accumulates_fast_and_the_backward_gemms_split_as_transformer_engine_does(cuda, recipe):
+    # TE's defaults (Float8CurrentScaling's fp8_gemm_* fields, DelayedScaling's _2X_ACC_*
+    # constants): fprop with fast accumulation, dgrad and wgrad promoting to float32.
+    layer = fp.FP8Linear(256, 384, bias=False, device=cuda.device, dtype=torch.bfloat16)
+    cuda.reset()
+    train_step(layer, recipe, *batch(layer))
+    assert cuda.fast_accum == [True, False, False]  # fprop, dgrad, wgrad
+    split = dataclasses.replace(recipe, fp8_gemm_fprop=fp.MMParams(use_split_accumulator=True))
+    cuda.reset()
+    train_step(layer, split, *batch(layer))
+    assert cuda.fast_accum == [False, False, False]
