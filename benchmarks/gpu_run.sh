@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first command to run on a GPU: at most 5 minutes, the most valuable answers first, every
+# The first command to run on a GPU: at most 5.5 minutes, the most valuable answers first, every
 # step under its own time limit, all results in one archive (benchmarks/README.md, "GPU protocol").
 #
 #   benchmarks/gpu_run.sh [OUTPUT_DIR] [--device cuda|cpu]
@@ -22,7 +22,7 @@
 # --device cpu rehearses the same command on a CPU (tests/test_gpu_run.py runs it): the probe on
 # CPU, the contract suite on meta tensors in step 3, the layer and model steps at CPU sizes.
 #
-# PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 290);
+# PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 330);
 # CONTRACT_TESTS the contract suite's tests (default tests/cuda_contract), LAYER_SHAPES the layer
 # shapes of steps 4 and 6 (MxKxN,...; the last one is compiled) and COMPILE_VARIANTS the layers
 # compiled in step 6 (default bf16,delayed,current): the test suite's rehearsal narrows them.
@@ -30,7 +30,7 @@ set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-290}
+BUDGET_S=${BUDGET_S:-330}
 CONTRACT_TESTS=${CONTRACT_TESTS:-tests/cuda_contract}
 COMPILE_VARIANTS=${COMPILE_VARIANTS:-bf16,delayed,current}
 LAYER_SHAPES=${LAYER_SHAPES:-}
@@ -128,8 +128,8 @@ if [ -n "$LAYER_SHAPES" ]; then SHAPES=$LAYER_SHAPES; BIG=${LAYER_SHAPES##*,}; f
 
 step device 45 device_report
 cp "$WORK/device.log" "$WORK/device.txt"
-step probe 60 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
-step contract 100 contract "$CONTRACT"
+step probe 90 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
+step contract 120 contract "$CONTRACT"
 cp "$WORK/contract.log" "$WORK/contract.txt"
 step layer 70 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
     --steps 5 --warmup 2 --output "$WORK/layer.json"
