@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from ..numerics.formats import fp8_dtype, fp8_max
+from ..numerics.device_kind import fp8_family
+from ..numerics.formats import fp8_dtype, fp8_max, is_fnuz
 from ..numerics.grouped_gemm import group_amax, quantize_groups
 from ..numerics.kernels import fusable, ops
 from ..numerics.quantizers import WEIGHT, ScalingState
@@ -43,10 +44,11 @@ def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.T
     return scale
 
 
-def _fused(x: torch.Tensor) -> bool:
+def _fused(x: torch.Tensor, dtype: torch.dtype) -> bool:
     # The fused per-expert casts (numerics/kernels/grouped.py) where the kernels run, outside
-    # compiled code (they write the experts' states through an address table no graph sees).
-    return fusable(x) and not torch.compiler.is_compiling()
+    # compiled code (they write the experts' states through an address table no graph sees);
+    # their encoders are the OCP formats' (FNUZ casts run as torch ops).
+    return fusable(x) and not is_fnuz(dtype) and not torch.compiler.is_compiling()
 
 
 def cast_rows(x: torch.Tensor, group_of_row: torch.Tensor, states: list[ScalingState], role: int, recipe: Recipe,
@@ -55,7 +57,7 @@ def cast_rows(x: torch.Tensor, group_of_row: torch.Tensor, states: list[ScalingS
     one scale per expert of ``states`` for ``role``; ``record`` their amaxes; ``tables`` the
     fused kernels' address cache (``fp8_grouped_linear``'s). Returns ``(FP8 rows [S, K],
     scale_inv float32 [E])``."""
-    if _fused(x):
+    if _fused(x, dtype):
         return ops.cast_groups(x, group_of_row, states, role, recipe, dtype, record=record, tables=tables)
     scale = _scales(recipe, role, states, group_amax(x, group_of_row, len(states)), dtype, record)
     return quantize_groups(x, scale, group_of_row, dtype), divide(1.0, scale)
@@ -75,10 +77,10 @@ def cast_expert_weights(weight: torch.Tensor, states: list[ScalingState], recipe
         ``(data, scale_inv)``: ``[E, N, K]`` FP8 in the recipe's forward format (contiguous) and
         float32 ``[E]``.
     """
-    dtype = fp8_dtype(recipe.fp8_format, backward=False)
+    dtype = fp8_dtype(recipe.fp8_format, backward=False, family=fp8_family(weight.device))
     with torch.no_grad():
         w = weight.detach().transpose(1, 2) if transposed else weight.detach()
-        if _fused(w):
+        if _fused(w, dtype):
             return ops.cast_groups(w, None, states, WEIGHT, recipe, dtype, record=record, tables=tables)
         experts = w.shape[0]
         amax = w.abs().amax(dim=(1, 2)).to(torch.float32) if w.numel() else w.new_zeros(experts, dtype=torch.float32)

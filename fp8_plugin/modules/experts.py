@@ -59,7 +59,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._private.torch_api import in_backward_pass
 from ..numerics.device import recipe_name
-from ..numerics.device_kind import device_kind
+from ..numerics.device_kind import device_kind, fp8_family
 from ..numerics.formats import fp8_dtype
 from ..numerics.grouped_gemm import EXPERT_GEMMS, group_offsets, grouped_gemm, grouped_gemm_wgrad
 from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, ScalingState, mark_recorded, recipe_key
@@ -188,7 +188,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
                 tables: Optional[dict]) -> torch.Tensor:
         # qw [E, N, K] / sw_inv [E]: the weight's cast, made (or taken from the cache) before the call.
         recipe = info.recipe
-        dtype = fp8_dtype(recipe.fp8_format, backward=False)
+        dtype = fp8_dtype(recipe.fp8_format, backward=False, family=fp8_family(x.device))
         with torch.no_grad():
             qx, sx_inv = cast_rows(x, group_of_row, states, INPUT, recipe, dtype, info.record_forward, tables)
             out = grouped_gemm(qx, sx_inv, qw, sw_inv, offsets, info.out_dtype, "fprop")
@@ -205,7 +205,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
         info: _Info = ctx.info
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
-        dtype = fp8_dtype(info.recipe.fp8_format, backward=True)
+        dtype = fp8_dtype(info.recipe.fp8_format, backward=True, family=fp8_family(grad_out.device))
         with torch.no_grad():
             qg, sg_inv = cast_rows(grad_out, group_of_row, ctx.states, GRAD_OUTPUT, info.recipe, dtype,
                                     info.record_backward, ctx.tables)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..numerics.device_kind import fp8_family
 from ..numerics.formats import fp8_dtype, fp8_max
 from ..numerics.quantizers import WEIGHT, QuantizedTensor
 from ..numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
@@ -106,7 +107,7 @@ class FP8AllGatherWeight(torch.Tensor):
         """
         layer = _fp8_layer(module)
         recipe = _recipe(layer)
-        dtype = fp8_dtype(recipe.fp8_format, backward=False)
+        dtype = fp8_dtype(recipe.fp8_format, backward=False, family=fp8_family(self._tensor.device))
         shard = self._tensor
         amax = tensor_amax(shard) if shard.numel() else torch.zeros((), dtype=torch.float32, device=shard.device)
         group = mesh.get_group()

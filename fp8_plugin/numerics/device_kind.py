@@ -18,14 +18,20 @@ there, as a host sync would stall a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["device_kind", "cuda_capability", "meta_as_cuda"]
+__all__ = ["device_kind", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm", "FNUZ_ARCHS"]
 
 # The compute capability meta tensors present while meta_as_cuda is active (None: they are meta).
 _meta_capability: Optional[tuple[int, int]] = None
+# The ROCm architecture meta and CPU devices present while present_rocm is active.
+_presented_arch: Optional[str] = None
+# AMD's architectures whose FP8 formats are FNUZ: MI300A/MI300X/MI325X (torchao's is_MI300);
+# gfx950 (MI350) uses the OCP formats.
+FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 
 
 def device_kind(device: Union[str, torch.device]) -> str:
@@ -77,3 +83,47 @@ def meta_as_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
         yield
     finally:
         _meta_capability = previous
+
+
+def fp8_family(device: Union[str, torch.device]) -> str:
+    """The FP8 format family of ``device``: ``"fnuz"`` on an AMD MI300 (a ROCm build of torch,
+    ``gcnArchName`` gfx940, gfx941 or gfx942, as torchao's ``is_MI300`` reads it), else
+    ``"ocp"`` (NVIDIA GPUs, MI350, CPUs); inside :func:`present_rocm`, meta and CPU devices
+    answer as that architecture."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    if device.type in ("meta", "cpu") and _presented_arch is not None:
+        return _family_of(_presented_arch)
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        return _family_of(_rocm_arch(device.index if device.index is not None else torch.cuda.current_device()))
+    return "ocp"
+
+
+def _family_of(arch: str) -> str:
+    return "fnuz" if arch.split(":")[0] in FNUZ_ARCHS else "ocp"
+
+
+@functools.lru_cache(maxsize=None)
+def _rocm_arch(index: int) -> str:
+    # e.g. "gfx942:sramecc+:xnack-"; read once per device.
+    return torch.cuda.get_device_properties(index).gcnArchName
+
+
+@contextlib.contextmanager
+def present_rocm(arch: str = "gfx942") -> Iterator[None]:
+    """Inside the context, meta and CPU devices take the FP8 formats of a ROCm GPU of
+    architecture ``arch`` (:func:`fp8_family`): the FNUZ path, tested without an AMD GPU (the
+    emulated GEMMs on CPU, the GEMM calls on meta tensors). Nothing else about the device changes.
+
+    Raises:
+        ValueError: ``arch`` is not a gfx architecture name (``"gfx942"``, ``"gfx950"``).
+    """
+    global _presented_arch
+    if not isinstance(arch, str) or not arch.startswith("gfx"):
+        raise ValueError(f"present_rocm(arch={arch!r}) is not a ROCm architecture; valid: a gfx name such as "
+                         f"{', '.join(FNUZ_ARCHS)} (FNUZ formats) or gfx950 (OCP formats)")
+    previous, _presented_arch = _presented_arch, arch
+    try:
+        yield
+    finally:
+        _presented_arch = previous

@@ -1,7 +1,16 @@
-"""FP8 formats: E4M3 and E5M2, and the HYBRID pairing of the two.
+"""FP8 formats: E4M3 and E5M2, and the HYBRID pairing of the two, in two families.
 
-Numbers follow the OCP 8-bit Floating Point Specification (OFP8) rev 1.0, as implemented by
-``torch.float8_e4m3fn`` (no infinities, max 448) and ``torch.float8_e5m2`` (IEEE-like, max 57344).
+- **OCP** (NVIDIA GPUs, AMD MI350, CPUs): the OCP 8-bit Floating Point Specification (OFP8)
+  rev 1.0, as implemented by ``torch.float8_e4m3fn`` (no infinities, max 448) and
+  ``torch.float8_e5m2`` (IEEE-like, max 57344).
+- **FNUZ** (AMD MI300: gfx940, gfx941, gfx942): ``torch.float8_e4m3fnuz`` and
+  ``torch.float8_e5m2fnuz``, whose exponent bias is one higher (8 and 16), with no infinity and
+  no negative zero; the one NaN is the 0x80 pattern. E4M3FNUZ's max is 240, E5M2FNUZ's 57344
+  (AMD's Transformer Engine fork, ``_FormatMaxVals``; ``torch.finfo``).
+
+A recipe names a format (``Format.HYBRID``); the device picks the family
+(:func:`fp8_plugin.numerics.device_kind.fp8_family`), as AMD's fork picks FNUZ with
+``is_fp8_fnuz()``.
 """
 
 from __future__ import annotations
@@ -10,7 +19,10 @@ from enum import Enum
 
 import torch
 
-__all__ = ["Format", "fp8_dtype", "fp8_max", "parse_format"]
+__all__ = ["Format", "fp8_dtype", "fp8_max", "parse_format", "FAMILIES", "has_infinity", "is_e4m3", "is_fnuz"]
+
+# FP8 format families: which dtypes a format name stands for on a device.
+FAMILIES = ("ocp", "fnuz")
 
 
 class Format(Enum):
@@ -38,26 +50,55 @@ class Format(Enum):
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
 
-_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0,
+        torch.float8_e4m3fnuz: 240.0, torch.float8_e5m2fnuz: 57344.0}
+_FNUZ = {torch.float8_e4m3fn: torch.float8_e4m3fnuz, torch.float8_e5m2: torch.float8_e5m2fnuz}
 
 
-def fp8_dtype(fmt: Format, *, backward: bool) -> torch.dtype:
-    """Torch dtype used by ``fmt`` in the backward (``backward=True``) or forward pass."""
-    return fmt.backward_dtype if backward else fmt.forward_dtype
+def fp8_dtype(fmt: Format, *, backward: bool, family: str = "ocp") -> torch.dtype:
+    """Torch dtype used by ``fmt`` in the backward (``backward=True``) or forward pass, in the
+    format ``family`` (``"ocp"`` or ``"fnuz"``: :func:`fp8_plugin.numerics.device_kind.fp8_family`).
+
+    Raises:
+        ValueError: an unknown ``family``.
+    """
+    dtype = fmt.backward_dtype if backward else fmt.forward_dtype
+    if family == "ocp":
+        return dtype
+    if family == "fnuz":
+        return _FNUZ[dtype]
+    raise ValueError(f"family={family!r} is not an FP8 format family; valid: {', '.join(FAMILIES)}")
 
 
 def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 dtype: 448 for E4M3, 57344 for E5M2 (OCP OFP8 rev 1.0, table 1).
+    """Largest finite value of an FP8 dtype: 448 for E4M3, 57344 for E5M2 (OCP OFP8 rev 1.0,
+    table 1); 240 for E4M3FNUZ, 57344 for E5M2FNUZ (``torch.finfo``).
 
     Raises:
-        ValueError: ``dtype`` is not ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        ValueError: ``dtype`` is not one of the four FP8 dtypes.
     """
     try:
         return _MAX[dtype]
     except KeyError:
         raise ValueError(
-            f"dtype={dtype} is not an FP8 dtype; valid: torch.float8_e4m3fn, torch.float8_e5m2"
+            f"dtype={dtype} is not an FP8 dtype; valid: torch.float8_e4m3fn, torch.float8_e5m2, "
+            "torch.float8_e4m3fnuz, torch.float8_e5m2fnuz"
         ) from None
+
+
+def has_infinity(dtype: torch.dtype) -> bool:
+    """Whether the FP8 dtype encodes infinities: OCP E5M2 only (E4M3 and both FNUZ have none)."""
+    return dtype == torch.float8_e5m2
+
+
+def is_e4m3(dtype: torch.dtype) -> bool:
+    """Whether the FP8 dtype is an E4M3 (OCP or FNUZ)."""
+    return dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def is_fnuz(dtype: torch.dtype) -> bool:
+    """Whether the FP8 dtype is one of AMD MI300's FNUZ formats."""
+    return dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def parse_format(value: Format | str, setting: str = "fp8_format") -> Format:

@@ -174,7 +174,8 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
             if not _tensorwise_native(a.data.device, a.data.dtype, b.data.dtype, out_dtype):
                 return kind, None, ""  # measured: the emulation is the faster exact path here
         return kind, support, ""
-    if kind == "tensorwise" and a.data.dtype == b.data.dtype == torch.float8_e5m2:
+    if kind == "tensorwise" and a.data.dtype == b.data.dtype and a.data.dtype in (torch.float8_e5m2,
+                                                                                 torch.float8_e5m2fnuz):
         return kind, None, "E5M2 x E5M2 has no CUDA kernel"
     if not support.pairing_out_dtypes(a.data.dtype, b.data.dtype):
         # A pairing this GPU's block kernel refused in its probe: this GEMM alone is emulated.

@@ -36,8 +36,9 @@ Pairing = tuple[torch.dtype, torch.dtype, tuple[torch.dtype, ...], str]
 
 
 def format_name(dtype: torch.dtype) -> str:
-    """"E4M3" / "E5M2" for an FP8 dtype, else the dtype's name."""
-    return {_E4M3: "E4M3", _E5M2: "E5M2"}.get(dtype, str(dtype).replace("torch.", ""))
+    """"E4M3" / "E5M2" (or "E4M3FNUZ" / "E5M2FNUZ") for an FP8 dtype, else the dtype's name."""
+    return {_E4M3: "E4M3", _E5M2: "E5M2", torch.float8_e4m3fnuz: "E4M3FNUZ",
+            torch.float8_e5m2fnuz: "E5M2FNUZ"}.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
-from .formats import fp8_dtype, fp8_max
+from .device_kind import fp8_family
+from .formats import fp8_dtype, fp8_max, is_fnuz
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
 from .kernels import fusable, fused_casts
 from .scaling import amax as tensor_amax
@@ -502,11 +503,14 @@ class PerTensorQuantizer(Quantizer):
         self.state = state
         self.record = record
         self.host = host
-        self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
+        # The device's format family: FNUZ on an AMD MI300 (numerics/formats.py).
+        self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=fp8_family(state.device))
         self.max = fp8_max(self.dtype)
+        # The fused kernels encode the OCP formats: FNUZ casts run as torch ops.
+        self.kernels = not is_fnuz(self.dtype)
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        if fusable(x):
+        if self.kernels and fusable(x):
             return self._fused(x, columnwise=False)[0]
         if self.host:
             self.state.use_recipe(self.recipe)
@@ -530,13 +534,13 @@ class PerTensorQuantizer(Quantizer):
         return q
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        if fusable(x):
+        if self.kernels and fusable(x):
             return self._fused(x, columnwise)
         return super().quantize_pair(x, columnwise)
 
     def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
                               ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:
-        if fusable(x):
+        if self.kernels and fusable(x):
             return self._fused(x, columnwise, bias_grad=True)
         return super().quantize_pair_and_sum(x, columnwise)
 
@@ -581,6 +585,12 @@ class BlockQuantizer(Quantizer):
         self.state = state
         self.record = record
         self.host = host
+        family = fp8_family(state.device)
+        if family == "fnuz":
+            raise ValueError(
+                f"{type(recipe).__name__} on {state.device} (an AMD MI300: FNUZ FP8 formats) is not supported: "
+                "MI300 has no block-scaled FP8 GEMMs; valid there: DelayedScaling, Float8CurrentScaling "
+                "(per-tensor scaling in E4M3FNUZ / E5M2FNUZ)")
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
         if isinstance(recipe, MXFP8BlockScaling):
             self.block, self.qparams = (1, 32), None
@@ -698,7 +708,7 @@ def update_delayed_scaling(
             for h, part in zip(histories, current.split([h.shape[0] for h in histories])):
                 h[:, 0] = part
         for (recipe, role, states), history in zip(groups, histories):
-            dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT)
+            dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=fp8_family(states[0].device))
             previous = torch.stack([s.scale[role] for s in states])
             _handle_outliers(recipe, role, states, history, previous, fp8_max(dtype))
             amax = recipe.reduce_history(history)

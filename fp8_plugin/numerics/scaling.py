@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import fp8_max
+from .formats import fp8_max, has_infinity
 
 __all__ = ["amax", "scale_from_amax", "quantize", "saturate", "dequantize", "divide"]
 
@@ -89,12 +89,13 @@ def saturate(scaled: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch
     caller's: it may be overwritten, and may be the tensor returned."""
     bound = fp8_max(dtype)
     infinite = torch.isinf(x)
-    if dtype == torch.float8_e5m2:  # E5M2 keeps an infinity: scaled's own, from before the clamp
+    if has_infinity(dtype):  # OCP E5M2 keeps an infinity: scaled's own, from before the clamp
         clamped = scaled.clamp(-bound, bound)
         if torch.is_grad_enabled() and scaled.requires_grad:  # autograd refuses out=
             return torch.where(infinite, scaled, clamped)
         return torch.where(infinite, scaled, clamped, out=clamped)
-    # E4M3 (fn) has no inf, and torch's CPU cast would saturate one: make it the format's NaN.
+    # E4M3 and the FNUZ formats have no inf, and torch's CPU cast would saturate one: make it
+    # the format's NaN.
     return scaled.clamp_(-bound, bound).masked_fill_(infinite, float("nan"))
 
 
@@ -121,6 +122,6 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype =
         return product.to(dtype)
     bound = min(torch.finfo(dtype).max, _FLOAT32_MAX)
     saturated = product.clamp(-bound, bound)  # NaN stays NaN
-    if data.dtype == torch.float8_e4m3fn:
-        return saturated.to(dtype)  # E4M3 has no inf: an inf product can only be an overflow
+    if not has_infinity(data.dtype):
+        return saturated.to(dtype)  # no inf in the format: an inf product can only be an overflow
     return torch.where(torch.isinf(values), product, saturated).to(dtype)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device_kind import fp8_family
 from ..formats import fp8_dtype, fp8_max
 
 __all__ = ["bulk_update", "build_table", "Row"]
@@ -122,7 +123,8 @@ def build_table(rows: Sequence[Row], device: torch.device) -> tuple[torch.Tensor
                 torch.empty(len(rows), _PARAMS, dtype=torch.float32, device=device))
     table, params = [], []
     for recipe, role, state in rows:
-        max_value = fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT_ROLE))
+        max_value = fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT_ROLE,
+                                      family=fp8_family(state.device)))
         algo = getattr(recipe, "amax_compute_algo", "max")
         table.append([state.amax_history[role].data_ptr(), state.scale[role].data_ptr(),
                       state.initialized[role].data_ptr(), state.outlier_count[role].data_ptr(),

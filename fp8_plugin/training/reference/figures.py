@@ -16,7 +16,7 @@ from ..._private.torch_api import in_backward_pass
 from ...modules.experts import FP8ExpertsMixin
 from ...modules.linear import FP8Linear
 from ...numerics.device import bf16_matmul_speedup
-from ...numerics.device_kind import device_kind
+from ...numerics.device_kind import device_kind, fp8_family
 from ...numerics.formats import fp8_dtype
 from ...numerics.gemm import forced_path, fp8_gemm, fp8_gemm_in_bf16, fp8_values_in_bf16, scaled_mm_supported
 from ...numerics.quantizers import GRAD_OUTPUT, INPUT, PerTensorQuantizer, QuantizedTensor, make_quantizer
@@ -191,7 +191,8 @@ def _figures_in_bf16(grad_quantizer, device: torch.device) -> bool:
         return False
     one = torch.ones(())  # scaled_mm_supported reads dtypes, blocks and the device alone
     pairing = [QuantizedTensor(torch.zeros(1, 1, dtype=dtype), one)
-               for dtype in (grad_quantizer.dtype, fp8_dtype(grad_quantizer.recipe.fp8_format, backward=False))]
+               for dtype in (grad_quantizer.dtype, fp8_dtype(grad_quantizer.recipe.fp8_format, backward=False,
+                                                        family=fp8_family(device)))]
     return not scaled_mm_supported(*pairing)[0] and _cpu_bf16_is_faster()
 
 

@@ -1,0 +1,133 @@
+"""AMD MI300's FNUZ FP8 formats (issue 35): decoding, casts, the emulated GEMM and a layer's
+training, on CPU with the device presented as a gfx942 (``present_rocm``).
+
+Independent expectations: every bit pattern decoded by hand from the format's definition
+(sign, exponent bias 8 for E4M3FNUZ and 16 for E5M2FNUZ, no infinity, no negative zero, 0x80
+the one NaN); torch's own conversion after saturation; float64 products.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp8_plugin as fp
+from fp8_plugin.numerics.device_kind import fp8_family, present_rocm
+from fp8_plugin.numerics.formats import Format, fp8_dtype, fp8_max
+from fp8_plugin.numerics.quantizers import QuantizedTensor
+from fp8_plugin.numerics.scaling import dequantize, quantize
+
+E4M3FNUZ, E5M2FNUZ = torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
+FNUZ = pytest.mark.parametrize("dtype, exponent_bits, bias", [(E4M3FNUZ, 4, 8), (E5M2FNUZ, 5, 16)],
+                               ids=["e4m3fnuz", "e5m2fnuz"])
+
+
+def decode(code: int, exponent_bits: int, bias: int) -> float:
+    """A FNUZ byte's value from the format's definition: 0x80 is NaN, every other pattern a
+    finite number (no infinity, no negative zero); exponent 0 is subnormal."""
+    if code == 0x80:
+        return math.nan
+    sign = -1.0 if code & 0x80 else 1.0
+    mantissa_bits = 7 - exponent_bits
+    exponent = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = code & ((1 << mantissa_bits) - 1)
+    if exponent == 0:
+        return sign * mantissa / (1 << mantissa_bits) * 2.0 ** (1 - bias)
+    return sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias)
+
+
+@FNUZ
+def test_every_fnuz_pattern_reads_as_the_format_defines_it(dtype, exponent_bits, bias):
+    got = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float64)
+    for code in range(256):
+        want = decode(code, exponent_bits, bias)
+        assert (math.isnan(want) and math.isnan(got[code])) or got[code].item() == want, hex(code)
+    finite = [decode(c, exponent_bits, bias) for c in range(256) if c != 0x80]
+    assert fp8_max(dtype) == max(finite)  # 240 and 57344
+    assert fp8_max(E4M3FNUZ) == 240.0 and fp8_max(E5M2FNUZ) == 57344.0
+
+
+def test_formats_name_the_fnuz_pair_on_a_gfx942_and_the_ocp_pair_elsewhere():
+    assert fp8_family("cpu") == "ocp"
+    with present_rocm("gfx942"):
+        assert fp8_family("cpu") == fp8_family("meta") == "fnuz"
+        assert fp8_dtype(Format.HYBRID, backward=False, family=fp8_family("cpu")) == E4M3FNUZ
+        assert fp8_dtype(Format.HYBRID, backward=True, family=fp8_family("cpu")) == E5M2FNUZ
+    with present_rocm("gfx950"):  # MI350: the OCP formats
+        assert fp8_family("cpu") == "ocp"
+    with pytest.raises(ValueError, match=r"present_rocm\(arch='mi300'\) is not a ROCm architecture; valid: a gfx"):
+        with present_rocm("mi300"):
+            pass
+
+
+@FNUZ
+def test_every_bfloat16_pattern_casts_as_torch_after_saturation(dtype, exponent_bits, bias):
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    scale = torch.tensor(1.0)
+    got = quantize(x, scale, dtype)
+    top = fp8_max(dtype)
+    x64 = x.to(torch.float64)
+    # Saturating conversion: finite values beyond the range become +-max, infinities and NaNs
+    # become the format's NaN (FNUZ has no infinity); the rest rounds as torch's own cast.
+    want = x64.clamp(-top, top).to(torch.float32).to(dtype).view(torch.uint8)
+    want[torch.isinf(x64) | torch.isnan(x64)] = 0x80
+    assert torch.equal(got.view(torch.uint8), want)
+
+
+def test_the_emulated_gemm_of_fnuz_operands_matches_float64():
+    gen = torch.Generator().manual_seed(0)
+    a = QuantizedTensor((torch.randn(48, 96, generator=gen) * 20).clamp(-240, 240).to(E4M3FNUZ), torch.tensor(0.25))
+    b = QuantizedTensor((torch.randn(40, 96, generator=gen) * 500).to(E5M2FNUZ), torch.tensor(2.0 ** -6))
+    with fp.numerics.gemm.force_path("emulated"):
+        got = fp.numerics.gemm.fp8_gemm(a, b, torch.float32)
+    exact = (a.data.to(torch.float64) * 0.25) @ (b.data.to(torch.float64) * 2.0 ** -6).t()
+    magnitude = (a.data.to(torch.float64).abs() * 0.25) @ (b.data.to(torch.float64).abs() * 2.0 ** -6).t()
+    u, k = 2.0 ** -24, 96
+    assert ((got.double() - exact).abs() <= k * u / (1 - k * u) * magnitude).all()  # Higham's gamma_K
+    assert torch.equal(dequantize(a.data, a.scale_inv), a.data.float() * 0.25)
+
+
+def test_a_layer_trains_in_fnuz_on_a_presented_gfx942_with_240_as_the_e4m3_bound(monkeypatch):
+    import fp8_plugin.modules.linear as linear_module
+
+    gemms = []
+    real = linear_module.fp8_gemm
+
+    def counting(a, b, *args, **kwargs):  # every FP8 GEMM of the layer, with its operand formats
+        gemms.append((a.data.dtype, b.data.dtype))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "fp8_gemm", counting)
+    torch.manual_seed(0)
+    losses = []
+    with present_rocm("gfx942"):
+        layer = fp.FP8Linear(64, 32, bias=False)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        x = (torch.randn(16, 64) * 3).requires_grad_()
+        for _ in range(3):
+            with fp.autocast(recipe=fp.DelayedScaling(amax_history_len=4)):
+                loss = layer(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        fp.update_pending_scales(layer)
+    # fprop E4M3FNUZ x E4M3FNUZ, dgrad and wgrad E5M2FNUZ x E4M3FNUZ, every step.
+    assert gemms == [(E4M3FNUZ, E4M3FNUZ), (E5M2FNUZ, E4M3FNUZ), (E5M2FNUZ, E4M3FNUZ)] * 3
+    assert losses[-1] < losses[0]
+    # Delayed scaling's scale from the history: 240 / amax for the input (E4M3FNUZ's max, not
+    # E4M3's 448), 57344 / amax for grad_output (E5M2FNUZ), correctly rounded in float32.
+    state = layer.fp8_state
+    assert state.scale[0] == torch.tensor(240.0) / state.amax_history[0].max()
+    assert state.scale[2] == torch.tensor(57344.0) / state.amax_history[2].max()
+
+
+def test_block_recipes_are_refused_on_a_gfx942_naming_the_ones_that_run():
+    with present_rocm("gfx942"):
+        layer = fp.FP8Linear(64, 32, bias=False)
+        with pytest.raises(ValueError, match=r"MXFP8BlockScaling on cpu \(an AMD MI300: FNUZ FP8 formats\) is not "
+                                             r"supported: .* valid there: DelayedScaling, Float8CurrentScaling"):
+            with fp.autocast(recipe=fp.MXFP8BlockScaling()):
+                layer(torch.randn(4, 64))
