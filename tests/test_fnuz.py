@@ -131,3 +131,35 @@ def test_block_recipes_are_refused_on_a_gfx942_naming_the_ones_that_run():
                                              r"supported: .* valid there: DelayedScaling, Float8CurrentScaling"):
             with fp.autocast(recipe=fp.MXFP8BlockScaling()):
                 layer(torch.randn(4, 64))
+
+
+def test_an_ocp_checkpoint_resumed_on_an_mi300_converts_its_scales_by_the_ratio_of_the_maxima():
+    torch.manual_seed(0)
+    layer = fp.FP8Linear(64, 32, bias=False)
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    for _ in range(2):  # OCP scales: 448 / amax for the input and weight
+        with fp.autocast(recipe=recipe):
+            layer((torch.randn(16, 64) * 3).requires_grad_()).sum().backward()
+    fp.update_pending_scales(layer)
+    saved = layer.state_dict()
+    assert bytes(saved["fp8_state._extra_state"]["family"].tolist()) == b"ocp"
+    with present_rocm("gfx942"):
+        twin = fp.FP8Linear(64, 32, bias=False)
+        twin.load_state_dict(saved)
+        with pytest.warns(UserWarning, match=r"made for the OCP formats, this device uses FNUZ: the scales were "
+                                             r"converted by the ratio of the formats' maxima \(0.535714, 0.535714, 1"):
+            with torch.no_grad(), fp.autocast(recipe=recipe):  # an evaluation forward: it records nothing
+                twin(torch.randn(4, 64))
+        state = twin.fp8_state
+        want = saved["fp8_state._extra_state"]["scale"] * torch.tensor([240 / 448, 240 / 448, 1.0])
+        assert torch.equal(state.scale, want)  # float32 products, as the conversion makes them
+        assert torch.equal(state.amax_history, saved["fp8_state._extra_state"]["amax_history"])
+        assert bytes(twin.state_dict()["fp8_state._extra_state"]["family"].tolist()) == b"fnuz"
+
+
+def test_a_loaded_state_saved_again_before_any_cast_keeps_the_family_its_scales_were_made_for():
+    saved = fp.FP8Linear(64, 32, bias=False).state_dict()
+    with present_rocm("gfx942"):
+        twin = fp.FP8Linear(64, 32, bias=False)
+        twin.load_state_dict(saved)
+        assert bytes(twin.state_dict()["fp8_state._extra_state"]["family"].tolist()) == b"ocp"

@@ -22,7 +22,7 @@ from torch import nn
 
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
 from .device_kind import fp8_family
-from .formats import fp8_dtype, fp8_max, is_fnuz
+from .formats import FAMILIES, fp8_dtype, fp8_max, is_fnuz
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
 from .kernels import fusable, fused_casts
 from .scaling import amax as tensor_amax
@@ -142,8 +142,12 @@ class ScalingState(nn.Module):
     each rank's scales; what makes ranks agree is the amax reduction alone. They travel in
     ``state_dict()`` as this module's extra state (one ``"_extra_state"`` entry: a dict of the
     tensors above plus ``"pending"``, bool ``[3]``, ``"use_fp8"``, bool 0-dim, ``"fp8_gemms"``,
-    bool ``[3]``, ``"version"``, int64 0-dim, :data:`STATE_VERSION`, and ``"recipe"``, uint8
-    ``[n]``, the UTF-8 bytes of the :func:`recipe_key` of the scales).
+    bool ``[3]``, ``"version"``, int64 0-dim, :data:`STATE_VERSION`, ``"recipe"``, uint8
+    ``[n]``, the UTF-8 bytes of the :func:`recipe_key` of the scales, and ``"family"``, uint8
+    ``[n]``, the UTF-8 bytes of the FP8 format family they were made for, ``"ocp"`` or
+    ``"fnuz"``: :func:`~fp8_plugin.numerics.device_kind.fp8_family`). A state loaded where the
+    other family is used has its scales converted at the first cast, by the ratio of the two
+    formats' maxima (E4M3: 448 and 240), with a warning; its amax history is kept.
 
     Loading (``set_extra_state``) checks what it is given before it takes any of it:
 
@@ -297,6 +301,9 @@ class ScalingState(nn.Module):
         # Tensors only, as every entry: checkpoint formats that take tensors alone carry them too.
         state["version"] = torch.tensor(STATE_VERSION, dtype=torch.int64)
         state["recipe"] = torch.tensor(list(self.recipe.encode()), dtype=torch.uint8)
+        # The scales' family: a loaded state not yet cast (so not yet converted) keeps its own.
+        family = self.__dict__.get("_loaded_family") or fp8_family(self.device)
+        state["family"] = torch.tensor(list(family.encode()), dtype=torch.uint8)
         return state
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
@@ -329,15 +336,18 @@ class ScalingState(nn.Module):
         self.recipe = saved_recipe or self.recipe
         # The recipe in force is known at the first cast (an autocast may override the layer's).
         self._loaded_recipe = saved_recipe or None
+        # The scales' format family (states before version 4: OCP), checked at the first cast too.
+        self.__dict__["_loaded_family"] = _recipe_text(state.get("family")) or "ocp"
 
     def use_recipe(self, recipe: Recipe) -> None:
         """Called by every cast with the recipe in force: the first cast after a load drops
         (with a warning) saved scales that belong to another recipe, by :func:`recipe_key`."""
-        if self._loaded_recipe is None:
+        if self._loaded_recipe is None and self.__dict__.get("_loaded_family") is None:
             return
         saved, self._loaded_recipe = self._loaded_recipe, None
+        family, self.__dict__["_loaded_family"] = self.__dict__.get("_loaded_family"), None
         key = recipe_key(recipe)
-        if key != saved:
+        if saved is not None and key != saved:
             warnings.warn(
                 f"{self._key}: the checkpoint's FP8 scales belong to {saved}, this layer now runs {key}; they "
                 "are not used: this layer's scales start afresh (they settle within the first training step)",
@@ -345,6 +355,27 @@ class ScalingState(nn.Module):
             )
             self.reset(recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1)
             self.recipe = key
+            return
+        if family is not None and family != fp8_family(self.device):
+            self._convert_family(recipe, family, fp8_family(self.device))
+
+    def _convert_family(self, recipe: Recipe, saved: str, here: str) -> None:
+        # Scales made for one format family, used with the other (an OCP checkpoint resumed on
+        # an MI300, or the reverse): the amaxes are in the data's own units and stay; each scale
+        # is FP8_MAX / amax / 2**margin, so it moves by the ratio of the two maxima (E4M3: 448
+        # and 240; E5M2: 57344 both). Kept rather than refused: the history is what delayed
+        # scaling has learnt, and a fresh start would need the first steps to relearn it.
+        ratios = [fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=here))
+                  / fp8_max(fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=saved))
+                  for role in range(len(ROLES))]
+        with torch.no_grad():
+            self.scale.mul_(torch.tensor(ratios, dtype=torch.float32, device=self.device))
+        warnings.warn(
+            f"{self._key}: the checkpoint's FP8 scales were made for the {saved.upper()} formats, this device "
+            f"uses {here.upper()}: the scales were converted by the ratio of the formats' maxima "
+            f"({', '.join(f'{r:.6g}' for r in ratios)} for input, weight, grad_output); the amax history is kept",
+            stacklevel=4,
+        )
 
     def reset(self, amax_history_len: Optional[int] = None) -> None:
         """Forget every amax and scale (as a new layer's state); the history keeps its length
@@ -375,11 +406,12 @@ class ScalingState(nn.Module):
 
 _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "outlier_count", "outlier_ratio")
 # Format of the saved scaling state: 1 had no "version", "recipe" or outlier counters, 2 no
-# "fp8_gemms".
-STATE_VERSION = 3
+# "fp8_gemms", 3 no "family" (the FP8 format family the scales were made for: "ocp" or "fnuz").
+STATE_VERSION = 4
 _VERSION_1_ENTRIES = frozenset({"amax_history", "scale", "initialized", "nonfinite_amax_count", "pending"})
 _VERSION_2_ENTRIES = frozenset({*_STATE_TENSORS, "pending", "use_fp8", "version", "recipe"})
-_ENTRIES = _VERSION_2_ENTRIES | {"fp8_gemms"}
+_VERSION_3_ENTRIES = _VERSION_2_ENTRIES | {"fp8_gemms"}
+_ENTRIES = _VERSION_3_ENTRIES | {"family"}
 # The shape of each saved tensor, "L" standing for the history length.
 _SHAPES = {"amax_history": (3, "L"), "scale": (3,), "initialized": (3,), "nonfinite_amax_count": (3,),
            "outlier_count": (3,), "outlier_ratio": (3,), "pending": (3,), "use_fp8": (), "fp8_gemms": (3,)}
@@ -437,14 +469,18 @@ def check_saved_state(state: Any, key: str) -> int:
         raise fail(f"version {version!r}")
     if version > STATE_VERSION:
         return version
-    required = {1: _VERSION_1_ENTRIES, 2: _VERSION_2_ENTRIES - {"use_fp8"}}.get(version, _ENTRIES - {"use_fp8"})
-    allowed = _VERSION_2_ENTRIES if version == 2 else _ENTRIES
+    required = {1: _VERSION_1_ENTRIES, 2: _VERSION_2_ENTRIES - {"use_fp8"},
+                3: _VERSION_3_ENTRIES - {"use_fp8"}}.get(version, _ENTRIES - {"use_fp8"})
+    allowed = {2: _VERSION_2_ENTRIES, 3: _VERSION_3_ENTRIES}.get(version, _ENTRIES)
     if not required <= set(state) <= allowed:
         raise fail(f"entries {sorted(state)}; expected {sorted(required)}, optionally 'use_fp8'")
     try:
         _recipe_text(state.get("recipe"))
+        family = _recipe_text(state.get("family"))
     except (TypeError, ValueError):
-        raise fail(f"recipe {state.get('recipe')!r}") from None
+        raise fail(f"recipe {state.get('recipe')!r} or family {state.get('family')!r}") from None
+    if family and family not in FAMILIES:
+        raise fail(f"family {family!r}; valid: {', '.join(FAMILIES)}")
     for name, shape in _SHAPES.items():
         if name not in state:
             continue
