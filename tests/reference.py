@@ -152,14 +152,15 @@ class count_fp8_gemms:
         return False
 
 
-def accumulator_scaled_mm(a, b, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+def accumulator_scaled_mm(a, b, out_dtype: torch.dtype, bias=None, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T`` computed as oneDNN's CPU ``_scaled_mm`` (AMX CPUs) orders it: the FP8 values
     multiplied and summed unscaled in float32, then ``scale_a * scale_b`` applied to the
     accumulator, the bias (rounded to a low-precision ``out_dtype``) added, one final rounding.
 
     A kernel that computes otherwise than the emulation (which scales each operand first), for
     tests of the GEMM path choice on machines without AMX; same signature as
-    ``fp8_plugin.numerics.gemm._scaled_mm_tensorwise``.
+    ``fp8_plugin.numerics.gemm._scaled_mm_tensorwise`` (``fast_accum``, a GPU's, changes nothing
+    in a float32 sum).
     """
     out = (a.data.float() @ b.data.float().t()) * (a.scale_inv * b.scale_inv)
     if bias is not None:

@@ -171,9 +171,9 @@ class PathLog:
         self.seen = []
         native, emulated = gemm._native, gemm._emulated
 
-        def logged_native(kind, support, a, b, out_dtype, bias):
+        def logged_native(kind, support, a, b, out_dtype, bias, fast_accum=False):
             self.seen.append((kind, a.data.dtype, b.data.dtype, out_dtype, True))
-            return native(kind, support, a, b, out_dtype, bias)
+            return native(kind, support, a, b, out_dtype, bias, fast_accum)
 
         def logged_emulated(a, b, out_dtype, bias=None):
             self.seen.append((gemm.gemm_kind(a, b), a.data.dtype, b.data.dtype, out_dtype, False))

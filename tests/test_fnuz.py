@@ -163,3 +163,14 @@ def test_a_loaded_state_saved_again_before_any_cast_keeps_the_family_its_scales_
         twin = fp.FP8Linear(64, 32, bias=False)
         twin.load_state_dict(saved)
         assert bytes(twin.state_dict()["fp8_state._extra_state"]["family"].tolist()) == b"ocp"
+
+
+def test_the_device_report_names_the_formats_and_refuses_the_block_recipes_on_an_mi300():
+    assert "FP8 formats: OCP (E4M3, max 448; E5M2)" in str(fp.describe_device("cpu"))
+    with present_rocm("gfx942"):
+        report = fp.describe_device("cpu")
+    text = str(report)
+    assert "FP8 formats: FNUZ (E4M3FNUZ, max 240; E5M2FNUZ): an AMD MI300" in text
+    blocks = [r for r in report.recipes if r.gemm != "tensorwise"]
+    assert len(blocks) == 2 and all(not r.native and "MI300 has no block-scaled FP8 GEMMs" in r.reason for r in blocks)
+    assert type(report.auto).__name__ == "DelayedScaling"

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from .device_kind import cuda_capability, device_kind
+from .device_kind import cuda_capability, device_kind, fp8_family
 from .formats import Format, parse_format
 from . import gemm as _gemm
 from .gemm import NATIVE_SPEEDUP_REQUIRED, native_gemm, normalize_device
@@ -158,6 +158,8 @@ class DeviceReport:
     # How per-tensor FP8 casts run (delayed and current scaling): the fused Triton kernels, or
     # the torch ops and why (fp8_plugin.numerics.kernels.fused_casts).
     casts: str = ""
+    # The FP8 formats the recipes' names stand for here (device_kind.fp8_family).
+    formats: str = ""
 
     def __str__(self) -> str:
         header = ("recipe", "scaling", "GEMM", "native")
@@ -170,6 +172,8 @@ class DeviceReport:
             fmt = getattr(self.auto, "fp8_format", None)
             lines.append(f'recipe "auto" (precision strings fp8-hybrid / fp8-e4m3): {type(self.auto).__name__}'
                          + (f" ({fmt.name} for fp8-hybrid)" if fmt is not None else ""))
+        if self.formats:
+            lines.append(f"FP8 formats: {self.formats}")
         if self.casts:
             lines.append(f"per-tensor FP8 casts: {self.casts}")
         if self.gemm_paths:
@@ -225,6 +229,14 @@ def describe_device(device: Device = None) -> DeviceReport:
     fused, why = fused_casts(target)
     report.casts = ("fused Triton kernels (cast-transpose with the amax folded in; current scaling: an amax pass "
                     "first)" if fused else f"torch ops ({why})")
+    if fp8_family(target) == "fnuz":
+        report.formats = "FNUZ (E4M3FNUZ, max 240; E5M2FNUZ): an AMD MI300"
+        for row in report.recipes:
+            if row.gemm != "tensorwise":
+                row.native, row.reason = False, "MI300 has no block-scaled FP8 GEMMs (FNUZ formats): refused at the first cast"
+        report.casts = "torch ops (the fused kernels encode the OCP formats, not FNUZ)"
+    else:
+        report.formats = "OCP (E4M3, max 448; E5M2)"
     return report
 
 
