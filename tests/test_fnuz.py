@@ -174,3 +174,44 @@ def test_the_device_report_names_the_formats_and_refuses_the_block_recipes_on_an
     blocks = [r for r in report.recipes if r.gemm != "tensorwise"]
     assert len(blocks) == 2 and all(not r.native and "MI300 has no block-scaled FP8 GEMMs" in r.reason for r in blocks)
     assert type(report.auto).__name__ == "DelayedScaling"
+
+
+def test_a_tiny_llama_trains_three_steps_in_fnuz_on_a_presented_gfx942(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fp8_plugin.modules.linear as linear_module
+
+    operand_dtypes = []
+    real = linear_module.fp8_gemm
+
+    def counting(a, b, *args, **kwargs):
+        operand_dtypes.append(a.data.dtype)
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "fp8_gemm", counting)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=96,
+                                         max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    ids = torch.randint(1, 96, (4, 16))
+    with present_rocm("gfx942"):
+        fp.convert_model(model, fp.DelayedScaling(amax_history_len=4))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(3):
+            with fp.autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        fp.update_pending_scales(model)
+    n = sum(isinstance(m, fp.FP8Linear) for m in model.modules())
+    assert n == 7  # q, k, v, o, gate, up, down (lm_head stays high precision)
+    # Each FP8 layer: fprop with E4M3FNUZ, dgrad and wgrad with E5M2FNUZ, in each of 3 steps.
+    assert operand_dtypes.count(E4M3FNUZ) == 3 * n and operand_dtypes.count(E5M2FNUZ) == 2 * 3 * n
+    assert len(operand_dtypes) == 9 * n and losses[-1] < losses[0]
+    for m in model.modules():
+        if isinstance(m, fp.FP8Linear):
+            s = m.fp8_state
+            assert s.scale[1] == torch.tensor(240.0) / s.amax_history[1].max()  # the weight: E4M3FNUZ's 240
