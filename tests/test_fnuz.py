@@ -215,3 +215,12 @@ def test_a_tiny_llama_trains_three_steps_in_fnuz_on_a_presented_gfx942(monkeypat
         if isinstance(m, fp.FP8Linear):
             s = m.fp8_state
             assert s.scale[1] == torch.tensor(240.0) / s.amax_history[1].max()  # the weight: E4M3FNUZ's 240
+
+
+def test_convert_model_refuses_a_block_recipe_for_an_mi300_at_start_up():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with present_rocm("gfx942"):
+        with pytest.raises(ValueError, match=r"convert_model: recipe Float8BlockScaling cannot run on cpu \(an AMD "
+                                             r"MI300: FNUZ FP8 formats, .*valid there: DelayedScaling"):
+            fp.convert_model(model, fp.Float8BlockScaling())
+        assert isinstance(model[0], torch.nn.Linear)  # nothing swapped

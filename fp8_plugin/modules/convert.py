@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from ..numerics.device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
-from ..numerics.device_kind import device_kind
+from ..numerics.device_kind import device_kind, fp8_family
 from ..numerics.gemm import native_gemm
 from ..numerics.kernels import fused_casts
 from ..numerics.quantizers import ScalingState, is_scaling_state_key
-from ..numerics.recipes import DelayedScaling, Recipe, check_recipe
+from ..numerics.recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .backends import get_backend
 from .coverage import GemmCoverage, measure_gemm_coverage
 from .equivalents import equivalent_linear_reason
@@ -289,6 +289,15 @@ def too_small_for_fp8(in_features: int, out_features: int, recipe: Optional[Reci
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
+def _check_family(recipe: Optional[Recipe], target: torch.device) -> None:
+    # At start-up: a block-scaled recipe cannot run where the FP8 formats are FNUZ (AMD MI300).
+    if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)) and fp8_family(target) == "fnuz":
+        raise ValueError(
+            f"convert_model: recipe {type(recipe).__name__} cannot run on {target} (an AMD MI300: FNUZ FP8 "
+            "formats, no block-scaled FP8 GEMMs); valid there: DelayedScaling, Float8CurrentScaling, or "
+            "\"auto\" (which picks DelayedScaling)")
+
+
 def _size_rule(skip_small: Any, recipe: Recipe, target: torch.device) -> Optional[Callable[[int, int], bool]]:
     if callable(skip_small):
         return skip_small
@@ -367,6 +376,7 @@ def convert_model(
     chosen = get_backend(backend)
     target = _target_device(model, device)
     recipe = resolve_recipe(recipe, target)
+    _check_family(recipe, target)
     too_small = _size_rule(skip_small, recipe or DelayedScaling(), target)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude")
     heads, tied = output_embedding_ids(model), tied_weight_ids(model)
