@@ -564,3 +564,25 @@ def test_hf_fp8_export_refuses_experts_transformers_fp8_experts_cannot_hold(tmp_
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
     loaded = load_cleanly(AutoModelForCausalLM, path, quantization_config=FineGrainedFP8Config(dequantize=True))
     assert torch.equal(loaded.model.layers[0].mlp.experts.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_hf_fp8_export_of_a_model_trained_in_fnuz_writes_ocp_e4m3_as_on_any_other_device(tmp_path):
+    # An MI300 trains in E4M3FNUZ / E5M2FNUZ, but the master weights are what the export casts:
+    # the files hold OCP E4M3 (what transformers' fine-grained FP8 format expects), bit for bit
+    # as the export of the same weights anywhere else.
+    from fp8_plugin.numerics.device_kind import present_rocm
+
+    model = bert()
+    with present_rocm("gfx942"):
+        train_in_fp8(model)
+        assert next(m for m in model.modules() if isinstance(m, FP8Linear)).fp8_state.scale[0] > 0
+        fnuz = load_file(export(model, tmp_path / "fnuz", format="hf-fp8") / "model.safetensors")
+    ocp = load_file(export(model, tmp_path / "ocp", format="hf-fp8") / "model.safetensors")
+    weights = [k for k, t in fnuz.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(weights) == 12 and not any(t.dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+                                          for t in fnuz.values())
+    assert fnuz.keys() == ocp.keys()
+    for k in fnuz:
+        a, b = fnuz[k], ocp[k]
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
