@@ -224,3 +224,10 @@ def test_convert_model_refuses_a_block_recipe_for_an_mi300_at_start_up():
                                              r"MI300: FNUZ FP8 formats, .*valid there: DelayedScaling"):
             fp.convert_model(model, fp.Float8BlockScaling())
         assert isinstance(model[0], torch.nn.Linear)  # nothing swapped
+
+
+def test_the_conversion_report_names_the_fnuz_formats_on_an_mi300():
+    with present_rocm("gfx942"):
+        report = fp.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), fp.DelayedScaling())
+    assert "formats: E4M3FNUZ (max 240) / E5M2FNUZ" in str(report)
+    assert "FNUZ" not in str(fp.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), fp.DelayedScaling()))

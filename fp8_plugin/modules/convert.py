@@ -441,9 +441,14 @@ def convert_model(
         report.gemm = "tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation per operand pairing, as python -m fp8_plugin reports"
     else:
         report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
+    fnuz = fp8_family(target) == "fnuz"
     if kind == "tensorwise":
         fused, why = fused_casts(target)
+        if fnuz:
+            fused, why = False, "the fused kernels encode the OCP formats"
         report.gemm += "; casts: fused Triton kernels" if fused else f"; casts: torch ops ({why})"
+    if fnuz:  # an AMD MI300: the recipe's format names stand for the FNUZ pair
+        report.gemm += "; formats: E4M3FNUZ (max 240) / E5M2FNUZ"
     if not report.swapped:
         warnings.warn(
             f"convert_model found no layer to run in FP8 among {len(report.layers)} candidate linear layers "
