@@ -10,6 +10,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # OCP OFP8 rev 1.0, table 1.
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 MAX = {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: E5M2_MAX}
+# Every FP8 dtype a GEMM may take: the OCP pair and AMD MI300's FNUZ pair.
+FP8_DTYPES = (*MAX, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 # Mantissa bits and the smallest normal exponent of each format.
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 MIN_NORMAL_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
@@ -139,7 +141,7 @@ class count_fp8_gemms:
         self._linear, self._original = linear, linear.fp8_gemm
 
         def counting(a, b, *args, **kwargs):
-            if a.data.dtype in MAX and b.data.dtype in MAX:
+            if a.data.dtype in FP8_DTYPES and b.data.dtype in FP8_DTYPES:
                 self.count += 1
                 self.dtypes.append(a.data.dtype)
             return self._original(a, b, *args, **kwargs)

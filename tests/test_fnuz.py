@@ -231,3 +231,35 @@ def test_the_conversion_report_names_the_fnuz_formats_on_an_mi300():
         report = fp.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), fp.DelayedScaling())
     assert "formats: E4M3FNUZ (max 240) / E5M2FNUZ" in str(report)
     assert "FNUZ" not in str(fp.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), fp.DelayedScaling()))
+
+
+@pytest.mark.parametrize("arch, family", [("gfx942:sramecc+:xnack-", "fnuz"), ("gfx940", "fnuz"), ("gfx950", "ocp")])
+def test_a_rocm_device_is_told_by_its_gcn_architecture(monkeypatch, arch, family):
+    # No AMD GPU here: torch's ROCm build is presented by the two attributes it sets there
+    # (torch.version.hip, and gcnArchName in the device properties, which torchao's is_MI300 reads).
+    import types
+
+    from fp8_plugin.numerics import device_kind
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(gcnArchName=arch))
+    device_kind._rocm_arch.cache_clear()
+    try:
+        assert fp8_family(torch.device("cuda", 0)) == family
+    finally:
+        device_kind._rocm_arch.cache_clear()
+
+
+def test_current_scaling_trains_in_fnuz_with_each_tensors_own_240_scale():
+    torch.manual_seed(0)
+    with present_rocm("gfx942"):
+        layer = fp.FP8Linear(64, 32, bias=False)
+        x = (torch.randn(16, 64) * 3).requires_grad_()
+        with fp.autocast(recipe=fp.Float8CurrentScaling()):
+            y = layer(x)
+        y.square().mean().backward()
+    # Current scaling records each tensor's amax and scale: 240 / amax(x) for the input.
+    state = layer.fp8_state
+    assert state.amax_history[0, 0] == x.detach().abs().max()
+    assert state.scale[0] == torch.tensor(240.0) / x.detach().abs().max()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -320,3 +320,17 @@ def test_the_console_gets_the_fp8_layer_counts_and_the_debug_log_the_table(caplo
     assert not any(layer.name in info for layer in report.layers)  # no table row
     report, debug = fit(logging.DEBUG)
     assert all(layer.name in debug for layer in report.layers)
+
+
+def test_the_same_precision_string_trains_in_fnuz_on_an_mi300():
+    # Trainer(precision="fp8-hybrid") with no setting changed: on a (presented) gfx942 the
+    # HYBRID pair is E4M3FNUZ / E5M2FNUZ.
+    from fp8_plugin.numerics.device_kind import present_rocm
+
+    model = TinyClassifier()
+    with present_rocm("gfx942"):
+        trainer = L.Trainer(precision="fp8-hybrid", max_steps=2, **TRAINER_DEFAULTS)
+        with count_fp8_gemms() as gemms:
+            trainer.fit(model, loader())
+    assert gemms.count == 2 * (3 + 2)
+    assert set(gemms.dtypes) == {torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
