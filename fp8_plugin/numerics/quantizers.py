@@ -15,7 +15,7 @@ import functools
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from .device_kind import fp8_family
 from .formats import FAMILIES, fp8_dtype, fp8_max, is_fnuz
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
 from .kernels import fusable, fused_casts
+from .kernels.rows import StateRows
 from .scaling import amax as tensor_amax
 from .scaling import dequantize, divide, quantize, scale_from_amax
 
@@ -109,17 +110,6 @@ class Quantizer(ABC):
         of it."""
         row, col = self.quantize_pair(x, columnwise)
         return row, col, x.to(torch.float32).sum(0)
-
-
-class StateRows(NamedTuple):
-    """One role's rows of a :class:`ScalingState`'s tensors, as views: what a fused cast reads
-    and writes (``numerics/kernels/tensorwise.py``)."""
-
-    scale: torch.Tensor  # float32 0-dim
-    initialized: torch.Tensor  # bool 0-dim
-    amax_history: torch.Tensor  # float32 [L]
-    nonfinite_amax_count: torch.Tensor  # int64 0-dim
-    workspace: torch.Tensor  # int32 [2]
 
 
 class ScalingState(nn.Module):

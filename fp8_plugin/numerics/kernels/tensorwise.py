@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..formats import fp8_max
-from ..quantizers import StateRows
+from .rows import StateRows
 from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
 from .fp8_bits import as_float32, byte_pointer, e4m3_bits, e5m2_bits, raw_pointer, saturated
