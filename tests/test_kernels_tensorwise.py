@@ -525,3 +525,18 @@ def test_a_delayed_cast_skips_its_amax_pass_once_the_host_knows_the_state_holds_
     assert not empty.initialized_known(0) and cast(empty, x)[0] == 2
     state.reset()
     assert not state.initialized_known(0) and cast(state, x)[0] == 2
+
+
+def test_a_copied_state_leaves_the_host_caches_behind():
+    # A pending flag copy holds a CUDA event on a GPU, which deepcopy cannot copy (a lock stands
+    # in for it here); an EMA model or a reference twin deep-copies states at any step.
+    import threading
+
+    state = ScalingState(4)
+    rows = state.kernel_rows(0)
+    state.expect_initialized(0, torch.ones(1, dtype=torch.int8), 0, threading.Lock())
+    state._initialized_known[1] = True
+    twin = copy.deepcopy(state)
+    assert not any(twin.initialized_known(role) for role in range(3))
+    assert twin.kernel_rows(0).scale.data_ptr() == twin.scale[0].data_ptr() != rows.scale.data_ptr()
+    assert state.initialized_known(1)  # the original keeps what it knows

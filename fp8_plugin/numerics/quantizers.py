@@ -249,6 +249,16 @@ class ScalingState(nn.Module):
         ``event`` (a ``torch.cuda.Event``, or None: already) has completed."""
         self.__dict__.setdefault("_initialized_probe", {})[role] = (host, index, event)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies (deepcopy: an EMA model, a reference twin; pickling) leave the host-side caches
+        # behind: the row views belong to this state's tensors, and a pending flag copy holds a
+        # CUDA event, which cannot be copied. The copy knows nothing yet, which is always safe.
+        state = dict(self.__dict__)
+        state["_kernel_rows"] = {}
+        state["_initialized_known"] = [False, False, False]
+        state["_initialized_probe"] = {}
+        return state
+
     def _forget_initialized(self) -> None:
         # The state tensors were (re)made: nothing is known of them on the host. Plain
         # attributes, set past nn.Module's __setattr__.
