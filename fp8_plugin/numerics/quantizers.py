@@ -186,6 +186,7 @@ class ScalingState(nn.Module):
         # recipe_key of the recipe whose scales these are ("" until a layer sets it).
         self.recipe = ""
         self._loaded_recipe: Optional[str] = None  # a loaded state's recipe, until the first cast checks it
+        self._loaded_family: Optional[str] = None  # and the format family of its scales
         self._key = "fp8_state._extra_state"  # where load_state_dict found it, for messages
         # A vanilla checkpoint (no FP8 state) loads into a converted model: scaling starts fresh.
         self.register_load_state_dict_post_hook(_allow_missing_scaling_state)
@@ -302,7 +303,7 @@ class ScalingState(nn.Module):
         state["version"] = torch.tensor(STATE_VERSION, dtype=torch.int64)
         state["recipe"] = torch.tensor(list(self.recipe.encode()), dtype=torch.uint8)
         # The scales' family: a loaded state not yet cast (so not yet converted) keeps its own.
-        family = self.__dict__.get("_loaded_family") or fp8_family(self.device)
+        family = getattr(self, "_loaded_family", None) or fp8_family(self.device)
         state["family"] = torch.tensor(list(family.encode()), dtype=torch.uint8)
         return state
 
@@ -337,15 +338,15 @@ class ScalingState(nn.Module):
         # The recipe in force is known at the first cast (an autocast may override the layer's).
         self._loaded_recipe = saved_recipe or None
         # The scales' format family (states before version 4: OCP), checked at the first cast too.
-        self.__dict__["_loaded_family"] = _recipe_text(state.get("family")) or "ocp"
+        self._loaded_family = _recipe_text(state.get("family")) or "ocp"
 
     def use_recipe(self, recipe: Recipe) -> None:
         """Called by every cast with the recipe in force: the first cast after a load drops
         (with a warning) saved scales that belong to another recipe, by :func:`recipe_key`."""
-        if self._loaded_recipe is None and self.__dict__.get("_loaded_family") is None:
+        if self._loaded_recipe is None and getattr(self, "_loaded_family", None) is None:
             return
         saved, self._loaded_recipe = self._loaded_recipe, None
-        family, self.__dict__["_loaded_family"] = self.__dict__.get("_loaded_family"), None
+        family, self._loaded_family = getattr(self, "_loaded_family", None), None
         key = recipe_key(recipe)
         if saved is not None and key != saved:
             warnings.warn(
