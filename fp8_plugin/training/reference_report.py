@@ -46,24 +46,26 @@ def move_text(entry: dict[str, Any]) -> str:
                             ("grad_rel_error", "grad rel error", "{:.3f}"), ("sqnr_min_db", "lowest SQNR", "{:.1f} dB")):
         if key in entry:
             old = before.get(key)
-            figures.append(f"{label} {'?' if old is None else fmt.format(old)} -> {fmt.format(_num(entry[key]))}")
+            figures.append(f"{label} {'?' if old is None else fmt.format(old)} -> {fmt.format(none_to_inf(entry[key]))}")
     verdict = "passed, kept" if entry["kept"] else "passed, not kept" if entry["passed"] else "failed"
     return f"{what}: {', '.join(figures) or 'no replay'} ({verdict})"
 
 
-def _json_ready(value: Any) -> Any:
-    # Infinite figures (an exact output's SQNR) as null, as in the checks' own dicts.
+def finite_or_none(value: Any) -> Any:
+    """``value`` (a float, or dicts, lists and tuples of them) ready for JSON: infinite and NaN
+    figures (an exact output's SQNR) as None, tuples as lists; anything else as it is."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _json_ready(v) for k, v in value.items()}
+        return {k: finite_or_none(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
+        return [finite_or_none(v) for v in value]
     return value
 
 
-def _num(value: Any) -> float:
-    return math.inf if value is None else value  # infinities are null in a JSON report
+def none_to_inf(value: Any) -> Any:
+    """The inverse for one figure: None (an infinity in a JSON report) as ``math.inf``."""
+    return math.inf if value is None else value
 
 
 def summary_text(checker: CheckHistory) -> str:
@@ -133,7 +135,7 @@ def report_data(checker: CheckHistory) -> dict[str, Any]:
         "fallbacks": [{"step": step, "layer": name} for step, name in checker.fallback_layers()]
         + [{"step": r.step + 1, "gemm": gemm} for r in checker.results for gemm in getattr(r, "fallback_gemms", [])],
         # Every kept move with its evidence: the figures before (the check) and after (its replay).
-        "moves": [_json_ready({"step": r.step + 1, **t}) for r in checker.results
+        "moves": [finite_or_none({"step": r.step + 1, **t}) for r in checker.results
                   for t in getattr(r, "fallback_tried", []) if t.get("kept")],
         "checks": [r.to_dict() for r in checker.results],
     }

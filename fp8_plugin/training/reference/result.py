@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...numerics.recipes import GEMMS
-from ..reference_report import move_text
+from ..reference_report import finite_or_none, move_text, none_to_inf
 from .config import METRIC_PREFIX, ReferenceCheck
 
 
@@ -146,34 +146,20 @@ class ReferenceResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (infinities as None)."""
-        return _finite_or_none(asdict(self))
+        return finite_or_none(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ReferenceResult":
         data = dict(data)
-        data["param_figures"] = {k: tuple(_none_to_inf(x) for x in v) for k, v in data["param_figures"].items()}
-        data["layer_sqnr_db"] = {k: _none_to_inf(v) for k, v in data["layer_sqnr_db"].items()}
+        data["param_figures"] = {k: tuple(none_to_inf(x) for x in v) for k, v in data["param_figures"].items()}
+        data["layer_sqnr_db"] = {k: none_to_inf(v) for k, v in data["layer_sqnr_db"].items()}
         # Absent from results saved before the per-GEMM figures existed.
-        data["gemm_sqnr_db"] = {k: {g: _none_to_inf(db) for g, db in v.items()}
+        data["gemm_sqnr_db"] = {k: {g: none_to_inf(db) for g, db in v.items()}
                                 for k, v in data.get("gemm_sqnr_db", {}).items()}
-        return cls(**{k: _none_to_inf(v) if k in _FLOAT_FIELDS else v for k, v in data.items()})
+        return cls(**{k: none_to_inf(v) if k in _FLOAT_FIELDS else v for k, v in data.items()})
 
 
 _FLOAT_FIELDS = ("loss_fp8", "loss_reference", "loss_rel_diff", "grad_cosine", "grad_rel_error", "seconds")
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(v) for v in value]
-    return value
-
-
-def _none_to_inf(value: Any) -> Any:
-    return math.inf if value is None else value
 
 
 def judge(result: ReferenceResult, config: ReferenceCheck) -> list[str]:
