@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..numerics.device_kind import fp8_family
-from ..numerics.formats import fp8_dtype, fp8_max, is_fnuz
+from ..numerics.formats import fp8_dtype, fp8_max
 from ..numerics.grouped_gemm import group_amax, quantize_groups
 from ..numerics.kernels import fusable, ops
 from ..numerics.quantizers import WEIGHT, ScalingState
@@ -46,9 +46,8 @@ def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.T
 
 def _fused(x: torch.Tensor, dtype: torch.dtype) -> bool:
     # The fused per-expert casts (numerics/kernels/grouped.py) where the kernels run, outside
-    # compiled code (they write the experts' states through an address table no graph sees);
-    # their encoders are the OCP formats' (FNUZ casts run as torch ops).
-    return fusable(x) and not is_fnuz(dtype) and not torch.compiler.is_compiling()
+    # compiled code (they write the experts' states through an address table no graph sees).
+    return fusable(x, dtype) and not torch.compiler.is_compiling()
 
 
 def cast_rows(x: torch.Tensor, group_of_row: torch.Tensor, states: list[ScalingState], role: int, recipe: Recipe,

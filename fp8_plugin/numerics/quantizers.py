@@ -22,7 +22,7 @@ from torch import nn
 
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
 from .device_kind import fp8_family
-from .formats import FAMILIES, fp8_dtype, fp8_max, is_fnuz
+from .formats import FAMILIES, fp8_dtype, fp8_max
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
 from .kernels import fusable, fused_casts
 from .kernels.rows import StateRows
@@ -543,11 +543,9 @@ class PerTensorQuantizer(Quantizer):
         # The device's format family: FNUZ on an AMD MI300 (numerics/formats.py).
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=fp8_family(state.device))
         self.max = fp8_max(self.dtype)
-        # The fused kernels encode the OCP formats: FNUZ casts run as torch ops.
-        self.kernels = not is_fnuz(self.dtype)
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        if self.kernels and fusable(x):
+        if fusable(x, self.dtype):
             return self._fused(x, columnwise=False)[0]
         if self.host:
             self.state.use_recipe(self.recipe)
@@ -571,13 +569,13 @@ class PerTensorQuantizer(Quantizer):
         return q
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
-        if self.kernels and fusable(x):
+        if fusable(x, self.dtype):
             return self._fused(x, columnwise)
         return super().quantize_pair(x, columnwise)
 
     def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
                               ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:
-        if self.kernels and fusable(x):
+        if fusable(x, self.dtype):
             return self._fused(x, columnwise, bias_grad=True)
         return super().quantize_pair_and_sum(x, columnwise)
 
@@ -669,7 +667,7 @@ class BlockQuantizer(Quantizer):
         return row, col
 
     def _fusable(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and self.block in ((1, 32), (1, 128), (128, 128)) and fusable(x)
+        return x.dim() == 2 and self.block in ((1, 32), (1, 128), (128, 128)) and fusable(x, self.dtype)
 
     def _fused(self, x: torch.Tensor, columnwise: bool, record: bool
                ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..device_kind import device_kind
+from ..formats import is_fnuz
 
 __all__ = ["fused_casts", "fusable", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR"]
 
@@ -80,11 +81,13 @@ def fused_casts(device: torch.device) -> tuple[bool, str]:
     return _triton_available()
 
 
-def fusable(x: torch.Tensor) -> bool:
-    """Whether a cast of ``x`` runs as the fused kernels: :func:`fused_casts` for its device,
-    and a dtype the kernels take (float32, bfloat16, float16; a float64 model keeps the torch
-    ops)."""
-    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and fused_casts(x.device)[0]
+def fusable(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a cast of ``x`` to the FP8 ``dtype`` runs as the fused kernels: :func:`fused_casts`
+    for its device, an input dtype the kernels take (float32, bfloat16, float16; a float64 model
+    keeps the torch ops), and an OCP target (the kernels' encoders are the OCP formats'; the
+    FNUZ formats of an AMD MI300 keep the torch ops)."""
+    return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not is_fnuz(dtype)
+            and fused_casts(x.device)[0])
 
 
 @lru_cache(maxsize=None)
