@@ -19,11 +19,13 @@ from typing import Any
 from .lightning.import_hook import install as _install_lightning_hook
 from .modules.autocast import autocast, is_fp8_enabled, update_pending_scales
 from .modules.convert import ConversionReport, convert_model, split_fp8_state, too_small_for_fp8
+from .modules.freezing import dequantize_frozen_weights
 from .modules.fsdp_fp8 import enable_fp8_all_gather
 from .modules.linear import FP8Linear
 from .numerics.device import DeviceReport, auto_recipe, describe_device
 from .numerics.formats import Format
 from .tools.export import export
+from .tools.fp8_checkpoint import fp8_checkpoint_recipe, from_pretrained
 from .training.distributed import amax_reducer
 from .training.faults import FaultPolicy, FP8NonFiniteError
 from .training.reference import FP8ReferenceCheckError, ReferenceCheck, ReferenceResult, reference_check
@@ -61,7 +63,10 @@ __all__ = [
     "convert_model",
     "ConversionReport",
     "split_fp8_state",
+    "dequantize_frozen_weights",
     "export",
+    "from_pretrained",
+    "fp8_checkpoint_recipe",
     "too_small_for_fp8",
     "FaultPolicy",
     "FP8Statistics",

@@ -231,7 +231,12 @@ class Accelerator(_AccelerateAccelerator):
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
-        """Accelerate's ``prepare_optimizer``; the optimizer also ends each FP8 training step."""
+        """Accelerate's ``prepare_optimizer``; the optimizer also ends each FP8 training step.
+
+        High-precision weights that the conversion kept only in FP8 (frozen ones) leave the
+        optimizer first, so that it does not hold them."""
+        for run in self.fp8_runs:
+            run.release_replaced_weights(optimizer)
         prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
         if self.fp8_settings is not None and type(prepared) is AcceleratedOptimizer:
             # A subclass that adds only the FP8 step notification; state and pickling unchanged.
@@ -383,6 +388,8 @@ class Accelerator(_AccelerateAccelerator):
                           reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)),
                           fault_policy=settings.fault_policy, statistics=self._fp8_statistics)
         run.convert(obj)
+        for prepared in self._optimizers:  # optimizers prepared before this model
+            run.release_replaced_weights(prepared.optimizer)
         run.exclude_state_from_state_dict()
         self.fp8_runs.append(run)
         if self._fp8_state_to_load is not None:

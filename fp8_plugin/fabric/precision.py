@@ -130,6 +130,11 @@ class FP8Precision(MixedPrecision):
         scale = getattr(self.scaler, "_scale", None)
         before = scale.clone() if scale is not None else None
         output = None
+        if not getattr(optimizer, "_fp8_released", False):
+            # Fabric's setup(model, optimizer) converts after the optimizer was built: drop the
+            # high-precision weights kept only in FP8 since, which it would keep alive.
+            self.fp8.release_replaced_weights(optimizer)
+            optimizer._fp8_released = True
         if self.fp8.before_optimizer_step(loss_scaled=self.scaler is not None):
             output = super().optimizer_step(optimizer, **kwargs)
         # else: non-finite gradients under nonfinite="skip": weights and optimizer state unchanged

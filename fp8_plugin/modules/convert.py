@@ -43,9 +43,13 @@ from .coverage import GemmCoverage, measure_gemm_coverage
 from .equivalents import equivalent_linear_reason
 from .heads import HEAD_NAMES, head_reason, output_embedding_ids, tied_weight_ids
 from .experts import FP8ExpertGEMM, plan_experts
+from .freezing import check_frozen_layout, keep_frozen_in_fp8, save_dequantized
 from .scaling_group import ScalingGroup
 
-__all__ = ["convert_model", "too_small_for_fp8", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
+# convert_model's frozen_weights choices.
+FROZEN_WEIGHTS = ("fp8", "keep")
+
+__all__ = ["convert_model", "FROZEN_WEIGHTS", "too_small_for_fp8", "ConversionReport", "LayerDecision", "fp8_state_dict", "fp8_state_keys", "split_fp8_state",
            "HEAD_NAMES"]
 
 
@@ -68,6 +72,11 @@ class LayerDecision:
     out_features: int
     swapped: bool
     reason: str
+    # For a swapped layer whose frozen weight is kept only in FP8: its layout ("E4M3, one scale"),
+    # and the bytes of its weight before and after (data plus scales).
+    frozen: str = ""
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
 
 
 @dataclass
@@ -84,6 +93,9 @@ class ConversionReport:
     device: str = ""
     gemm: str = ""
     coverage: Optional[GemmCoverage] = None
+    # The high-precision weights replaced by FP8-only frozen ones ({id: weakref}), for the
+    # optimizers built before the conversion (fp8_plugin.modules.freezing.release_replaced_weights).
+    replaced_weights: dict = field(default_factory=dict, repr=False)
 
     def gemm_coverage(self, model: nn.Module, seq_len: int = 512, *, inputs: Optional[dict[str, Any]] = None) -> GemmCoverage:
         """Measure the FP8 share of ``model``'s GEMM FLOPs in one forward at batch 1 and ``seq_len``
@@ -106,10 +118,17 @@ class ConversionReport:
         """Layer types other than ``Linear`` / ``Conv1D`` that stayed high precision, with counts."""
         return dict(Counter(d.kind for d in self.skipped if d.kind not in _PLAIN_KINDS))
 
+    @property
+    def frozen(self) -> list[LayerDecision]:
+        """The swapped layers whose frozen weights are kept only in FP8 (``convert_model``'s
+        ``frozen_weights="fp8"``)."""
+        return [d for d in self.layers if d.frozen]
+
     def __str__(self) -> str:
         header = ("layer", "type", "in", "out", "FP8", "reason")
         rows = [
-            (d.name, d.kind, str(d.in_features), str(d.out_features), "yes" if d.swapped else "no", d.reason)
+            (d.name, d.kind, str(d.in_features), str(d.out_features), "yes" if d.swapped else "no",
+             d.reason or (f"frozen weight kept only in FP8 ({d.frozen})" if d.frozen else ""))
             for d in self.layers
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -121,6 +140,12 @@ class ConversionReport:
         """The report without its table: the FP8 layer count, skipped layer types, the recipe and
         its GEMM path, the FP8 share of GEMM FLOPs (when measured); a few lines."""
         lines = [f"{len(self.swapped)} of {len(self.layers)} linear layers in FP8"]
+        if self.frozen:
+            before = sum(d.weight_bytes_before for d in self.frozen)
+            after = sum(d.weight_bytes_after for d in self.frozen)
+            lines.append(f"{len(self.frozen)} frozen weights kept only in FP8: {after / 2**20:.2f} MiB "
+                         f"(data and scales), {(before - after) / 2**20:.2f} MiB less than before "
+                         f"({after / before:.3f}x)")
         if self.skipped_types:
             types = ", ".join(f"{kind} ({n})" for kind, n in sorted(self.skipped_types.items()))
             lines.append(f"skipped layer types: {types}")
@@ -321,6 +346,7 @@ def convert_model(
     device: Union[str, torch.device, None] = None,
     allow_subclasses: bool = False,
     skip_small: Union[str, bool, Callable[[int, int], bool]] = "auto",
+    frozen_weights: str = "fp8",
 ) -> ConversionReport:
     """Replace the model's ``nn.Linear`` / ``Conv1D`` layers with FP8 layers, in place.
 
@@ -355,6 +381,13 @@ def convert_model(
             :func:`too_small_for_fp8` on any device; False: none; a callable
             ``(in_features, out_features) -> bool``: True keeps that layer high precision. A
             layer named by an ``include`` pattern is swapped whatever its size.
+        frozen_weights: what becomes of the weight of a swapped layer that does not require grad
+            (a LoRA base layer, a frozen encoder). ``"fp8"`` (default): it is kept only in FP8,
+            cast once with ``recipe`` (:meth:`FP8Linear.freeze_weight
+            <fp8_plugin.modules.linear.FP8Linear.freeze_weight>`: about 1 byte per value, no
+            high-precision copy; GPT-2 ``Conv1D`` layers excepted); ``"keep"``: it stays in high
+            precision, cast at each forward as a trained weight is. Freeze the weights before
+            converting (``requires_grad_(False)``, or PEFT's ``get_peft_model``).
 
     Returns:
         A :class:`ConversionReport`; ``print()`` it for a table.
@@ -362,8 +395,8 @@ def convert_model(
     Raises:
         TypeError: ``recipe`` is not a Recipe, bad pattern types, ``allow_subclasses`` is
             not a bool, or ``skip_small`` is none of "auto", a bool, a callable.
-        ValueError: unknown backend, or an ``include`` / ``exclude`` pattern that matches no
-            candidate layer (checked before any layer is swapped).
+        ValueError: unknown backend, an ``include`` / ``exclude`` pattern that matches no
+            candidate layer, or an unknown ``frozen_weights`` (checked before any layer is swapped).
         RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
             ``fully_shard``).
 
@@ -372,6 +405,9 @@ def convert_model(
     """
     if not isinstance(allow_subclasses, bool):
         raise TypeError(f"convert_model: allow_subclasses={allow_subclasses!r} is not valid; valid: True, False")
+    if frozen_weights not in FROZEN_WEIGHTS:
+        raise ValueError(f"convert_model: frozen_weights={frozen_weights!r} is not valid; valid: "
+                         + ", ".join(repr(v) for v in FROZEN_WEIGHTS))
     check_recipe(recipe, "convert_model")
     chosen = get_backend(backend)
     target = _target_device(model, device)
@@ -402,6 +438,7 @@ def convert_model(
     experts = plan_experts(model, recipe, pattern_reason)
     for name, module in list(model.named_modules()):
         if isinstance(module, chosen.fp8_types):
+            check_frozen_layout(name, module, recipe or DelayedScaling(), target)
             report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
             continue
         if not _is_candidate(module):
@@ -432,6 +469,10 @@ def convert_model(
                 setattr(parent, child_name, replacements[id(child)])
 
     experts.apply()
+    if frozen_weights == "fp8":
+        report.replaced_weights = keep_frozen_in_fp8(model, report.layers, {id(m) for m in replacements.values()})
+        if report.frozen:
+            save_dequantized(model)
     _join_one_scaling_group(model, (*chosen.fp8_types, FP8ExpertGEMM))
     _ignore_fp8_state_on_save(model)
     report.recipe, report.device = recipe or DelayedScaling(), str(target)

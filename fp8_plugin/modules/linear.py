@@ -25,6 +25,7 @@ from .._private.torch_api import in_backward_pass
 from ..numerics.device_kind import device_kind
 from ..numerics.gemm import fp8_gemm
 from .autocast import current_context, note_fp8_forward
+from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
 from ..numerics.quantizers import (
     GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded, recipe_key,
 )  # fmt: skip
@@ -86,6 +87,9 @@ class _Backward:
     # The recipe's use_split_accumulator per GEMM (fprop, dgrad, wgrad): plain bools, read from
     # the recipe outside the autograd function (its traced body takes constants only).
     split: tuple[bool, bool, bool] = (True, True, True)
+    # The weight is kept only in FP8 (modules/frozen_weight.py): dgrad's transposed copy is made
+    # in the backward from the forward's FP8 weight, and freed after.
+    frozen: bool = False
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -141,6 +145,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         # A per-tensor scale_inv serves both copies and is passed once (None for the copy). A
         # backward GEMM in high precision reads the unquantised operand instead of its FP8 copy.
         unquantised = ([] if wgrad else [x2d]) + ([] if dgrad else [weight])
+        if info.frozen:  # the stored FP8 weight itself: dgrad transposes it in the backward
+            wt_data, wt_scale_inv = w_data, w_scale_inv
         ctx.save_for_backward(xt_data, x_scale_inv if xt_scale_inv is None else xt_scale_inv,
                               wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv, xt_gemm, wt_gemm,
                               *unquantised)
@@ -167,8 +173,11 @@ class _FP8LinearFunction(torch.autograd.Function):
             else:
                 qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
         if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            grad_x = fp8_gemm(qg, QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm), ctx.x_dtype, None,
-                              info.split[1])
+            qw_t = QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm)
+            if info.frozen:
+                qw_t = frozen_columnwise(qw_t, info.recipe)
+            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype, None, info.split[1])
+            del qw_t
         elif need_x:
             w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
             grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)
@@ -186,7 +195,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, *([None] * 14)
 
 
-class FP8Linear(nn.Linear):
+class FP8Linear(FrozenWeightMixin, nn.Linear):
     """Drop-in ``nn.Linear`` with FP8 GEMMs inside :func:`fp8_plugin.autocast`.
 
     Outside the autocast, or with ``use_fp8 = False``, it computes exactly as the layer it
@@ -245,6 +254,7 @@ class FP8Linear(nn.Linear):
         self._forward_context: Optional[_ForwardContext] = None
         self.cache_fp8_weights = True
         self._weight_cache: Optional[_WeightCache] = None
+        self._frozen: Optional[FrozenLayout] = None  # set while the weight is kept only in FP8
         # A layer of its own; convert_model puts all the layers of a model in one group.
         ScalingGroup().add(self)
 
@@ -333,7 +343,9 @@ class FP8Linear(nn.Linear):
                 return self._reference_forward(x, context.reference_dtype)
             return self._high_precision_forward(x)
         note_fp8_forward()
-        if not torch.is_autocast_enabled(device_kind(x.device)) and x.dtype != self.weight.dtype:
+        if self._frozen is not None:
+            self._check_still_frozen()
+        if not torch.is_autocast_enabled(device_kind(x.device)) and x.dtype != self.master_dtype:
             # nn.Linear refuses this pairing; an FP8 GEMM would not notice, and the model would
             # then compute in the input's dtype only while FP8 is on.
             raise RuntimeError(
@@ -395,17 +407,21 @@ class FP8Linear(nn.Linear):
                 out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias, split_accumulators(recipe)[0])
             else:
                 dtype = _output_dtype(x2d)
-                out = _high_precision_gemm(x2d, _weight_2d(self.weight, self.weight_transposed), dtype, dtype, self.bias)
+                out = _high_precision_gemm(x2d, _weight_2d(self.dense_weight(), self.weight_transposed), dtype, dtype,
+                                           self.bias)
         else:
             if record_backward and (gemms[1] or gemms[2]):
                 # Marked now, recorded by the backward: host-side state cannot change inside a
                 # compiled backward. Should no backward run, the step's grad_output amax stays 0,
                 # which no scale update takes for a scale.
                 mark_recorded(state, recipe, GRAD_OUTPUT)
+            frozen = self._frozen is not None
             info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms,
-                             split_accumulators(recipe))
+                             split_accumulators(recipe), frozen)
+            # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
+            weight = self.dense_weight() if frozen and not (gemms[0] and gemms[1]) else self.weight
             out = _FP8LinearFunction.apply(
-                x2d, self.weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
+                x2d, weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
                 *_unpack(qx_t, qx), *_unpack(qw_t, qw), qx.gemm_scale, qw.gemm_scale,
                 qx_t and qx_t.gemm_scale, qw_t and qw_t.gemm_scale, state, info,
             )  # fmt: skip
@@ -415,6 +431,8 @@ class FP8Linear(nn.Linear):
         # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while
         # nothing they depend on changes: the micro-batches of gradient accumulation and
         # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
+        if self._frozen is not None:
+            return self._frozen_casts(recipe), None  # dgrad's copy is made by the backward
         fp8_operand = getattr(self.weight, "fp8_operand", None)
         if fp8_operand is not None:  # gathered in FP8 by FSDP2 (fp8_plugin.modules.fsdp_fp8): cast already
             rowwise = fp8_operand(self.weight_transposed)
@@ -458,18 +476,19 @@ class FP8Linear(nn.Linear):
         # the dtype the layer would give, so that the ops after it run as in training.
         out_dtype = _output_dtype(x)
         with torch.autocast(device_kind(x.device), enabled=False):
-            weight = self.weight.to(dtype)
+            weight = self.dense_weight(dtype)
             out = F.linear(x.to(dtype), weight.t() if self.weight_transposed else weight,
                            None if self.bias is None else self.bias.to(dtype))
         return out.to(out_dtype)
 
     def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dense_weight()
         if not self.weight_transposed:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         # transformers' Conv1D.forward, verbatim in effect.
         shape = x.shape[:-1] + (self.out_features,)
         x2d = x.reshape(-1, self.in_features)
-        out = x2d @ self.weight if self.bias is None else torch.addmm(self.bias, x2d, self.weight)
+        out = x2d @ weight if self.bias is None else torch.addmm(self.bias, x2d, weight)
         return out.reshape(shape)
 
     def fp8_stats(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -495,4 +514,6 @@ class FP8Linear(nn.Linear):
     def extra_repr(self) -> str:
         layout = ", weight_transposed=True" if self.weight_transposed else ""
         gemms = "" if all(self.fp8_gemms) else f", fp8_gemms={self.fp8_gemms}"
+        if self._frozen is not None:
+            layout += f", frozen weight in FP8 ({self._frozen.describe()})"
         return f"{super().extra_repr()}{layout}, recipe={type(self.recipe).__name__}, use_fp8={self.use_fp8}{gemms}"

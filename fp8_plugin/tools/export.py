@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -36,6 +36,8 @@ from .._private.transformers_api import saved_tensors, set_save_conversions_with
 from ..modules.backends import BACKENDS
 from ..modules.convert import convert_model
 from ..modules.experts import FP8ExpertsMixin
+from ..modules.frozen_weight import quantize_frozen
+from ..numerics.recipes import Float8CurrentScaling
 from ..numerics.block_scaling import block_amax, blockwise_scale, quantize_blocks
 from ..numerics.scaling import divide
 
@@ -48,7 +50,7 @@ _FP8_DTYPE = torch.float8_e4m3fn
 
 
 def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", *,
-           safe_serialization: bool = True) -> Path:
+           weight_block_size: Optional[tuple[int, int]] = WEIGHT_BLOCK_SIZE, safe_serialization: bool = True) -> Path:
     """Write ``model`` to the folder ``path`` as a Hugging Face checkpoint.
 
     ``model`` is a transformers ``PreTrainedModel``, converted by :func:`fp8_plugin.convert_model`
@@ -84,6 +86,17 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
     which transformers' loader merges back into ``gate_up_proj`` / ``gate_up_proj_scale_inv``
     (``[E, 2 * ceil(I / 128), ceil(H / 128)]``: the gate's and up's grids stacked) or
     dequantizes per expert. They are not listed in ``modules_to_not_convert``.
+
+    With ``weight_block_size=None`` the weights are scaled per tensor instead (transformers'
+    per-tensor FP8 layers): ``<name>.weight_scale_inv`` is a float32 0-dim tensor, the weight's
+    current scale ``448 / amax`` inverted (not a power of two), so every dim is storable; MoE
+    experts then stay in high precision (listed in ``modules_to_not_convert``).
+
+    A layer whose frozen weight is kept only in FP8 (:meth:`FP8Linear.freeze_weight
+    <fp8_plugin.modules.linear.FP8Linear.freeze_weight>`, :func:`fp8_plugin.from_pretrained`) is
+    written as it is held when its layout is the checkpoint's (E4M3 in 128x128 blocks, or one
+    scale with ``weight_block_size=None``): the same bytes and scales; otherwise its dequantized
+    weight is cast as above. In ``"hf"`` it is written dequantized, in the dtype it had.
 
     Every other tensor (embeddings, norms, heads, routers, layers kept in high precision) is
     written as in ``"hf"``. ``config.json`` gains ``"quantization_config": {"quant_method": "fp8",
@@ -134,6 +147,7 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
             are moved one by one, each whole, replacing those of an earlier export (stale weight
             shards are removed) and leaving other files (a tokenizer) alone.
         format: ``"hf"`` (default) or ``"hf-fp8"``.
+        weight_block_size: for ``"hf-fp8"``: ``(128, 128)`` (default) or None (per-tensor scales).
         safe_serialization: True writes safetensors. False (pickled ``.bin`` files) only with a
             transformers version whose ``save_pretrained`` still offers it (before 5.0).
 
@@ -165,6 +179,10 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
             f"export: model is quantized by transformers (quant_method {getattr(method, 'value', method)!r}); valid: a "
             "model in high precision, e.g. loaded with quantization_config=FineGrainedFP8Config(dequantize=True)"
         )
+    if weight_block_size is not None and tuple(weight_block_size) != WEIGHT_BLOCK_SIZE:
+        raise ValueError(f"export: weight_block_size={weight_block_size!r} is not valid; valid: (128, 128) (DeepSeek-V3's "
+                         "and Transformer Engine's weight blocks) or None (one scale per weight)")
+    block = None if weight_block_size is None else WEIGHT_BLOCK_SIZE
     if not isinstance(safe_serialization, bool):
         raise TypeError(f"export: safe_serialization={safe_serialization!r} is not valid; valid: True, False")
     save_kwargs = _save_kwargs(model, safe_serialization)
@@ -176,7 +194,7 @@ def export(model: nn.Module, path: Union[str, os.PathLike], format: str = "hf", 
         vanilla, _ = _vanilla_copy(model)
         state_dict = None
     else:
-        vanilla, state_dict = _fp8_copy(model)
+        vanilla, state_dict = _fp8_copy(model, block)
     _write_folder(path, lambda folder: vanilla.save_pretrained(folder, state_dict=state_dict, **save_kwargs))
     return path
 
@@ -237,7 +255,10 @@ def _vanilla_layer(layer: nn.Module) -> nn.Module:
             vanilla = Conv1D(layer.out_features, layer.in_features)
         else:
             vanilla = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-    vanilla.weight = layer.weight
+    if getattr(layer, "frozen_layout", None) is not None:  # kept only in FP8: written dequantized
+        vanilla.weight = nn.Parameter(layer.dense_weight().detach(), requires_grad=False)
+    else:
+        vanilla.weight = layer.weight
     vanilla.bias = layer.bias
     vanilla.train(layer.training)
     return vanilla
@@ -300,7 +321,7 @@ def _keep_in_fp32(model: nn.Module) -> list[str]:
     return names
 
 
-def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def _fp8_copy(model: nn.Module, block: Optional[tuple[int, int]]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The vanilla copy whose config carries the quantization_config, and the state dict to save."""
     source = model
     if not any(isinstance(m, _fp8_types() + (FP8ExpertsMixin,)) for m in model.modules()):
@@ -308,11 +329,15 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         source = _shared_copy(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no layer to run in FP8": answered below
-            convert_model(source, device="cpu")
+            convert_model(source, device="cpu", frozen_weights="keep")
     vanilla, fp8_names = _vanilla_copy(source)
+    held = dict(source.named_modules(remove_duplicate=False))
 
     modules = dict(vanilla.named_modules(remove_duplicate=False))
     experts = {n for n in fp8_names if isinstance(modules[n], FP8ExpertsMixin)}
+    if block is None:  # per-tensor: transformers' FP8 experts take 128x128 blocks only
+        fp8_names -= experts
+        experts = set()
     if experts:
         # save_pretrained then writes the per-expert scales beside their weights.
         set_save_conversions_with_scales(vanilla)
@@ -327,7 +352,7 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     tied = _tied_parameter_ids(vanilla)
     keep_fp32 = _keep_in_fp32(vanilla)
     storable = {n for n in fp8_names
-                if (not _has_tied(modules[n], tied) if n in experts else _storable(modules[n], tied))}
+                if (not _has_tied(modules[n], tied) if n in experts else _storable(modules[n], tied, block))}
     quantized = {n for n in storable if not (keep_fp32 and _transformers_skips(n, keep_fp32))}
     # A skip-list entry also matches the names it is a prefix (at a module boundary) or a suffix
     # of: keep such layers in high precision too, until the list and the FP8 layers agree.
@@ -351,7 +376,7 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     state_dict = vanilla.state_dict()
     for name in sorted(quantized - experts):
         key = f"{name}.weight"
-        data, scale_inv = _quantize_weight(state_dict[key], key)
+        data, scale_inv = _held_fp8(held.get(name), block) or _quantize_weight(state_dict[key], key, block)
         state_dict[key] = data
         state_dict[f"{name}.weight_scale_inv"] = scale_inv
     for name in sorted(quantized & experts):
@@ -361,7 +386,7 @@ def _fp8_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     vanilla.config.quantization_config = {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
-        "weight_block_size": list(WEIGHT_BLOCK_SIZE),
+        "weight_block_size": None if block is None else list(block),
         "modules_to_not_convert": skipped,
     }
     return vanilla, state_dict
@@ -446,18 +471,31 @@ def _tied_parameter_ids(model: nn.Module) -> set[int]:
     return {p for p, mods in owners.items() if len(mods) > 1}
 
 
-def _storable(module: nn.Module, tied: set[int]) -> bool:
+def _storable(module: nn.Module, tied: set[int], block: Optional[tuple[int, int]]) -> bool:
     if type(module) is not nn.Linear or id(module.weight) in tied:
         return False
-    return all(d <= b or d % b == 0 for d, b in zip((module.out_features, module.in_features), WEIGHT_BLOCK_SIZE))
+    return block is None or all(d <= b or d % b == 0 for d, b in zip((module.out_features, module.in_features), WEIGHT_BLOCK_SIZE))
 
 
-def _quantize_weight(weight: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 data ``[out, in]`` and float32 ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``."""
+def _held_fp8(module: Optional[nn.Module], block: Optional[tuple[int, int]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    # A frozen weight kept only in FP8 in the checkpoint's layout: its own bytes and scales.
+    layout = getattr(module, "frozen_layout", None)
+    if layout is None or layout.block != block or layout.dtype != _FP8_DTYPE:
+        return None
+    return module.weight.detach(), module.weight_scale_inv
+
+
+def _quantize_weight(weight: torch.Tensor, key: str, block: Optional[tuple[int, int]] = WEIGHT_BLOCK_SIZE
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 data ``[out, in]`` and float32 ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``,
+    or 0-dim for ``block`` None (the cast a frozen layer makes under per-tensor scaling)."""
     with torch.no_grad():
-        amax = block_amax(weight, WEIGHT_BLOCK_SIZE)
+        amax = block_amax(weight, block or weight.shape)
         if not torch.isfinite(amax).all():
             raise ValueError(f"export: {key} holds an inf or NaN; valid for format='hf-fp8': finite weights")
+        if block is None:
+            q, _ = quantize_frozen(weight.detach(), Float8CurrentScaling())
+            return q.data, q.scale_inv
         scale = blockwise_scale(amax, _FP8_DTYPE, power_2_scale=True, amax_epsilon=0.0)
         data = quantize_blocks(weight.detach(), scale, WEIGHT_BLOCK_SIZE, _FP8_DTYPE)
         return data, divide(1.0, scale)

@@ -19,6 +19,7 @@ from torch import nn
 from ..modules.autocast import AmaxReducer, autocast, new_step_id
 from ..modules.convert import ConversionReport, convert_model, fp8_state_dict
 from ..modules.experts import FP8ExpertsMixin
+from ..modules.freezing import release_replaced_weights
 from ..modules.linear import FP8Linear
 from ..modules.scaling_group import update_pending_scales
 from ..numerics.device_kind import device_kind
@@ -108,6 +109,14 @@ class FP8Training:
         self.report = convert_model(module, self.recipe, include=self.include, exclude=self.exclude)
         self.module = module
         return True
+
+    def release_replaced_weights(self, optimizer: torch.optim.Optimizer) -> int:
+        """Drop from ``optimizer`` (built before the conversion) the high-precision weights the
+        conversion replaced by frozen FP8-only ones, so that it does not keep them alive; once per
+        optimizer. Returns how many were dropped."""
+        if self.report is None or not self.report.replaced_weights:
+            return 0
+        return release_replaced_weights(optimizer, self.report.replaced_weights)
 
     def exclude_state_from_state_dict(self) -> None:
         """Keep the FP8 state out of the converted module's own ``state_dict()`` from now on.
