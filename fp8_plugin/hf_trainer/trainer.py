@@ -76,6 +76,11 @@ class FP8Trainer(Trainer):
         fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             merged into the Trainer's logs as ``fp8_stats/...``. None: off.
+        peft_config: a PEFT config (``peft.LoraConfig``...): the model is wrapped by
+            ``peft.get_peft_model(model, peft_config)`` before the Trainer sees it, as TRL's
+            ``SFTTrainer`` does; the base layers' frozen weights are then kept only in FP8 when
+            the Trainer prepares the model (:func:`fp8_plugin.convert_model`'s ``frozen_weights``).
+            A PEFT model handed in as ``model`` works the same.
         fp8_print_figures: also print the FP8 figures (``fp8_stats/...``, ``fp8_ref/...``) on
             the console with the Trainer's other logs. Default False: they reach
             ``trainer.state.log_history`` and the ``report_to`` integrations only (a 12-layer
@@ -98,12 +103,14 @@ class FP8Trainer(Trainer):
                  fp8_reference_check: Optional[ReferenceCheck] = None, fp8_nonfinite: Optional[str] = None,
                  fp8_max_consecutive_skips: Optional[int] = None,
                  fp8_statistics: Union[FP8Statistics, int, None] = None, fp8_print_figures: bool = False,
-                 **kwargs: Any) -> None:
+                 peft_config: Any = None, **kwargs: Any) -> None:
         self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude,
                                "fp8_reference_every": fp8_reference_every,
                                "fp8_reference_check": fp8_reference_check, "fp8_nonfinite": fp8_nonfinite,
                                "fp8_max_consecutive_skips": fp8_max_consecutive_skips,
                                "fp8_statistics": fp8_statistics}
+        if peft_config is not None:
+            args, kwargs = _with_peft(args, kwargs, peft_config)
         super().__init__(*args, **kwargs)
         settings = self.accelerator.fp8_settings
         if settings is not None and settings.reference_check is not None:
@@ -203,3 +210,17 @@ def _fp8_accelerator(mixed_precision: Optional[str] = None, **kwargs: Any) -> Ac
     # dtype of the non-FP8 ops; "fp8" leaves it to the config file and the defaults.
     compute_dtype = _COMPUTE_DTYPES.get(str(mixed_precision).lower())
     return Accelerator(mixed_precision="fp8", fp8_compute_dtype=compute_dtype, **kwargs)
+
+
+def _with_peft(args: tuple, kwargs: dict, peft_config: Any) -> tuple[tuple, dict]:
+    # The Trainer's model (its first argument, or model=) wrapped in PEFT's adapters.
+    from peft import get_peft_model
+
+    if "model" in kwargs:
+        kwargs = {**kwargs, "model": get_peft_model(kwargs["model"], peft_config)}
+    elif args:
+        args = (get_peft_model(args[0], peft_config), *args[1:])
+    else:
+        raise ValueError("FP8Trainer: peft_config needs a model to wrap; valid: pass model=...")
+    return args, kwargs
+

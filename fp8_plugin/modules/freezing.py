@@ -20,6 +20,7 @@ from .frozen_weight import layout_problem
 
 __all__ = [
     "check_frozen_layout", "keep_frozen_in_fp8", "save_dequantized", "dequantize_frozen_weights", "release_replaced_weights",
+    "frozen_weights_state", "dequantize_in_state_dict",
 ]
 
 
@@ -149,15 +150,40 @@ def save_dequantized(model: nn.Module) -> None:
 
 
 def _save_pretrained_dequantized(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    frozen = {name: m for name, m in self.named_modules() if getattr(m, "frozen_layout", None) is not None}
+    frozen = any(getattr(m, "frozen_layout", None) is not None for m in self.modules())
     if frozen and kwargs.get("state_dict") is None:
         state = self.state_dict()
-        for name, layer in frozen.items():
-            prefix = f"{name}." if name else ""
-            state[f"{prefix}weight"] = layer.dense_weight().detach()
-            state.pop(f"{prefix}weight_scale_inv", None)
+        dequantize_in_state_dict(self, state)
         kwargs["state_dict"] = state
     return type(self).save_pretrained(self, *args, **kwargs)
 
 
 _save_pretrained_dequantized._fp8_dequantizes = True  # type: ignore[attr-defined]
+
+
+def frozen_weights_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FP8 data and scales of every weight kept only in FP8, under ``model.state_dict()``
+    keys (``<layer>.weight``, ``<layer>.weight_scale_inv``): what an exact resume restores after
+    a checkpoint stored the weights dequantized (:func:`dequantize_in_state_dict`)."""
+    state = {}
+    for name, module in model.named_modules():
+        if getattr(module, "frozen_layout", None) is not None:
+            prefix = f"{name}." if name else ""
+            state[f"{prefix}weight"] = module.weight.detach()
+            state[f"{prefix}weight_scale_inv"] = module.weight_scale_inv
+    return state
+
+
+def dequantize_in_state_dict(model: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> None:
+    """In ``model``'s ``state_dict`` (keys under ``prefix``): each weight kept only in FP8 as its
+    dequantized weight in its master dtype, without ``weight_scale_inv``: a vanilla state dict,
+    which the unconverted model loads. Dequantized one layer at a time, so the high-precision
+    copies stand only in the returned dict."""
+    for name, module in model.named_modules():
+        if getattr(module, "frozen_layout", None) is None:
+            continue
+        key = f"{prefix}{name}.weight" if name else f"{prefix}weight"
+        if key in state_dict:
+            state_dict[key] = module.dense_weight().detach()
+            state_dict.pop(f"{key}_scale_inv", None)
+

@@ -265,3 +265,36 @@ class FrozenWeightMixin:
             self._frozen = dataclasses.replace(self._frozen, master_dtype=probe.dtype)
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A frozen layer reads a vanilla checkpoint (a high-precision weight) by casting it as
+        # freeze_weight does; a trained layer reads a frozen one's FP8 weight and scales
+        # dequantized. Either way no FP8 code is ever read as a number without its scale.
+        key, scale_key = f"{prefix}weight", f"{prefix}weight_scale_inv"
+        incoming = state_dict.get(key)
+        if isinstance(incoming, torch.Tensor) and incoming.dim() == 2:
+            if self._frozen is not None and not _is_fp8(incoming.dtype):
+                q, _ = quantize_frozen(incoming.to(self.weight.device, self._frozen.master_dtype), self.recipe)
+                if q.block == self._frozen.block and q.data.dtype == self._frozen.dtype:
+                    state_dict[key], state_dict[scale_key] = q.data, q.scale_inv
+            elif self._frozen is None and _is_fp8(incoming.dtype) and scale_key in state_dict:
+                scale_inv = state_dict.pop(scale_key)
+                block = _block_of(tuple(incoming.shape), tuple(scale_inv.shape))
+                state_dict[key] = QuantizedTensor(incoming, scale_inv.float(), block).dequantize(self.weight.dtype)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _block_of(shape: tuple[int, int], grid: tuple[int, ...]) -> Optional[tuple[int, int]]:
+    # The block a saved scale grid stands for: None for one scale, else (1 or 128) x (32 or 128).
+    if len(grid) == 0 or grid == (1,):
+        return None
+    rows = 1 if grid[0] == shape[0] else 128
+    cols = 32 if grid[1] == -(-shape[1] // 32) and grid[1] != -(-shape[1] // 128) else 128
+    if len(grid) != 2 or grid != (-(-shape[0] // rows), -(-shape[1] // cols)):
+        raise ValueError(f"weight_scale_inv {grid} fits no FP8 block layout of a {shape} weight")
+    return rows, cols

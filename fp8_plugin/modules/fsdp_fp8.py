@@ -220,6 +220,8 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
     for name, layer in model.named_modules():
         if not isinstance(layer, FP8Linear) or isinstance(layer.weight.data, FP8AllGatherWeight):
             continue
+        if layer.frozen_layout is not None:  # kept only in FP8: FSDP2 gathers its FP8 bytes as they are
+            continue
         if isinstance(layer.recipe, (MXFP8BlockScaling, Float8BlockScaling)):
             raise ValueError(
                 f"enable_fp8_all_gather: layer {name!r} uses {type(layer.recipe).__name__}; valid recipes: "

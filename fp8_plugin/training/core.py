@@ -19,7 +19,7 @@ from torch import nn
 from ..modules.autocast import AmaxReducer, autocast, new_step_id
 from ..modules.convert import ConversionReport, convert_model, fp8_state_dict
 from ..modules.experts import FP8ExpertsMixin
-from ..modules.freezing import release_replaced_weights
+from ..modules.freezing import dequantize_in_state_dict, frozen_weights_state, release_replaced_weights
 from ..modules.linear import FP8Linear
 from ..modules.scaling_group import update_pending_scales
 from ..numerics.device_kind import device_kind
@@ -123,7 +123,8 @@ class FP8Training:
 
         For loops whose checkpoints take the model from ``state_dict()`` and must stay vanilla
         (loadable into the unconverted model, writable as safetensors): they carry the FP8 state
-        separately, from :meth:`state_dict`, which reads it directly.
+        separately, from :meth:`state_dict`, which reads it directly. Weights kept only in FP8
+        appear there dequantized, in their master dtype; :meth:`state_dict` holds their bytes.
         """
         if self.module is not None:
             self.module.register_state_dict_post_hook(_drop_fp8_state)
@@ -268,7 +269,9 @@ class FP8Training:
             return {}
         if self._step is None:
             update_pending_scales(self.module, self.amax_reducer())
-        return fp8_state_dict(self.module)
+        # Frozen weights kept only in FP8 go here too: the module's own state_dict() carries them
+        # dequantized (vanilla), and a resume restores their exact bytes and scales from here.
+        return {**fp8_state_dict(self.module), **frozen_weights_state(self.module)}
 
     def load_state_dict(self, saved: dict[str, Any], owner: str) -> None:
         """Restore what :meth:`state_dict` returned into the converted module.
@@ -283,7 +286,8 @@ class FP8Training:
             raise RuntimeError(f"{owner}.load_state_dict called before convert_module: no module to restore into")
         # Every layer's state is checked before any is loaded: a corrupted one is never half-applied.
         for key, value in saved.items():
-            check_saved_state(value, key)
+            if is_scaling_state_key(key):
+                check_saved_state(value, key)
         result = self.module.load_state_dict(saved, strict=False)
         if result.unexpected_keys:
             raise RuntimeError(
@@ -347,3 +351,4 @@ class FP8Training:
 def _drop_fp8_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     for key in [k for k in state_dict if k.startswith(prefix) and is_scaling_state_key(k)]:
         del state_dict[key]
+    dequantize_in_state_dict(module, state_dict, prefix)

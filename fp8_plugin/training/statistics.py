@@ -160,7 +160,10 @@ class StatisticsCollector:
                 x2d = args[0].detach().reshape(-1, layer.in_features)
                 self._add(name, INPUT, x2d, recipe, layer.fp8_state)
                 w = layer.weight.detach()
-                if not hasattr(w, "fp8_operand"):  # an FP8-gathered weight has no high-precision copy here
+                if getattr(layer, "frozen_layout", None) is not None:  # kept only in FP8: the stored cast itself
+                    q = layer._stored()
+                    self._accumulate((name, WEIGHT), cast_statistics(layer.dense_weight(torch.float32), q, q.data.dtype))
+                elif not hasattr(w, "fp8_operand"):  # an FP8-gathered weight has no high-precision copy here
                     self._add(name, WEIGHT, w.t() if layer.weight_transposed else w, recipe, layer.fp8_state)
             if output.requires_grad:
                 output.register_hook(self._grad_hook(name, layer, recipe))
