@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fp8_plugin import convert_model
+from fp8_plugin import convert_model, export
 from fp8_plugin.tools.cli import app
 from fp8_plugin.tools.data import minilm_path
 from fp8_plugin.numerics.recipes import AutoRecipe
@@ -248,3 +248,18 @@ def test_user_errors(tiny_gpt2, tmp_path, args, expected):
     text = _flat(result.output)
     for part in expected:
         assert part in text, (part, text)
+
+
+def test_inspect_an_fp8_checkpoint_lists_its_frozen_fp8_layers_and_refuses_a_recipe_that_cannot_read_them(tmp_path):
+    from test_frozen_fp8 import llama
+
+    export(llama(), tmp_path / "fp8", "hf-fp8")
+    out = _json(_run("inspect", tmp_path / "fp8", "--json"))
+    frozen = [d for d in out["layers"] if d["frozen_fp8"]]
+    assert len(frozen) == 7 and all(d["frozen_fp8"] == "E4M3, 128x128 blocks" for d in frozen)
+    # q_proj: 256 x 256 E4M3 bytes and a 2 x 2 float32 scale grid.
+    q = next(d for d in frozen if d["name"].endswith("q_proj"))
+    assert q["weight_bytes"] == 256 * 256 + 4 * 4
+    result = _run("inspect", tmp_path / "fp8", "--recipe", "fp8-delayed")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "valid recipes for it: Float8BlockScaling()" in _flat(result.output)

@@ -209,7 +209,7 @@ def test_fp8_checkpoint_loads_byte_exact_trains_lora_merges_and_reloads_in_trans
     save_file({k: v * 3 if k.endswith("_scale_inv") else v for k, v in tensors.items()},
               tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
     model = fp.from_pretrained(AutoModelForCausalLM, tmp_path / "fp8", dtype=torch.float32)
-    recipe = fp.fp8_checkpoint_recipe(json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"])
+    recipe = fp.fp8_checkpoint_recipe(tmp_path / "fp8")
     assert isinstance(recipe, Float8BlockScaling if block else DelayedScaling)
     assert len(model.fp8_report.frozen) == 7
     layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
@@ -286,3 +286,48 @@ def test_set_frozen_weight_refuses_scales_that_do_not_fit():
     data = torch.zeros(384, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"weight_scale_inv \(2, 2\) torch.float32 does not fit .*expected \(3, 2\)"):
         layer.set_frozen_weight(data, torch.ones(2, 2), layout)
+
+
+def test_lora_adapters_over_a_frozen_fp8_base_start_as_over_the_high_precision_base():
+    # PEFT places adapters in the base layer's dtype unless the layer names another
+    # (fp8_plugin._private.peft_api): over E4M3 weights they would start rounded to E4M3.
+    config = LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False)
+    plain = llama()
+    frozen = llama()
+    frozen.requires_grad_(False)
+    fp.convert_model(frozen)
+    torch.manual_seed(1)
+    a = get_peft_model(plain, config).base_model.model.model.layers[0].self_attn.q_proj.lora_A.default.weight
+    torch.manual_seed(1)
+    b = get_peft_model(frozen, copy.deepcopy(config)).base_model.model.model.layers[0].self_attn.q_proj.lora_A.default.weight
+    assert b.dtype == torch.float32 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["128x128", "per-tensor"])
+def test_transformers_own_fp8_layers_are_taken_over_as_they_are(block):
+    # What transformers builds from a fine-grained FP8 checkpoint on a GPU: its inference FP8Linear.
+    from transformers.integrations.finegrained_fp8 import FP8Linear as HFFP8Linear
+
+    model = llama()
+    model.requires_grad_(False)
+    hf = HFFP8Linear(256, 256, block_size=block)
+    with torch.no_grad():
+        hf.weight.copy_((torch.randn(256, 256) * 64).to(torch.float8_e4m3fn))
+        hf.weight_scale_inv.copy_(torch.rand(hf.weight_scale_inv.shape) + 0.5)
+    model.model.layers[0].self_attn.q_proj = hf
+    recipe = Float8BlockScaling() if block else DelayedScaling()
+    report = fp.convert_model(model, recipe)
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, FP8Linear) and q.frozen_layout is not None
+    assert torch.equal(q.weight.view(torch.uint8), hf.weight.view(torch.uint8))
+    assert torch.equal(q.weight_scale_inv, hf.weight_scale_inv.reshape(q.weight_scale_inv.shape))
+    assert any(d.name.endswith("q_proj") and d.frozen for d in report.layers)
+    with count_fp8_gemms() as gemms, fp.autocast(recipe=recipe):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    assert gemms.count == 7
+
+    other = llama()
+    other.model.layers[0].self_attn.q_proj = HFFP8Linear(256, 256, block_size=(128, 128))
+    other.model.layers[0].self_attn.q_proj.weight.data = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"transformers FP8Linear.*valid recipes for it: Float8BlockScaling"):
+        fp.convert_model(other, DelayedScaling())

@@ -43,7 +43,10 @@ from .coverage import GemmCoverage, measure_gemm_coverage
 from .equivalents import equivalent_linear_reason
 from .heads import HEAD_NAMES, head_reason, output_embedding_ids, tied_weight_ids
 from .experts import FP8ExpertGEMM, plan_experts
-from .freezing import check_frozen_layout, keep_frozen_in_fp8, save_dequantized
+from .freezing import (
+    check_frozen_layout, frozen_figures, is_transformers_fp8_linear, keep_frozen_in_fp8, master_dtype_of, save_dequantized,
+    take_over_transformers_fp8,
+)  # fmt: skip
 from .scaling_group import ScalingGroup
 
 # convert_model's frozen_weights choices.
@@ -128,7 +131,7 @@ class ConversionReport:
         header = ("layer", "type", "in", "out", "FP8", "reason")
         rows = [
             (d.name, d.kind, str(d.in_features), str(d.out_features), "yes" if d.swapped else "no",
-             d.reason or (f"frozen weight kept only in FP8 ({d.frozen})" if d.frozen else ""))
+             "; ".join(filter(None, (d.reason, f"frozen weight kept only in FP8 ({d.frozen})" if d.frozen else ""))))
             for d in self.layers
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -439,7 +442,15 @@ def convert_model(
     for name, module in list(model.named_modules()):
         if isinstance(module, chosen.fp8_types):
             check_frozen_layout(name, module, recipe or DelayedScaling(), target)
-            report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True, "already FP8"))
+            report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features, True,
+                                               "already FP8", *frozen_figures(module)))
+            continue
+        if is_transformers_fp8_linear(module):  # loaded in FP8 by transformers (a GPU): taken over as it is
+            if id(module) not in replacements:
+                replacements[id(module)] = take_over_transformers_fp8(name, module, recipe or DelayedScaling(),
+                                                                      master_dtype_of(model))
+            report.layers.append(LayerDecision(name, type(module).__name__, module.in_features, module.out_features,
+                                               True, "", *frozen_figures(replacements[id(module)])))
             continue
         if not _is_candidate(module):
             continue

@@ -15,17 +15,29 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..numerics.quantizers import ScalingState, recipe_key
 from ..numerics.recipes import Recipe
-from .frozen_weight import layout_problem
+from .frozen_weight import FrozenLayout, frozen_layout, layout_problem
 
 __all__ = [
     "check_frozen_layout", "keep_frozen_in_fp8", "save_dequantized", "dequantize_frozen_weights", "release_replaced_weights",
-    "frozen_weights_state", "dequantize_in_state_dict",
+    "frozen_weights_state", "dequantize_in_state_dict", "frozen_figures", "is_transformers_fp8_linear",
+    "take_over_transformers_fp8", "master_dtype_of",
 ]
 
 
 def _weight_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def frozen_figures(module: nn.Module) -> tuple[str, int, int]:
+    """``(layout, bytes in the master dtype, bytes held)`` of a layer's weight kept only in FP8,
+    or ``("", 0, 0)``: the report's frozen columns."""
+    layout = getattr(module, "frozen_layout", None)
+    if layout is None:
+        return "", 0, 0
+    before = module.weight.numel() * torch.empty((), dtype=layout.master_dtype).element_size()
+    return layout.describe(), before, _weight_bytes(module.weight, module.weight_scale_inv)
 
 
 def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) -> dict[int, weakref.ref]:
@@ -48,14 +60,11 @@ def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) 
         weight = module.weight
         if weight.requires_grad or module.weight_transposed or shared[id(weight)] > 1 or weight.device.type == "meta":
             continue
-        before = _weight_bytes(weight)
         replaced[id(weight)] = weakref.ref(weight)
         module.freeze_weight()
         decision = by_name.get(name)
         if decision is not None:
-            decision.frozen = module.frozen_layout.describe()
-            decision.weight_bytes_before = before
-            decision.weight_bytes_after = _weight_bytes(module.weight, module.weight_scale_inv)
+            decision.frozen, decision.weight_bytes_before, decision.weight_bytes_after = frozen_figures(module)
     return replaced
 
 
@@ -187,3 +196,53 @@ def dequantize_in_state_dict(model: nn.Module, state_dict: dict[str, Any], prefi
             state_dict[key] = module.dense_weight().detach()
             state_dict.pop(f"{key}_scale_inv", None)
 
+
+def master_dtype_of(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first high-precision floating parameter (the default dtype if none):
+    what a weight taken over in FP8 computes in."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.element_size() > 1:
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def is_transformers_fp8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' inference FP8 layer (``integrations.finegrained_fp8.FP8Linear``,
+    built by ``from_pretrained`` of a fine-grained FP8 checkpoint on a GPU) holding E4M3 weights."""
+    cls = type(module)
+    return (cls.__name__ == "FP8Linear" and cls.__module__.startswith("transformers.integrations.finegrained_fp8")
+            and getattr(module, "weight", None) is not None and module.weight.dtype == torch.float8_e4m3fn)
+
+
+def take_over_transformers_fp8(name: str, module: nn.Module, recipe: Recipe, master_dtype: torch.dtype) -> nn.Module:
+    """An :class:`~fp8_plugin.modules.linear.FP8Linear` holding the E4M3 weight and scales of
+    transformers' FP8 layer ``module`` as they are (frozen, kept only in FP8), its bias shared.
+
+    Raises:
+        ValueError: static activation scales, or a ``recipe`` that cannot read the layer's
+            weight layout (named, with the recipes that can).
+    """
+    from .linear import FP8Linear
+
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"convert_model: {name!r} (transformers FP8Linear) uses activation_scheme="
+                         f"{module.activation_scheme!r}; valid for training: 'dynamic' (static activation scales are "
+                         "an inference calibration)")
+    block = getattr(module, "block_size", None)
+    held = FrozenLayout("blockwise" if block else "tensorwise", tuple(block) if block else None, torch.float8_e4m3fn,
+                        master_dtype)
+    problem = layout_problem(held, recipe, module.weight.device)
+    if problem:
+        raise ValueError(f"convert_model: layer {name!r} (transformers FP8Linear) holds its weight in FP8 and {problem}; "
+                         f"valid recipes for it: {_RECIPES_FOR_LAYOUT[held.kind]}")
+    with torch.device("meta"):
+        new = FP8Linear(module.in_features, module.out_features, bias=False, recipe=recipe)
+    new.bias = module.bias
+    new.fp8_state = ScalingState(FP8Linear._history_len(recipe), device=module.weight.device)
+    new.fp8_state.recipe = recipe_key(recipe)
+    new.weight = nn.Parameter(torch.empty(0, device=module.weight.device), requires_grad=False)
+    scale_inv = module.weight_scale_inv.detach().to(torch.float32)  # E8M0 scales widen exactly
+    new.set_frozen_weight(module.weight.detach(), scale_inv.reshape(()) if block is None else scale_inv,
+                          frozen_layout(recipe, module.weight.device, master_dtype))
+    new.train(module.training)
+    return new

@@ -31,14 +31,15 @@ scale formula); transformers' ``FineGrainedFP8Config`` (``weight_scale_inv``); O
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .._private.peft_api import ADAPTER_DTYPE_ATTRIBUTE
 from ..numerics.device import recipe_gemm_kind
 from ..numerics.quantizers import WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
@@ -283,6 +284,15 @@ class FrozenWeightMixin:
                 state_dict[key] = QuantizedTensor(incoming, scale_inv.float(), block).dequantize(self.weight.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+def _adapter_dtype(self: FrozenWeightMixin) -> torch.dtype:
+    return self.master_dtype
+
+
+# The dtype PEFT gives new adapters on an FP8 layer: its master dtype, not a frozen weight's FP8
+# dtype (fp8_plugin._private.peft_api).
+setattr(FrozenWeightMixin, ADAPTER_DTYPE_ATTRIBUTE, property(_adapter_dtype, doc="The layer's master_dtype, for PEFT."))
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:

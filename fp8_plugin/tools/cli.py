@@ -225,7 +225,10 @@ def _model_class(config: Any) -> type:
 
 
 def _load_model(path: Path, dtype: Any):
+    import torch
     from transformers import AutoConfig
+
+    from .fp8_checkpoint import from_pretrained
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -233,9 +236,15 @@ def _load_model(path: Path, dtype: Any):
         raise _bad(f"{str(path)!r} has a config.json that transformers cannot read ({err}); valid: a folder "
                    "written by save_pretrained()", "MODEL_PATH") from None
     cls = _model_class(config)
+    qc = getattr(config, "quantization_config", None)
+    fp8 = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) == "fp8"
     try:
         with _quiet_transformers():
-            model = cls.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+            if fp8:  # a fine-grained FP8 checkpoint: its FP8 weights kept as in the file, frozen
+                model = from_pretrained(cls, path, dtype=torch.bfloat16 if dtype == "auto" else dtype,
+                                        local_files_only=True)
+            else:
+                model = cls.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
     except Exception as err:  # noqa: BLE001 - missing or corrupt weight files are the user's input, not a crash
         raise _bad(f"{str(path)!r} could not be loaded with {cls.__name__}.from_pretrained "
                    f"({type(err).__name__}: {err}); valid: a folder written by save_pretrained()", "MODEL_PATH") from None
@@ -248,14 +257,20 @@ def _convert(model: Any, recipe_name: Any, include: Optional[list[str]], exclude
     from ..modules.convert import convert_model
 
     recipe = _make_recipe(recipe_name)
+    key = recipe_name.value if isinstance(recipe_name, Enum) else str(recipe_name)
+    if key.lower() == "auto" and any(getattr(m, "frozen_layout", None) is not None for m in model.modules()):
+        # Weights kept in FP8 as a checkpoint stored them: "auto" is the recipe that reads them.
+        recipe = model.fp8_recipe
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             report = convert_model(model, recipe, include=include or None, exclude=exclude or None,
                                    device=device, skip_small=_skip_small_value(skip_small))
-    except ValueError as err:  # a pattern that matches no layer
-        setting = "'--include'" if "include pattern" in str(err) else "'--exclude'"
-        raise _bad(str(err).removeprefix("convert_model: "), setting) from None
+    except ValueError as err:  # a pattern that matches no layer, or a recipe that cannot read FP8 weights
+        text = str(err)
+        setting = ("'--include'" if "include pattern" in text else "'--exclude'" if "exclude pattern" in text
+                   else "'--recipe'")
+        raise _bad(text.removeprefix("convert_model: "), setting) from None
     return report, _warning_lines(caught)
 
 
@@ -440,7 +455,8 @@ def inspect(
         coverage = report.gemm_coverage(model, inputs=inputs)  # printed with the report
 
     layers = [{"name": d.name, "kind": d.kind, "in_features": d.in_features, "out_features": d.out_features,
-               "swapped": d.swapped, "reason": d.reason,
+               "swapped": d.swapped, "reason": d.reason, "frozen_fp8": d.frozen or None,
+               "weight_bytes": d.weight_bytes_after or None,
                "sqnr_db": sqnr.get(d.name) if d.swapped else None} for d in report.layers]
     finite = {n: v for n, v in sqnr.items() if math.isfinite(v)}
     worst = min(finite, key=finite.get) if finite else None

@@ -26,7 +26,7 @@ from torch import nn
 
 from .._private.transformers_api import saved_tensors
 from ..modules.convert import ConversionReport, convert_model
-from ..modules.freezing import save_dequantized
+from ..modules.freezing import frozen_figures, save_dequantized
 from ..modules.frozen_weight import FrozenLayout, frozen_layout, layout_problem
 from ..numerics.recipes import DelayedScaling, Float8BlockScaling, Recipe, check_recipe
 
@@ -49,16 +49,26 @@ def _quantization_config(folder: Path) -> dict[str, Any]:
     return qc
 
 
-def fp8_checkpoint_recipe(qc: dict[str, Any]) -> Recipe:
+def fp8_checkpoint_recipe(checkpoint: Union[str, os.PathLike, dict[str, Any]]) -> Recipe:
     """The recipe whose GEMMs read a fine-grained FP8 checkpoint's weights as stored.
 
-    ``weight_block_size`` ``[128, 128]``: ``Float8BlockScaling()`` (128x128 weight blocks);
-    null: ``DelayedScaling()`` (one scale per weight).
+    Args:
+        checkpoint: the checkpoint folder (or a model id cached locally), or its
+            ``quantization_config`` as a dict.
+
+    Returns:
+        ``weight_block_size`` ``[128, 128]``: ``Float8BlockScaling()`` (128x128 weight blocks);
+        null: ``DelayedScaling()`` (one scale per weight).
 
     Raises:
-        ValueError: a block size, activation scheme or format this project cannot train, named
-            with the reason.
+        ValueError: not a fine-grained FP8 checkpoint, or a block size, activation scheme or
+            format this project cannot train, named with the reason.
+        FileNotFoundError: a folder without config.json.
     """
+    qc = checkpoint if isinstance(checkpoint, dict) else _quantization_config(_local_folder(checkpoint))
+    if qc.get("quant_method") != "fp8":
+        raise ValueError(f"fp8_checkpoint_recipe: quant_method={qc.get('quant_method')!r} is not a fine-grained FP8 "
+                         "checkpoint; valid: 'fp8'")
     block = qc.get("weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
@@ -141,7 +151,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], *, recipe: 
 
     Returns:
         The model; ``model.fp8_report`` is the :class:`~fp8_plugin.modules.convert.ConversionReport`
-        of the layers loaded in FP8.
+        of the layers loaded in FP8, ``model.fp8_recipe`` the recipe they were loaded for.
 
     Raises:
         ValueError: the checkpoint is not fine-grained FP8, or has a block size, activation
@@ -198,12 +208,9 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], *, recipe: 
                                 frozen_layout(recipe, device, layer.weight.dtype))
     for decision in report.layers:
         if decision.name in stored:
-            layer = fp8[decision.name]
-            decision.frozen = layer.frozen_layout.describe()
-            decision.weight_bytes_after = layer.weight.numel() + layer.weight_scale_inv.numel() * 4
-            decision.weight_bytes_before = layer.weight.numel() * torch.tensor([], dtype=dtype).element_size()
+            decision.frozen, decision.weight_bytes_before, decision.weight_bytes_after = frozen_figures(fp8[decision.name])
     save_dequantized(model)
-    model.fp8_report = report
+    model.fp8_report, model.fp8_recipe = report, recipe
     return model
 
 
