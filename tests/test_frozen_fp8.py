@@ -331,3 +331,54 @@ def test_transformers_own_fp8_layers_are_taken_over_as_they_are(block):
     other.model.layers[0].self_attn.q_proj.weight.data = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"transformers FP8Linear.*valid recipes for it: Float8BlockScaling"):
         fp.convert_model(other, DelayedScaling())
+
+
+def test_a_recipe_reaching_a_frozen_layer_at_run_time_casts_its_dequantized_weight_with_one_warning():
+    _, frozen = frozen_pair(DelayedScaling(), bias=False)
+    control = FP8Linear(256, 384, bias=False, recipe=Float8BlockScaling())
+    with torch.no_grad():
+        control.weight.copy_(frozen.dense_weight())  # the weight the frozen layer holds, in high precision
+    x = torch.randn(32, 256)
+    with pytest.warns(UserWarning, match="dequantized and cast again at every forward"):
+        with fp.autocast(recipe=Float8BlockScaling()):
+            got = frozen(x)
+    with fp.autocast(recipe=Float8BlockScaling()):
+        want = control(x)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once, not at every forward
+            again = frozen(x)
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
+def test_reference_checks_and_statistics_cover_frozen_fp8_layers():
+    # The reference replay reads each frozen weight dequantized (the model's own weights in high
+    # precision); the FP8 replay reads the stored bytes. The adapters' gradients are compared.
+    from fp8_plugin.training.statistics import StatisticsCollector
+
+    model = get_peft_model(llama(), LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    fp.convert_model(model)
+    ids = torch.randint(0, 300, (2, 16))
+    result = fp.reference_check(model, ids, lambda m, b: m(input_ids=b, labels=b).loss, compute_dtype=torch.float32)
+    frozen = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.frozen_layout is not None]
+    assert len(frozen) == 7 and set(result.layer_sqnr_db) == set(frozen)
+    # HYBRID FP8 against float32: tens of dB per layer (E4M3's 2^-4 relative rounding is ~30 dB),
+    # gradients of the trained adapters pointing the same way.
+    assert all(v > 15 for v in result.layer_sqnr_db.values()), result.layer_sqnr_db
+    assert result.grad_cosine > 0.99 and not result.failures, result
+    # Per-GEMM figures: fprop everywhere, dgrad where the input needs a gradient (not q, k, v,
+    # whose input is the frozen embeddings normed), never wgrad (the weights do not train).
+    first = ("q_proj.base_layer", "k_proj", "v_proj.base_layer")
+    for name, figures in result.gemm_sqnr_db.items():
+        assert set(figures) == ({"fprop"} if name.endswith(first) else {"fprop", "dgrad"}), (name, figures)
+
+    collector = StatisticsCollector(fp.FP8Statistics(every=1))
+    collector.start_step(model, 1)
+    with fp.autocast():
+        model(input_ids=ids, labels=ids).loss.backward()
+    collector.end_step()
+    metrics = collector.pop_metrics()
+    # The weight's figures are those of the stored cast: its values are E4M3 values, exact.
+    prefix = "fp8_stats/base_model.model.model.layers.0.self_attn.q_proj.base_layer/weight/"
+    assert metrics[prefix + "amax"] > 0 and metrics[prefix + "sqnr_db"] == float("inf"), sorted(metrics)[:8]

@@ -41,6 +41,8 @@ from torch import nn
 
 from .._private.peft_api import ADAPTER_DTYPE_ATTRIBUTE
 from ..numerics.device import recipe_gemm_kind
+from ..numerics.device_kind import fp8_family
+from ..numerics.formats import fp8_dtype
 from ..numerics.quantizers import WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
@@ -102,14 +104,17 @@ def quantize_frozen(weight: torch.Tensor, recipe: Recipe) -> tuple[QuantizedTens
 
 def frozen_layout(recipe: Recipe, device: torch.device, master_dtype: torch.dtype) -> FrozenLayout:
     """The layout :func:`quantize_frozen` gives under ``recipe`` on ``device`` (no cast)."""
-    probe = _weight_quantizer(recipe, device)
     if isinstance(recipe, MXFP8BlockScaling):
         block = (1, 32)
     elif isinstance(recipe, Float8BlockScaling):
         block = (128, 128) if recipe.w_block_scaling_dim == 2 else (1, 128)
     else:
         block = None
-    return FrozenLayout(recipe_gemm_kind(recipe), block, probe.dtype, master_dtype)
+    # The weight's forward format in the device's family (E4M3FNUZ on an MI300; the block
+    # recipes, refused there, in the OCP formats), as the quantizers choose it.
+    family = fp8_family(device) if block is None else "ocp"
+    return FrozenLayout(recipe_gemm_kind(recipe), block, fp8_dtype(recipe.fp8_format, backward=False, family=family),
+                        master_dtype)
 
 
 def layout_problem(layout: FrozenLayout, recipe: Recipe, device: torch.device) -> str:
@@ -142,6 +147,7 @@ class FrozenWeightMixin:
     """
 
     _frozen: Optional[FrozenLayout]
+    _layout_checked: Optional[tuple] = None  # (recipe, layout_problem's answer) for the last recipe seen
 
     @property
     def frozen_layout(self) -> Optional[FrozenLayout]:
@@ -202,7 +208,7 @@ class FrozenWeightMixin:
         self._weight_cache = None
         self.weight = nn.Parameter(data, requires_grad=False)
         self.register_buffer("weight_scale_inv", scale_inv)
-        self._frozen = layout
+        self._frozen, self._layout_checked = layout, None
 
     def dequantize_weight(self, dtype: Optional[torch.dtype] = None) -> None:
         """Turn a weight kept only in FP8 back into a trainable high-precision (master) weight:
@@ -230,7 +236,10 @@ class FrozenWeightMixin:
         # The stored FP8 weight where the recipe reads weights as they are stored; otherwise (an
         # escalation to another recipe, an autocast recipe unlike the layer's) the dequantized
         # weight cast as a trained one would be, every forward, with one warning.
-        problem = layout_problem(self._frozen, recipe, self.weight.device)
+        checked = self._layout_checked  # (recipe, problem) of the last check: one per recipe, not per forward
+        if checked is None or checked[0] is not recipe:
+            self._layout_checked = checked = (recipe, layout_problem(self._frozen, recipe, self.weight.device))
+        problem = checked[1]
         if not problem:
             return self._stored()
         if not getattr(self, "_warned_layout", False):
@@ -263,7 +272,7 @@ class FrozenWeightMixin:
             self.weight = nn.Parameter(data.data.to(probe.device), requires_grad=False)
             self.weight_scale_inv = scale_inv.to(probe.device)
         if probe.dtype.is_floating_point and probe.dtype != self._frozen.master_dtype:
-            self._frozen = dataclasses.replace(self._frozen, master_dtype=probe.dtype)
+            self._frozen, self._layout_checked = dataclasses.replace(self._frozen, master_dtype=probe.dtype), None
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -399,7 +399,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # The transposed FP8 copies serve only the backward GEMMs that run in FP8.
         quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
         qx, qx_t = quantizer.quantize_pair(x2d, columnwise=need_wgrad and gemms[2])
-        qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad and gemms[1])
+        # A frozen weight's transposed copy is made by the backward (and freed after), not kept from here.
+        qw, qw_t = self._weight_casts(recipe, record_forward,
+                                      columnwise=need_dgrad and gemms[1] and self._frozen is None)
         if record_forward:
             mark_recorded(state, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
@@ -431,8 +433,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while
         # nothing they depend on changes: the micro-batches of gradient accumulation and
         # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
-        if self._frozen is not None:
-            return self._frozen_casts(recipe), None  # dgrad's copy is made by the backward
+        if self._frozen is not None:  # kept only in FP8: the stored bytes, transposed on request
+            rowwise = self._frozen_casts(recipe)
+            return rowwise, (frozen_columnwise(rowwise, recipe) if columnwise else None)
         fp8_operand = getattr(self.weight, "fp8_operand", None)
         if fp8_operand is not None:  # gathered in FP8 by FSDP2 (fp8_plugin.modules.fsdp_fp8): cast already
             rowwise = fp8_operand(self.weight_transposed)
