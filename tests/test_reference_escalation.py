@@ -39,8 +39,8 @@ def _assert_every_kept_move_was_justified(result, config):
 # A massive activation: one LayerNorm weight channel 3e4 times the others
 
 
-def _massive_activation_bert():
-    """A tiny BERT classifier (4 layers of width 384) whose layer-2 attention LayerNorm has one
+def _massive_activation_bert(layer: int = 2):
+    """A tiny BERT classifier (4 layers of width 384) whose layer-``layer`` attention LayerNorm has one
     weight channel scaled by 3e4: the hidden state's channel 5 is then 3e4 times the others,
     as in the massive activations of trained transformers. Dropout off: the replays are exact."""
     from transformers import BertConfig, BertForSequenceClassification
@@ -51,7 +51,7 @@ def _massive_activation_bert():
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertForSequenceClassification(config).train()
     with torch.no_grad():
-        model.bert.encoder.layer[2].attention.output.LayerNorm.weight[5] *= 3e4
+        model.bert.encoder.layer[layer].attention.output.LayerNorm.weight[5] *= 3e4
     fp.convert_model(model, fp.DelayedScaling(), exclude=["classifier"])
     gen = torch.Generator().manual_seed(1)
     batch = {"input_ids": torch.randint(0, 200, (8, 16), generator=gen),
@@ -286,3 +286,92 @@ def test_raise_policy_error_lists_every_replay_with_its_figures_and_moves_nothin
     assert f"escalation {tried[-1]['escalation']!r}" in str(raised.value)
     assert set(_moved_switches(model).values()) == {(True, (True, True, True))}
     assert math.isfinite(raised.value.result.grad_cosine)
+
+
+class _BertModule:
+    """A LightningModule around the massive-activation BERT (built lazily: Lightning imported here)."""
+
+    @staticmethod
+    def make(model):
+        import lightning as L
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def training_step(self, batch, batch_idx):
+                return self.model(**batch).loss
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.0)  # the checks, not the training, are tested
+
+        return Module()
+
+
+def test_on_a_cpu_with_slow_bf16_a_check_keeps_a_verified_move_and_a_later_one_passes(monkeypatch):
+    # Where BF16 matmuls are slow, the reference runs the FP8 layers' GEMMs in float32. Training's
+    # high-precision GEMMs (what a move makes of a layer) must run in that dtype too, or no move's
+    # replay can reach the reference and every one fails, FP8 off included.
+    import lightning as L
+
+    from fp8_plugin.training.reference import replay as replay_module
+
+    monkeypatch.setattr(replay_module, "_cpu_bf16_is_fast", lambda: False)  # as on an AVX2-only CPU
+    model, batch = _massive_activation_bert(layer=1)  # the case where every move's replay failed
+    config = ReferenceCheck(every=2, policy="fallback")
+    trainer = L.Trainer(plugins=[fp.FP8Precision(fp.DelayedScaling(), reference_check=config)], max_steps=6,
+                        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_BertModule.make(model), torch.utils.data.DataLoader([batch] * 6, batch_size=None))
+    first, second, third = trainer.precision_plugin.fp8.reference.results
+    assert not first.passed
+    kept = [t for t in first.fallback_tried if t["kept"]]
+    assert len(kept) == 1 and kept[0]["passed"] and first.verdict == "", first.describe()
+    assert first.fallback_layers + first.fallback_gemms  # something moved, verified
+    assert second.passed and third.passed and second.fallback_tried == third.fallback_tried == []
+
+
+def test_when_even_fp8_off_cannot_pass_the_verdict_is_not_fp8_and_later_checks_do_not_repeat_the_replays(monkeypatch):
+    # A hand-made history: every replay, FP8 off included, fails with the same figures (as when the
+    # reference computes in another dtype than training's high-precision GEMMs). The first check
+    # tries the candidates and the escalation, then says "not FP8" and moves nothing; the next,
+    # failing the same way, replays nothing; a check whose figures changed tries again.
+    from fp8_plugin.training.reference import checker as checker_module
+    from fp8_plugin.training.reference import ReferenceResult
+
+    model = Net()
+    fp.convert_model(model, fp.DelayedScaling(), exclude=["head"])
+    calls = []
+
+    def fake_compare(model, run_replay, *, step, **kwargs):
+        calls.append(step)
+        cosine = 0.2 if step < 4 else 0.5
+        return ReferenceResult(step=step, loss_fp8=1.0, loss_reference=1.0, loss_rel_diff=0.0, grad_cosine=cosine,
+                               grad_rel_error=0.5, layer_sqnr_db={"up": 30.0, "down": 30.0},
+                               gemm_sqnr_db={"up": {"fprop": 30.0}, "down": {"fprop": 30.0}})
+
+    monkeypatch.setattr(checker_module, "compare", fake_compare)
+    config = ReferenceCheck(every=1, policy="fallback")
+    checker = ReferenceChecker(config)
+    results = []
+    for step in range(5):
+        checker.capture(lambda: None, torch.device("cpu"))
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checker.run(model, torch.float32, None)
+        results.append((len(calls), checker.results[-1]))
+        checker.end_step()
+    first = results[0][1]
+    assert first.verdict.startswith("not FP8: with every FP8 layer in high precision the replay still differs")
+    assert first.fallback_tried[-1]["escalation"] == "fp8_off" and not first.fallback_tried[-1]["passed"]
+    assert first.fallback_layers == first.fallback_gemms == []
+    assert all(m.use_fp8 and all(m.fp8_gemms) for m in model.modules() if isinstance(m, fp.FP8Linear))
+    assert results[0][0] == 1 + len(first.fallback_tried)  # the check and each replay it tried
+    for n, result in results[1:4]:  # the same failure: the check alone, no replay
+        assert n == 1 and result.fallback_tried == [] and result.verdict.startswith("not FP8, as at step 1")
+    n, changed = results[4]  # other figures (cosine 0.5): the replays run again
+    assert n > 1 and changed.fallback_tried

@@ -37,8 +37,11 @@ class _FP8Context:
     step: Optional[int] = None
     # Inside a training step (step is not None): what compiled code reads, never the id itself.
     training: bool = False
-    # Inside a high-precision replay: the dtype FP8 layers compute their GEMMs in (None: as nn.Linear).
-    reference_dtype: Optional[torch.dtype] = None
+    # The dtype an FP8 layer's GEMMs run in where they run in high precision (a reference replay;
+    # in training, a layer or GEMM moved to high precision), outside torch autocast; None: as
+    # nn.Linear computes (the torch autocast dtype). Training and the reference checks' replays
+    # set the same one, so that a move's replay computes what training will.
+    high_precision_dtype: Optional[torch.dtype] = None
 
 
 class _Local(threading.local):
@@ -116,6 +119,7 @@ def autocast(
     *,
     reduce_amax: Optional[AmaxReducer] = None,
     step: Optional[int] = None,
+    high_precision_dtype: Optional[torch.dtype] = None,
 ) -> Iterator[None]:
     """Run FP8 layers in FP8 inside this context (like ``transformer_engine.pytorch.autocast``).
 
@@ -130,6 +134,12 @@ def autocast(
             contexts belong to one optimizer step, as the micro-batches of gradient
             accumulation do: they then share one scale update and one amax reduction, and
             their amaxes combine (max). None: each outermost entry with grad is a step of its own.
+        high_precision_dtype: the dtype FP8 layers run the GEMMs they run in high precision in
+            (``use_fp8 = False``, ``fp8_gemms``, the recipe's ``override_linear_precision``),
+            outside torch autocast, their outputs in the autocast dtype; None (default, or the
+            enclosing context's): as ``nn.Linear`` (the torch autocast dtype). The training loops
+            set float32 on CPUs whose BF16 matmuls are slow, as the reference checks compute
+            there (:func:`fp8_plugin.training.reference.reference_gemm_dtype`).
 
     Raises:
         TypeError: ``recipe`` is not a :class:`~fp8_plugin.numerics.recipes.Recipe`, or ``enabled`` not a bool.
@@ -170,6 +180,7 @@ def autocast(
         reduce_amax=reduce_amax if reduce_amax is not None else outer.reduce_amax,
         step=step,
         training=step is not None,
+        high_precision_dtype=(high_precision_dtype or outer.high_precision_dtype) if enabled else None,
     )
     try:
         yield
@@ -189,14 +200,16 @@ def replay(fp8: bool, recipe: Optional[Recipe] = None, *, reference_dtype: Optio
     Replaying a micro-batch before the optimizer step therefore repeats its FP8 numerics exactly
     and leaves the step's pending amaxes alone.
 
-    ``reference_dtype`` (with ``fp8=False``): the FP8 layers compute their GEMMs in this dtype,
-    outside torch autocast, and return their output in the autocast dtype, so that every other
-    op runs as in training (float32 where BF16 matmuls are slow: CPUs without AVX512-BF16 or AMX).
+    ``reference_dtype``: the dtype the FP8 layers compute their high-precision GEMMs in, outside
+    torch autocast, returning their output in the autocast dtype, so that every other op runs as
+    in training (float32 where BF16 matmuls are slow: CPUs without AVX512-BF16 or AMX): every GEMM
+    with ``fp8=False`` (the reference), the GEMMs moved to high precision with ``fp8=True`` (as
+    training runs them, :func:`autocast`'s ``high_precision_dtype``).
     """
     check_recipe(recipe, "replay")
     outer = _local.context
     _local.context = _FP8Context(enabled=fp8, recipe=resolve_recipe(recipe) if fp8 else None,
-                                 reference_dtype=None if fp8 else reference_dtype)
+                                 high_precision_dtype=reference_dtype)
     try:
         yield
     finally:

@@ -44,6 +44,7 @@ class _ForwardContext:
     training: bool
     group_step: Optional[int]
     gemms: tuple[bool, bool, bool] = (True, True, True)  # which GEMMs ran in FP8 (fprop, dgrad, wgrad)
+    high_precision: Optional[torch.dtype] = None  # the autocast's high_precision_dtype
 
 
 class _WeightCache:
@@ -90,6 +91,9 @@ class _Backward:
     # The weight is kept only in FP8 (modules/frozen_weight.py): dgrad's transposed copy is made
     # in the backward from the forward's FP8 weight, and freed after.
     frozen: bool = False
+    # The dtype the GEMMs run in high precision use (the autocast's high_precision_dtype), None:
+    # the output dtype, as nn.Linear under torch autocast.
+    high_precision: Optional[torch.dtype] = None
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -136,12 +140,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         # copy's rows, or BxB), so one block tuple per operand serves both.
         fprop, dgrad, wgrad = info.gemms
         dtype = _output_dtype(x2d)
+        hp_dtype = info.high_precision or dtype
         if fprop:
             qx = QuantizedTensor(x_data, x_scale_inv, info.x_block, x_gemm)
             qw = QuantizedTensor(w_data, w_scale_inv, info.w_block, w_gemm)
             out = fp8_gemm(qx, qw, dtype, bias, info.split[0])
         else:
-            out = _high_precision_gemm(x2d, _weight_2d(weight, info.weight_transposed), dtype, dtype, bias)
+            out = _high_precision_gemm(x2d, _weight_2d(weight, info.weight_transposed), hp_dtype, dtype, bias)
         # A per-tensor scale_inv serves both copies and is passed once (None for the copy). A
         # backward GEMM in high precision reads the unquantised operand instead of its FP8 copy.
         unquantised = ([] if wgrad else [x2d]) + ([] if dgrad else [weight])
@@ -150,7 +155,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(xt_data, x_scale_inv if xt_scale_inv is None else xt_scale_inv,
                               wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv, xt_gemm, wt_gemm,
                               *unquantised)
-        ctx.state, ctx.info, ctx.x_dtype, ctx.gemm_dtype = state, info, x2d.dtype, dtype
+        ctx.state, ctx.info, ctx.x_dtype, ctx.gemm_dtype = state, info, x2d.dtype, hp_dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
@@ -338,9 +343,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         if not any(gemms):  # no GEMM in FP8: the layer runs as the one it replaced
             recipe = None
         if recipe is None:
-            self._forward_context = _ForwardContext(None, training, None)
-            if context.reference_dtype is not None:
-                return self._reference_forward(x, context.reference_dtype)
+            self._forward_context = _ForwardContext(None, training, None, high_precision=context.high_precision_dtype)
+            if context.high_precision_dtype is not None:
+                return self._reference_forward(x, context.high_precision_dtype)
             return self._high_precision_forward(x)
         note_fp8_forward()
         if self._frozen is not None:
@@ -362,14 +367,17 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             # (fp8_plugin.update_pending_scales; the integrations do it themselves).
             group.step = context.step
             group.update(context.reduce_amax, context.recipe)
-        self._forward_context = _ForwardContext(recipe, training, group.step, gemms)
-        return self._fp8_forward(x, recipe, record_forward=training, record_backward=training, gemms=gemms)
+        self._forward_context = _ForwardContext(recipe, training, group.step, gemms, context.high_precision_dtype)
+        return self._fp8_forward(x, recipe, record_forward=training, record_backward=training, gemms=gemms,
+                                 high_precision=context.high_precision_dtype)
 
     def _recompute(self, x: torch.Tensor, original: _ForwardContext) -> torch.Tensor:
         # torch.utils.checkpoint reruns the forward in the backward, outside the autocast: run it
         # as the original ran, with the same scales, and record no amax twice (the original
         # forward recorded input and weight; grad_output is recorded by whichever backward runs).
         if original.recipe is None:
+            if original.high_precision is not None:
+                return self._reference_forward(x, original.high_precision)
             return self._high_precision_forward(x)
         if self.scaling_group.step != original.group_step:
             raise RuntimeError(
@@ -377,11 +385,13 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 "by a later training step; run each step's backward before the next step's forward"
             )
         return self._fp8_forward(x, original.recipe, record_forward=False, record_backward=original.training,
-                                 gemms=original.gemms)
+                                 gemms=original.gemms, high_precision=original.high_precision)
 
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool,
-                     gemms: Optional[tuple[bool, bool, bool]] = None) -> torch.Tensor:
-        # ``gemms``: which GEMMs run in FP8 (None: as gemms_in_fp8 says for ``recipe``).
+                     gemms: Optional[tuple[bool, bool, bool]] = None,
+                     high_precision: Optional[torch.dtype] = None) -> torch.Tensor:
+        # ``gemms``: which GEMMs run in FP8 (None: as gemms_in_fp8 says for ``recipe``);
+        # ``high_precision``: the dtype of those that do not (None: the output dtype).
         gemms = self.gemms_in_fp8(recipe) if gemms is None else gemms
         state = self.fp8_state
         if isinstance(recipe, DelayedScaling):
@@ -409,8 +419,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias, split_accumulators(recipe)[0])
             else:
                 dtype = _output_dtype(x2d)
-                out = _high_precision_gemm(x2d, _weight_2d(self.dense_weight(), self.weight_transposed), dtype, dtype,
-                                           self.bias)
+                out = _high_precision_gemm(x2d, _weight_2d(self.dense_weight(), self.weight_transposed),
+                                           high_precision or dtype, dtype, self.bias)
         else:
             if record_backward and (gemms[1] or gemms[2]):
                 # Marked now, recorded by the backward: host-side state cannot change inside a
@@ -419,7 +429,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 mark_recorded(state, recipe, GRAD_OUTPUT)
             frozen = self._frozen is not None
             info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms,
-                             split_accumulators(recipe), frozen)
+                             split_accumulators(recipe), frozen, high_precision)
             # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
             weight = self.dense_weight() if frozen and not (gemms[0] and gemms[1]) else self.weight
             out = _FP8LinearFunction.apply(

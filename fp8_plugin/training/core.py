@@ -27,7 +27,7 @@ from ..numerics.quantizers import check_saved_state, is_scaling_state_key
 from ..numerics.recipes import AutoRecipe, Recipe, check_recipe
 from .distributed import amax_reducer
 from .faults import FaultMonitor, FaultPolicy
-from .reference import ReferenceCheck, ReferenceChecker
+from .reference import ReferenceCheck, ReferenceChecker, reference_gemm_dtype
 from .statistics import FP8Statistics, StatisticsCollector
 
 __all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
@@ -101,6 +101,7 @@ class FP8Training:
         self.faults = FaultMonitor(fault_policy if fault_policy is not None else FaultPolicy())
         self.statistics = StatisticsCollector(statistics) if statistics is not None else None
         self.optimizer_steps = 0  # optimizer steps attempted, skipped ones included
+        self._high_precision: Optional[tuple[Optional[torch.dtype]]] = None  # (dtype,) once decided
 
     def convert(self, module: nn.Module) -> bool:
         """Swap ``module``'s linear layers for FP8 ones, once. Returns False if already done."""
@@ -150,6 +151,8 @@ class FP8Training:
             return self._contexts(device_type, None)
         if torch.is_grad_enabled() and self._step is None:
             self._step = new_step_id()
+        if self._high_precision is None:  # decided once, eagerly (a timed matmul on a CPU)
+            self._high_precision = (reference_gemm_dtype(self.compute_dtype, device_type or self._device_type()),)
         if torch.is_grad_enabled() and self.statistics is not None and self.module is not None:
             self.statistics.start_step(self.module, self.optimizer_steps + 1)
         return self._contexts(device_type, self._step)
@@ -162,7 +165,11 @@ class FP8Training:
             torch_autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
         else:
             torch_autocast = torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype)
-        with torch_autocast, autocast(enabled=True, reduce_amax=self.amax_reducer(), step=step):
+        # The GEMMs FP8 layers run in high precision (a reference check's fallback, override_linear_
+        # precision) in the dtype the reference checks compute in: what a check verifies is what runs.
+        high_precision = self._high_precision[0] if self._high_precision is not None else None
+        with torch_autocast, autocast(enabled=True, reduce_amax=self.amax_reducer(), step=step,
+                                      high_precision_dtype=high_precision):
             yield
 
     def _device(self) -> torch.device:

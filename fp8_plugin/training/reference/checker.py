@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Callable, Optional
 
@@ -16,7 +17,11 @@ from ..reference_report import summary_text, with_written, write_reports
 from .config import ReferenceCheck
 from .policy import apply_policy
 from .replay import _RNGState, capture_rng_state, compare, reference_gemm_dtype
-from .result import ReferenceResult
+from .result import FP8ReferenceCheckError, ReferenceResult, judge
+
+# How close (relative) a failed check's figures must be to the last "not FP8" check's for its
+# replays not to be repeated.
+_SAME_FIGURES = 0.25
 
 
 class ReferenceChecker:
@@ -43,6 +48,9 @@ class ReferenceChecker:
         self._capture: Optional[tuple[Callable[[], torch.Tensor], _RNGState]] = None
         self._new_result: Optional[ReferenceResult] = None
         self._last_step_end: Optional[float] = None
+        # The last check whose verdict was "not FP8": later checks failing the same way skip the
+        # replays that could not pass then.
+        self._not_fp8: Optional[ReferenceResult] = None
 
     def due(self) -> bool:
         """Whether the step in progress is one a check runs on."""
@@ -78,10 +86,31 @@ class ReferenceChecker:
         self._new_result = result
         start = time.perf_counter()
         try:
-            apply_policy(model, result, self.config, verify=check)
+            if self._as_before(result):
+                result.verdict = (f"not FP8, as at step {self._not_fp8.step + 1} (the same failures, figures within "
+                                  f"{_SAME_FIGURES:.0%}): its replays not repeated; nothing moved")
+                if self.config.policy == "raise":
+                    raise FP8ReferenceCheckError(result)
+            else:
+                apply_policy(model, result, self.config, verify=check)
+                if result.verdict:
+                    self._not_fp8 = result
         finally:  # the verification replays of a failed check count as the check's time
             result.seconds += time.perf_counter() - start
             self.check_seconds += result.seconds
+
+    def _as_before(self, result: ReferenceResult) -> bool:
+        # A failure like the last "not FP8" one: the same kinds of failure, and the check's figures
+        # within _SAME_FIGURES of its (relative; the cosine's distance from 1).
+        before = self._not_fp8
+        if before is None or self.config.policy not in ("fallback", "raise"):
+            return False
+        judge(result, self.config)
+        if not result.failures or _kinds(result) != _kinds(before):
+            return False
+        pairs = ((1 - result.grad_cosine, 1 - before.grad_cosine), (result.loss_rel_diff, before.loss_rel_diff),
+                 (result.grad_rel_error, before.grad_rel_error))
+        return all(abs(a - b) <= _SAME_FIGURES * max(abs(a), abs(b)) for a, b in pairs)
 
     def end_step(self) -> None:
         """The optimizer step ended (or was skipped by the loss scaler)."""
@@ -122,3 +151,9 @@ class ReferenceChecker:
         self.results = [ReferenceResult.from_dict(r) for r in state["results"]]
         self.check_seconds = float(state["check_seconds"])
         self.train_seconds = float(state["train_seconds"])
+
+
+def _kinds(result: ReferenceResult) -> list[str]:
+    # The thresholds a check's failures name (max_loss_rel_diff, min_grad_cosine, ...), in order.
+    return [re.search(r"(?:max|min)_\w+", f).group(0) for f in result.failures]
+

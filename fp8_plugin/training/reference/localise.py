@@ -199,7 +199,16 @@ def _verified_fallback(model: nn.Module, result: ReferenceResult, config: Refere
             result.fallback_tried[-1]["kept"] = True
             result.fallback_escalation = name
             return moves
+        if keep is None:  # FP8 off failed too: no move can pass, the difference is not FP8's
+            result.verdict = _not_fp8_verdict(result.fallback_tried[-1])
     return []
+
+
+def _not_fp8_verdict(entry: dict) -> str:
+    return ("not FP8: with every FP8 layer in high precision the replay still differs from the reference "
+            f"(grad cosine {entry.get('grad_cosine', math.nan):.4f}, loss rel diff "
+            f"{entry.get('loss_rel_diff', math.nan):.2%}): the compute dtype differs from the reference by that much; "
+            "nothing moved")
 
 
 def _escalation_warning(result: ReferenceResult, config: ReferenceCheck) -> None:
@@ -211,7 +220,9 @@ def _escalation_warning(result: ReferenceResult, config: ReferenceCheck) -> None
     why = (f"no candidate move restored the figures ({candidates} tried, max_fallback_replays="
            f"{config.max_fallback_replays})")
     kept = [t for t in steps if t["kept"]]
-    if kept:
+    if result.verdict:
+        text = f"{result.verdict}; {why}, nor did any of the {len(steps)} escalation steps"
+    elif kept:
         text = f"ESCALATED to {_step_description(kept[0]['escalation'])}: {why}; {move_text(kept[0])}"
     elif any(t["passed"] for t in steps):  # policy "raise": a diagnosis, nothing kept
         text = f"escalation (a diagnosis, nothing kept): {why}; " + "; ".join(move_text(t) for t in steps)

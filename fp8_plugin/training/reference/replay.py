@@ -91,8 +91,10 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
         step: recorded in the result.
         recipe: the recipe the FP8 replay runs (None: each layer's own, as in training).
         reference_dtype: the dtype the reference runs the FP8 layers' GEMMs in, outside torch
-            autocast (None: ``compute_dtype``, as ``nn.Linear`` would under autocast); the
-            other ops run in ``compute_dtype`` either way.
+            autocast (None: ``compute_dtype``, as ``nn.Linear`` would under autocast), and the FP8
+            replay the GEMMs it runs in high precision (a move being verified: as training runs
+            them, :func:`fp8_plugin.autocast`'s ``high_precision_dtype``); the other ops run in
+            ``compute_dtype`` either way.
         group: process group whose ranks' figures are summed; None means the world when
             torch.distributed is initialised (every rank of it must call this together).
 
@@ -114,8 +116,9 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     devices = [rng_state.device] if rng_state.device is not None else []
     try:
         with torch.random.fork_rng(devices=devices, device_type=device_kind(devices[0]) if devices else "cuda"):
+            # The FP8 replay's high-precision GEMMs (a move being verified) in reference_dtype, as training runs them.
             replayed = _replay(run_replay, params, rng_state, True, compute_dtype, device_type, recipe,
-                               fp8_layers=_ran_fp8(layers))
+                               reference_dtype, fp8_layers=_ran_fp8(layers))
             if replayed is None:
                 return None
             loss_fp8, grads_fp8 = replayed

@@ -50,6 +50,10 @@ class ReferenceResult:
             before}}``.
         fallback_escalation: the escalation step kept (a name in :data:`ESCALATION_STEPS`), or
             ``""``.
+        verdict: ``""``, or why no move can pass: ``"not FP8: ..."`` when even every FP8 layer in
+            high precision (the escalation's last step) does not restore the figures, so the drift
+            is the compute dtype's against the reference, not FP8's; later checks whose failures are
+            the same do not repeat the replays (the verdict says so).
         seconds: wall time the check took.
     """
 
@@ -67,6 +71,7 @@ class ReferenceResult:
     fallback_gemms: list[str] = field(default_factory=list)
     fallback_tried: list[dict[str, Any]] = field(default_factory=list)
     fallback_escalation: str = ""
+    verdict: str = ""
     seconds: float = 0.0
 
     @property
@@ -105,6 +110,8 @@ class ReferenceResult:
             text += f"; escalated: {self.fallback_escalation} ({len(moved)} moves to high precision)"
         elif moved:
             text += "; moved to high precision: " + ", ".join(moved)
+        if self.verdict:
+            text += f"; {self.verdict}"
         passed = [t for t in self.fallback_tried if t["passed"]]
         if self.fallback_tried and not moved:
             if passed:  # a diagnosis (policy "raise"): nothing kept
