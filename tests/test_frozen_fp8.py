@@ -382,3 +382,16 @@ def test_reference_checks_and_statistics_cover_frozen_fp8_layers():
     # The weight's figures are those of the stored cast: its values are E4M3 values, exact.
     prefix = "fp8_stats/base_model.model.model.layers.0.self_attn.q_proj.base_layer/weight/"
     assert metrics[prefix + "amax"] > 0 and metrics[prefix + "sqnr_db"] == float("inf"), sorted(metrics)[:8]
+
+
+def test_a_model_with_frozen_fp8_weights_survives_torch_save_and_deepcopy(tmp_path):
+    model = llama()
+    model.requires_grad_(False)
+    fp.convert_model(model)
+    torch.save(model, tmp_path / "whole.pt")
+    for other in (torch.load(tmp_path / "whole.pt", weights_only=False), copy.deepcopy(model)):
+        q, q0 = other.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.q_proj
+        assert torch.equal(q.weight.view(torch.uint8), q0.weight.view(torch.uint8))
+        other.save_pretrained(tmp_path / "copy")  # still writes the frozen weights dequantized, its own
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+        assert torch.equal(reloaded.model.layers[0].self_attn.q_proj.weight, q.dense_weight())

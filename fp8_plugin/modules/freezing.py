@@ -7,7 +7,6 @@ train, and :func:`dequantize_frozen_weights` turns them all back into trainable 
 
 from __future__ import annotations
 
-import types
 import weakref
 from collections import Counter
 from typing import Any, Optional
@@ -155,7 +154,7 @@ def save_dequantized(model: nn.Module) -> None:
         save = getattr(module, "save_pretrained", None)
         if save is None or not hasattr(module, "_keys_to_ignore_on_save") or getattr(save, "_fp8_dequantizes", False):
             continue
-        module.save_pretrained = types.MethodType(_save_pretrained_dequantized, module)
+        module.save_pretrained = _DequantizingSave(module)
 
 
 def _save_pretrained_dequantized(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -167,7 +166,16 @@ def _save_pretrained_dequantized(self: nn.Module, *args: Any, **kwargs: Any) -> 
     return type(self).save_pretrained(self, *args, **kwargs)
 
 
-_save_pretrained_dequantized._fp8_dequantizes = True  # type: ignore[attr-defined]
+class _DequantizingSave:
+    # The instance's save_pretrained: a plain object holding its module (not a bound method of a
+    # function the module lacks), so that torch.save of the whole model and deepcopy keep it.
+    _fp8_dequantizes = True
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _save_pretrained_dequantized(self.module, *args, **kwargs)
 
 
 def frozen_weights_state(model: nn.Module) -> dict[str, torch.Tensor]:
