@@ -395,3 +395,30 @@ def test_a_model_with_frozen_fp8_weights_survives_torch_save_and_deepcopy(tmp_pa
         other.save_pretrained(tmp_path / "copy")  # still writes the frozen weights dequantized, its own
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
         assert torch.equal(reloaded.model.layers[0].self_attn.q_proj.weight, q.dense_weight())
+
+
+def test_state_dicts_load_across_frozen_and_trained_layers_without_reading_fp8_codes_as_numbers():
+    a, frozen = frozen_pair(DelayedScaling())
+    # A vanilla (high-precision) state into a frozen layer: cast as freezing casts it.
+    fresh = copy.deepcopy(frozen)
+    with torch.no_grad():
+        fresh.weight.zero_()
+    fresh.load_state_dict(a.state_dict())
+    assert torch.equal(fresh.weight.view(torch.uint8), frozen.weight.view(torch.uint8))
+    assert torch.equal(fresh.weight_scale_inv, frozen.weight_scale_inv)
+    # A frozen layer's FP8 state into a trained layer: dequantized, data * scale_inv.
+    trained = FP8Linear(256, 384, recipe=DelayedScaling())
+    trained.load_state_dict(frozen.state_dict())
+    expected = frozen.weight.to(torch.float32) * frozen.weight_scale_inv
+    assert torch.equal(trained.weight.detach(), expected) and trained.weight.dtype == torch.float32
+
+
+def test_an_fp8_checkpoints_experts_load_dequantized_and_say_so(tmp_path):
+    from test_export import tiny_moe
+
+    fp.export(tiny_moe("Mixtral"), tmp_path / "moe", "hf-fp8")
+    with pytest.warns(UserWarning, match=r"FP8 tensors of the checkpoint are not nn.Linear weights and load dequantized"):
+        model = fp.from_pretrained(AutoModelForCausalLM, tmp_path / "moe", dtype=torch.float32)
+    assert model.fp8_report.frozen  # the attention projections: frozen FP8
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32

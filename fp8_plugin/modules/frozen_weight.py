@@ -285,8 +285,12 @@ class FrozenWeightMixin:
         if isinstance(incoming, torch.Tensor) and incoming.dim() == 2:
             if self._frozen is not None and not _is_fp8(incoming.dtype):
                 q, _ = quantize_frozen(incoming.to(self.weight.device, self._frozen.master_dtype), self.recipe)
-                if q.block == self._frozen.block and q.data.dtype == self._frozen.dtype:
-                    state_dict[key], state_dict[scale_key] = q.data, q.scale_inv
+                if q.block != self._frozen.block or q.data.dtype != self._frozen.dtype:
+                    error_msgs.append(f"{key}: a high-precision weight for a frozen FP8 layer stored as "
+                                      f"{self._frozen.describe()}, which its recipe {type(self.recipe).__name__} "
+                                      "does not cast to; load it into the unconverted model, then convert")
+                    return
+                state_dict[key], state_dict[scale_key] = q.data, q.scale_inv
             elif self._frozen is None and _is_fp8(incoming.dtype) and scale_key in state_dict:
                 scale_inv = state_dict.pop(scale_key)
                 block = _block_of(tuple(incoming.shape), tuple(scale_inv.shape))

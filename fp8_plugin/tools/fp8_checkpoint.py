@@ -189,6 +189,12 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], *, recipe: 
     stored = {n: k for n, k in keys.items() if k in files and f"{k}_scale_inv" in files}
     for name in stored:
         linears[name].weight.requires_grad_(False)
+    unused = sorted(k[:-len("_scale_inv")] for k in files if k.endswith("_scale_inv")
+                    and k[:-len("_scale_inv")] not in set(stored.values()))
+    if unused:  # MoE experts (3-D weights), layers of other types: loaded dequantized by transformers
+        warnings.warn(f"from_pretrained: {len(unused)} FP8 tensors of the checkpoint are not nn.Linear weights and load "
+                      f"dequantized, trainable in high precision (the training loop's conversion decides their GEMMs): "
+                      f"{', '.join(unused[:3])}{' ...' if len(unused) > 3 else ''}", stacklevel=2)
     report = convert_model(model, recipe, include=sorted(stored) or None, frozen_weights="keep",
                            skip_small=False) if stored else ConversionReport()
     fp8 = dict(model.named_modules())
