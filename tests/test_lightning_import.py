@@ -1,5 +1,5 @@
 """fp8_plugin/lightning/import_hook.py: ``import fp8_plugin`` does not import Lightning, and the
-``"fp8-*"`` strings still reach Lightning's Trainer in either import order (fresh interpreters)."""
+``"fp8-*"`` strings still reach Lightning's Trainer in either import order (fresh interpreters: one shared by the checks that need only "fp8_plugin, then Lightning")."""
 
 import inspect
 import os
@@ -19,46 +19,68 @@ def _run(code: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def test_import_fp8_plugin_imports_no_lightning_module():
-    out = _run("""
-        import sys, fp8_plugin
-        print(sorted(m for m in sys.modules if m == "lightning" or m.startswith(("lightning.", "pytorch_lightning"))))
-    """)
-    assert out == "[]"
+# One fresh interpreter serves the checks that need only "fp8_plugin first, then Lightning":
+# each step below is one test's scenario, in an order that keeps them apart (nothing of
+# Lightning is imported before the steps that must see it absent). Each test asserts its entry.
+_FP8_PLUGIN_FIRST = f"""
+    import json, sys, fp8_plugin
+    from fp8_plugin.lightning import import_hook as lightning_hook
+    out = {{}}
+    out["lightning_modules"] = sorted(m for m in sys.modules if m == "lightning"
+                                      or m.startswith(("lightning.", "pytorch_lightning")))
+    lightning_hook.install()
+    count = lambda: sum(isinstance(f, lightning_hook._ConnectorFinder) for f in sys.meta_path)
+    out["finders_before"] = count()
+    before = "lightning" in sys.modules
+    plugin = fp8_plugin.FP8Precision()
+    out["lazy"] = [before, "lightning" in sys.modules, type(plugin).__name__, "FP8Precision" in dir(fp8_plugin)]
+    import lightning as L
+    trainer = {TRAINER}
+    out["trainer"] = [type(trainer.precision_plugin).__name__, trainer.precision]
+    try:
+        L.Trainer(precision="fp8-foo", accelerator="cpu", logger=False)
+    except ValueError as err:
+        out["unknown"] = str(err)
+    fabric = L.Fabric(precision="fp8-current", accelerator="cpu", devices=1)
+    out["fabric"] = [type(fabric._precision).__name__, type(fabric._precision.fp8.recipe).__name__]
+    import json, xml.dom.minidom
+    out["finders_after"] = count()
+    print(json.dumps(out))
+"""
 
 
-@pytest.mark.parametrize("order", ["fp8_plugin first", "lightning first"])
-def test_precision_strings_work_in_either_import_order(order):
-    first, second = ("import fp8_plugin", "import lightning as L") if order == "fp8_plugin first" else (
-        "import lightning as L", "import fp8_plugin")
+@pytest.fixture(scope="module")
+def fp8_plugin_first():
+    import json
+
+    return json.loads(_run(_FP8_PLUGIN_FIRST))
+
+
+def test_import_fp8_plugin_imports_no_lightning_module(fp8_plugin_first):
+    assert fp8_plugin_first["lightning_modules"] == []
+
+
+def test_precision_strings_work_with_fp8_plugin_imported_first(fp8_plugin_first):
+    assert fp8_plugin_first["trainer"] == ["FP8Precision", "fp8-hybrid"]
+
+
+def test_precision_strings_work_with_lightning_imported_first():
     out = _run(f"""
-        {first}
-        {second}
+        import lightning as L
+        import fp8_plugin
         trainer = {TRAINER}
         print(type(trainer.precision_plugin).__name__, trainer.precision)
     """)
     assert out == "FP8Precision fp8-hybrid"
 
 
-def test_lightning_names_are_importable_lazily_from_the_package():
-    out = _run("""
-        import sys, fp8_plugin
-        before = "lightning" in sys.modules
-        plugin = fp8_plugin.FP8Precision()
-        print(before, "lightning" in sys.modules, type(plugin).__name__, "FP8Precision" in dir(fp8_plugin))
-    """)
-    assert out == "False True FP8Precision True"
+def test_lightning_names_are_importable_lazily_from_the_package(fp8_plugin_first):
+    assert fp8_plugin_first["lazy"] == [False, True, "FP8Precision", True]
 
 
-def test_unknown_fp8_string_lists_the_valid_ones():
-    out = _run("""
-        import fp8_plugin, lightning as L
-        try:
-            L.Trainer(precision="fp8-foo", accelerator="cpu", logger=False)
-        except ValueError as err:
-            print(err)
-    """)
-    assert out.startswith("precision='fp8-foo' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3")
+def test_unknown_fp8_string_lists_the_valid_ones(fp8_plugin_first):
+    assert fp8_plugin_first["unknown"].startswith(
+        "precision='fp8-foo' is not a valid FP8 precision; valid: fp8-hybrid, fp8-e4m3")
 
 
 def test_the_wrapped_private_lightning_method_is_as_expected():
@@ -73,14 +95,8 @@ def test_the_wrapped_private_lightning_method_is_as_expected():
     assert tuple(params) == WRAPPED_PARAMETERS  # what register() checks at run time
 
 
-def test_fabric_precision_strings_work_after_import_fp8_plugin():
-    out = _run("""
-        import fp8_plugin
-        import lightning as L
-        fabric = L.Fabric(precision="fp8-current", accelerator="cpu", devices=1)
-        print(type(fabric._precision).__name__, type(fabric._precision.fp8.recipe).__name__)
-    """)
-    assert out == "FP8Precision Float8CurrentScaling"
+def test_fabric_precision_strings_work_after_import_fp8_plugin(fp8_plugin_first):
+    assert fp8_plugin_first["fabric"] == ["FP8Precision", "Float8CurrentScaling"]
 
 
 def test_the_wrapped_private_fabric_method_is_as_expected():
@@ -107,17 +123,10 @@ def test_a_changed_private_method_warns_and_import_lightning_still_works():
     assert out == "FP8Precision True"
 
 
-def test_the_hook_is_installed_once_and_removed_after_it_fired():
-    out = _run("""
-        import sys, fp8_plugin
-        from fp8_plugin.lightning import import_hook as lightning_hook
-        lightning_hook.install()
-        count = lambda: sum(isinstance(f, lightning_hook._ConnectorFinder) for f in sys.meta_path)
-        before = count()
-        import lightning, json, xml.dom.minidom
-        print(before, count())
-    """)
-    assert out == "2 0"
+def test_the_hook_is_installed_once_and_removed_after_it_fired(fp8_plugin_first):
+    # install() is idempotent: after import fp8_plugin (which installed them) one finder per
+    # connector (the Trainer's and Fabric's), both gone once those modules were imported.
+    assert (fp8_plugin_first["finders_before"], fp8_plugin_first["finders_after"]) == (2, 0)
 
 
 def test_a_failed_connector_import_leaves_the_hook_for_the_retry():
