@@ -155,3 +155,51 @@ def test_lightning_lora_over_frozen_fp8_base_resumes_exactly(tmp_path):
             else:
                 assert torch.equal(a, b), key
     assert len(frozen_bytes(resumed.model)) == 7
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_accelerate_lora_over_frozen_fp8_base_resumes_exactly_from_save_state(tmp_path):
+    # save_state writes the model's vanilla state_dict (frozen weights dequantized) and the FP8
+    # state with the frozen bytes and scales; load_state into a model whose frozen weights were
+    # cast from other values (another seed) restores them exactly, and the run ends as the
+    # uninterrupted one, bit for bit.
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import set_seed
+
+    from fp8_plugin.accelerate import Accelerator
+
+    def fresh(seed):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(mixed_precision="fp8", cpu=True)
+        torch.manual_seed(seed)
+        base = llama()
+        if seed:  # other base weights: only load_state can make them the run's again
+            with torch.no_grad():
+                for p in base.parameters():
+                    p.mul_(1.5)
+        set_seed(0)
+        model = get_peft_model(base, LORA)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return (accelerator, *accelerator.prepare(model, optimizer))
+
+    def run(accelerator, model, optimizer, steps):
+        for i in steps:
+            loss = model(input_ids=IDS[2 * i:2 * i + 2], labels=IDS[2 * i:2 * i + 2]).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    acc, model, opt = fresh(0)
+    run(acc, model, opt, range(4))
+    want = (model.state_dict(), frozen_bytes(model), scales(model))
+    acc, model, opt = fresh(0)
+    run(acc, model, opt, range(2))
+    acc.save_state(str(tmp_path / "ckpt"))
+    acc, model, opt = fresh(1)
+    acc.load_state(str(tmp_path / "ckpt"))
+    run(acc, model, opt, range(2, 4))
+    got = (model.state_dict(), frozen_bytes(model), scales(model))
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
