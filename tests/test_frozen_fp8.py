@@ -422,3 +422,58 @@ def test_an_fp8_checkpoints_experts_load_dequantized_and_say_so(tmp_path):
     assert model.fp8_report.frozen  # the attention projections: frozen FP8
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float32
+
+
+def test_frozen_moe_experts_keep_their_weights_only_in_fp8_and_compute_as_the_trained_path(tmp_path):
+    from fp8_plugin.modules.experts import expert_gemm_counts
+    from test_export import tiny_moe
+
+    control = tiny_moe("Mixtral")
+    control.requires_grad_(False)
+    control.get_input_embeddings().weight.requires_grad_(True)  # so that gradients flow through the experts
+    frozen = copy.deepcopy(control)
+    fp.convert_model(control, frozen_weights="keep")
+    report = fp.convert_model(frozen)
+    experts = frozen.model.layers[0].mlp.experts
+    assert set(experts.frozen_projections()) == {"gate_up_proj", "down_proj"}
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.shape == (4,)
+    assert {d.name for d in report.frozen} >= {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    # One scale per expert, the expert's own: (448 / amax) in float32, as the experts' cast.
+    w = control.model.layers[0].mlp.experts.gate_up_proj.double()
+    scale = (E4M3_MAX / w.abs().amax(dim=(1, 2))).float()
+    assert torch.equal(experts.gate_up_proj_scale_inv, 1 / scale)
+    ids = torch.randint(0, 100, (2, 16))
+    for _ in range(2):  # the stored cast is the trained path's cast: bit for bit, a delayed update between
+        before = expert_gemm_counts()
+        with fp.autocast():
+            losses = [m(input_ids=ids, labels=ids).loss for m in (control, frozen)]
+        for loss in losses:
+            loss.backward()
+        after = expert_gemm_counts()
+        assert torch.equal(*losses)
+        grads = [m.get_input_embeddings().weight.grad for m in (control, frozen)]
+        assert torch.equal(*grads)
+        for m in (control, frozen):
+            m.get_input_embeddings().weight.grad = None
+        # 2 models x 2 layers x 2 projections: a grouped fprop and dgrad each, no wgrad (no weight
+        # trains; the frozen ones have no high-precision weight to train).
+        assert {k: after[k] - before[k] for k in after} == {"fprop": 8, "dgrad": 8, "wgrad": 0}
+    # High precision (outside the autocast): the module's own forward on the dequantized stacks.
+    with torch.no_grad():  # the control given the values the frozen model holds (experts and attention)
+        controls = dict(control.named_modules())
+        for name, held in frozen.named_modules():
+            for proj in held.frozen_projections() if hasattr(held, "frozen_projections") else ():
+                getattr(controls[name], proj).copy_(held.dense_projection(proj))
+            if getattr(held, "frozen_layout", None) is not None:
+                controls[name].weight.copy_(held.dense_weight())
+        assert torch.equal(control(input_ids=ids).logits, frozen(input_ids=ids).logits)
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn  # the FP8 data again after that forward
+    frozen.save_pretrained(tmp_path / "vanilla")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "vanilla")
+    assert torch.equal(reloaded.model.layers[0].mlp.experts.gate_up_proj, experts.dense_projection("gate_up_proj"))
+    data = experts.gate_up_proj.clone()
+    frozen.to(torch.bfloat16)
+    assert torch.equal(experts.gate_up_proj.view(torch.uint8), data.view(torch.uint8))
+    assert fp.dequantize_frozen_weights(frozen)[-2:] == ["model.layers.1.mlp.experts.gate_up_proj",
+                                                         "model.layers.1.mlp.experts.down_proj"]
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.requires_grad

@@ -481,7 +481,8 @@ def convert_model(
 
     experts.apply()
     if frozen_weights == "fp8":
-        report.replaced_weights = keep_frozen_in_fp8(model, report.layers, {id(m) for m in replacements.values()})
+        report.replaced_weights = keep_frozen_in_fp8(model, report.layers,
+                                                     {id(m) for m in (*replacements.values(), *experts.todo)})
         if report.frozen:
             save_dequantized(model)
     _join_one_scaling_group(model, (*chosen.fp8_types, FP8ExpertGEMM))

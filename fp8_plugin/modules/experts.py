@@ -66,6 +66,7 @@ from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, S
 from ..numerics.recipes import DelayedScaling, Float8CurrentScaling, Recipe
 from .autocast import current_context, note_fp8_forward
 from .expert_casts import cast_expert_weights, cast_rows  # noqa: F401  (cast_expert_weights: public here too)
+from .frozen_experts import FrozenExpertsMixin
 from .scaling_group import ScalingGroup
 
 __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "ExpertsPlan", "plan_experts",
@@ -227,7 +228,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
                        record_forward: bool = True, record_backward: bool = True,
                        out_dtype: Optional[torch.dtype] = None, observers: tuple = (),
                        weight_cast: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                       tables: Optional[dict] = None) -> torch.Tensor:
+                       tables: Optional[dict] = None, observe_weight: bool = True) -> torch.Tensor:
     """``y[rows of e] = x_e @ W_e.T`` with FP8 grouped GEMMs (fprop; dgrad and wgrad in backward).
 
     Args:
@@ -257,6 +258,8 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
         tables: a dict the caller keeps between calls (its module's): the fused casts' cache of
             the experts' state addresses (:func:`fp8_plugin.numerics.kernels.ops.cast_groups`);
             None builds them at each call.
+        observe_weight: False leaves the weight out of ``observers`` (a frozen FP8 weight, which
+            has no high-precision rows).
 
     Returns:
         ``[S, N]`` in ``out_dtype``. The gradients: ``x`` in its dtype, ``weight`` in its dtype
@@ -271,7 +274,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: tor
     if weight_cast is None:
         weight_cast = cast_expert_weights(weight, states, recipe, record_forward, transposed, tables)
     qw, sw_inv = weight_cast
-    if info.observers and record_forward:
+    if info.observers and record_forward and observe_weight:
         w = weight.detach().transpose(1, 2) if transposed else weight.detach()
         experts, n = w.shape[0], w.shape[1]
         rows_of = torch.arange(experts, device=w.device).repeat_interleave(n)  # each weight row's expert
@@ -299,7 +302,7 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
 _warned_expert_parallel = False
 
 
-class FP8ExpertsMixin:
+class FP8ExpertsMixin(FrozenExpertsMixin):
     """What a converted experts module adds to its own class (``FP8<ExpertsClass>``).
 
     Attributes:
@@ -402,7 +405,8 @@ class FP8ExpertsMixin:
         if torch.is_grad_enabled() and in_backward_pass() and saved is not None:
             # An activation-checkpoint recomputation: as the original forward ran, recording nothing twice.
             if saved.recipe is None:
-                return original(hidden_states, top_k_index, top_k_weights)
+                with self.dequantized():
+                    return original(hidden_states, top_k_index, top_k_weights)
             if self.scaling_group.step != saved.group_step:
                 raise RuntimeError(
                     "FP8 experts: an activation-checkpoint recomputation ran after the FP8 scales were updated by "
@@ -416,7 +420,8 @@ class FP8ExpertsMixin:
             recipe = None
         if recipe is None:
             self._forward_context = _ForwardContext(None, context.training, None)
-            return original(hidden_states, top_k_index, top_k_weights)
+            with self.dequantized():  # frozen FP8 projections, dequantized for the module's own forward
+                return original(hidden_states, top_k_index, top_k_weights)
         check_experts_recipe(recipe, "FP8 experts")
         note_fp8_forward()
         group = self.scaling_group
@@ -469,10 +474,12 @@ class FP8ExpertsMixin:
                 state.follow(x.device)
             state.use_recipe(recipe)
         observers = tuple(functools.partial(fn, proj) for fn in self._fp8_observers.values())
-        weight_cast = self._weight_cast(proj, weight, states, recipe, record_forward)
+        frozen = self.frozen_cast(proj)  # kept only in FP8: the stored cast, no weight amax to record
+        weight_cast = frozen or self._weight_cast(proj, weight, states, recipe, record_forward)
         out = fp8_grouped_linear(x, weight, expert_ids_g, offsets, states, recipe, transposed=bool(self.is_transposed),
                                  record_forward=record_forward, record_backward=record_backward, out_dtype=out_dtype,
-                                 observers=observers, weight_cast=weight_cast, tables=self._fp8_tables)
+                                 observers=observers, weight_cast=weight_cast, tables=self._fp8_tables,
+                                 observe_weight=frozen is None)
         if self.has_bias:
             bias = getattr(self, f"{proj}_bias")
             out = out + bias[expert_ids_g].to(out.dtype)

@@ -7,9 +7,10 @@ train, and :func:`dequantize_frozen_weights` turns them all back into trainable 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -39,6 +40,24 @@ def frozen_figures(module: nn.Module) -> tuple[str, int, int]:
     return layout.describe(), before, _weight_bytes(module.weight, module.weight_scale_inv)
 
 
+def _frozen_parts(module: nn.Module) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    # (attribute, its dequantization) of each weight a module keeps only in FP8: an FP8 layer's
+    # "weight", an FP8 experts module's frozen projections.
+    if getattr(module, "frozen_layout", None) is not None:
+        return [("weight", module.dense_weight)]
+    projections = getattr(module, "frozen_projections", None)
+    if projections is None:
+        return []
+    return [(proj, functools.partial(module.dense_projection, proj)) for proj in projections()]
+
+
+def _expert_figures(module: nn.Module, proj: str) -> tuple[str, int, int]:
+    layout = module.frozen_projections()[proj]
+    data, scale_inv = getattr(module, proj), getattr(module, f"{proj}_scale_inv")
+    before = data.numel() * torch.empty((), dtype=layout.master_dtype).element_size()
+    return layout.describe(), before, _weight_bytes(data, scale_inv)
+
+
 def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) -> dict[int, weakref.ref]:
     """``convert_model(frozen_weights="fp8")``: the FP8 layers ``new_layers`` (ids) whose weights do not
     require grad keep them only in FP8; their ``decisions`` (``LayerDecision``) record it.
@@ -54,6 +73,16 @@ def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) 
     by_name = {d.name: d for d in decisions}
     shared = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for name, module in model.named_modules():
+        if id(module) in new_layers and hasattr(module, "freeze_weights"):  # FP8 experts: each frozen projection
+            held = {proj: getattr(module, proj) for proj in module.fp8_scaling}
+            held = {p: w for p, w in held.items() if shared[id(w)] == 1 and w.device.type != "meta"}
+            for proj in module.freeze_weights() if len(held) == len(module.fp8_scaling) else []:
+                replaced[id(held[proj])] = weakref.ref(held[proj])
+                decision = by_name.get(f"{name}.{proj}")
+                if decision is not None:
+                    decision.frozen, decision.weight_bytes_before, decision.weight_bytes_after = \
+                        _expert_figures(module, proj)
+            continue
         if id(module) not in new_layers or getattr(module, "frozen_layout", True) is not None:
             continue
         weight = module.weight
@@ -85,6 +114,8 @@ def dequantize_frozen_weights(model: nn.Module, dtype: Optional[torch.dtype] = N
         if getattr(module, "frozen_layout", None) is not None:
             module.dequantize_weight(dtype)
             names.append(name)
+        elif getattr(module, "frozen_projections", None) is not None and module.frozen_projections():
+            names += [f"{name}.{proj}" for proj in module.dequantize_weights(dtype)]
     return names
 
 
@@ -158,7 +189,7 @@ def save_dequantized(model: nn.Module) -> None:
 
 
 def _save_pretrained_dequantized(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    frozen = any(getattr(m, "frozen_layout", None) is not None for m in self.modules())
+    frozen = any(_frozen_parts(m) for m in self.modules())
     if frozen and kwargs.get("state_dict") is None:
         state = self.state_dict()
         dequantize_in_state_dict(self, state)
@@ -184,10 +215,10 @@ def frozen_weights_state(model: nn.Module) -> dict[str, torch.Tensor]:
     a checkpoint stored the weights dequantized (:func:`dequantize_in_state_dict`)."""
     state = {}
     for name, module in model.named_modules():
-        if getattr(module, "frozen_layout", None) is not None:
-            prefix = f"{name}." if name else ""
-            state[f"{prefix}weight"] = module.weight.detach()
-            state[f"{prefix}weight_scale_inv"] = module.weight_scale_inv
+        prefix = f"{name}." if name else ""
+        for attr, _ in _frozen_parts(module):
+            state[f"{prefix}{attr}"] = getattr(module, attr).detach()
+            state[f"{prefix}{attr}_scale_inv"] = getattr(module, f"{attr}_scale_inv")
     return state
 
 
@@ -197,12 +228,11 @@ def dequantize_in_state_dict(model: nn.Module, state_dict: dict[str, Any], prefi
     which the unconverted model loads. Dequantized one layer at a time, so the high-precision
     copies stand only in the returned dict."""
     for name, module in model.named_modules():
-        if getattr(module, "frozen_layout", None) is None:
-            continue
-        key = f"{prefix}{name}.weight" if name else f"{prefix}weight"
-        if key in state_dict:
-            state_dict[key] = module.dense_weight().detach()
-            state_dict.pop(f"{key}_scale_inv", None)
+        for attr, dense in _frozen_parts(module):
+            key = f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}"
+            if key in state_dict:
+                state_dict[key] = dense().detach()
+                state_dict.pop(f"{key}_scale_inv", None)
 
 
 def master_dtype_of(model: nn.Module) -> torch.dtype:
