@@ -1,8 +1,18 @@
-"""Frozen weights kept only in FP8, model-wide: at conversion, and back to master weights.
+"""Frozen weights kept only in FP8, model-wide.
 
-:mod:`fp8_plugin.modules.frozen_weight` holds one layer's frozen weight; this module walks a
-model: ``convert_model(frozen_weights="fp8")`` freezes the layers it swaps whose weights do not
-train, and :func:`dequantize_frozen_weights` turns them all back into trainable weights.
+:mod:`fp8_plugin.modules.frozen_weight` (layers) and :mod:`fp8_plugin.modules.frozen_experts`
+(MoE experts) hold one module's frozen weights; this module walks a model:
+
+- ``convert_model(frozen_weights="fp8")`` freezes the layers and experts it swaps whose weights
+  do not train (:func:`keep_frozen_in_fp8`), refuses a recipe that cannot read a frozen layer's
+  layout or a frozen weight that requires grad again (:func:`check_frozen_layout`), and takes over
+  transformers' own FP8 layers as they are (:func:`take_over_transformers_fp8`);
+- :func:`dequantize_frozen_weights` turns them all back into trainable master weights;
+- :func:`release_replaced_weights` lets an optimizer built before the conversion drop the
+  high-precision weights it replaced;
+- state dicts and ``save_pretrained`` stay vanilla (:func:`dequantize_in_state_dict`,
+  :func:`save_dequantized`), the FP8 bytes travelling with the FP8 state
+  (:func:`frozen_weights_state`) for an exact resume.
 """
 
 from __future__ import annotations

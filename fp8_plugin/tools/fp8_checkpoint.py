@@ -72,17 +72,17 @@ def fp8_checkpoint_recipe(checkpoint: Union[str, os.PathLike, dict[str, Any]]) -
     block = qc.get("weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
-            f"from_pretrained: activation_scheme={qc.get('activation_scheme')!r} is not supported: static activation "
+            f"FP8 checkpoint: activation_scheme={qc.get('activation_scheme')!r} is not supported: static activation "
             "scales are an inference calibration, and FP8 training scales activations from their own amaxes; valid: "
             "'dynamic'")
     if qc.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"from_pretrained: fmt={qc.get('fmt')!r} is not supported; valid: 'e4m3' (the FP8 GEMMs' "
+        raise ValueError(f"FP8 checkpoint: fmt={qc.get('fmt')!r} is not supported; valid: 'e4m3' (the FP8 GEMMs' "
                          "forward format)")
     if block is None:
         return DelayedScaling()
     if list(block) != [128, 128]:
         raise ValueError(
-            f"from_pretrained: weight_block_size={list(block)!r} is not supported: the blockwise FP8 GEMMs (cuBLAS, "
+            f"FP8 checkpoint: weight_block_size={list(block)!r} is not supported: the blockwise FP8 GEMMs (cuBLAS, "
             "Transformer Engine's Float8BlockScaling) read 128x128 weight blocks; valid: [128, 128] or null "
             "(per-tensor)")
     return Float8BlockScaling()
@@ -210,8 +210,11 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], *, recipe: 
         if block is None:
             scale_inv = scale_inv.reshape(())
         device = layer.weight.device
-        layer.set_frozen_weight(data.to(device), scale_inv.to(device),
-                                frozen_layout(recipe, device, layer.weight.dtype))
+        try:
+            layer.set_frozen_weight(data.to(device), scale_inv.to(device),
+                                    frozen_layout(recipe, device, layer.weight.dtype))
+        except ValueError as error:  # name the checkpoint tensor: nothing of the model is trained yet
+            raise ValueError(f"from_pretrained: {key}: {error}") from None
     for decision in report.layers:
         if decision.name in stored:
             decision.frozen, decision.weight_bytes_before, decision.weight_bytes_after = frozen_figures(fp8[decision.name])
