@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..numerics.quantizers import ScalingState, recipe_key
 from ..numerics.recipes import Recipe
 from .frozen_weight import FrozenLayout, frozen_layout, layout_problem
 
@@ -46,8 +45,13 @@ def frozen_figures(module: nn.Module) -> tuple[str, int, int]:
     layout = getattr(module, "frozen_layout", None)
     if layout is None:
         return "", 0, 0
-    before = module.weight.numel() * torch.empty((), dtype=layout.master_dtype).element_size()
-    return layout.describe(), before, _weight_bytes(module.weight, module.weight_scale_inv)
+    return _held_figures(layout, module.weight, module.weight_scale_inv)
+
+
+def _held_figures(layout: Any, data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[str, int, int]:
+    # The report's frozen columns of FP8 data and its scales, against the data in its master dtype.
+    before = data.numel() * torch.empty((), dtype=layout.master_dtype).element_size()
+    return layout.describe(), before, _weight_bytes(data, scale_inv)
 
 
 def _frozen_parts(module: nn.Module) -> list[tuple[str, Callable[[], torch.Tensor]]]:
@@ -62,10 +66,7 @@ def _frozen_parts(module: nn.Module) -> list[tuple[str, Callable[[], torch.Tenso
 
 
 def _expert_figures(module: nn.Module, proj: str) -> tuple[str, int, int]:
-    layout = module.frozen_projections()[proj]
-    data, scale_inv = getattr(module, proj), getattr(module, f"{proj}_scale_inv")
-    before = data.numel() * torch.empty((), dtype=layout.master_dtype).element_size()
-    return layout.describe(), before, _weight_bytes(data, scale_inv)
+    return _held_figures(module.frozen_projections()[proj], getattr(module, proj), getattr(module, f"{proj}_scale_inv"))
 
 
 def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) -> dict[int, weakref.ref]:
@@ -283,14 +284,8 @@ def take_over_transformers_fp8(name: str, module: nn.Module, recipe: Recipe, mas
     if problem:
         raise ValueError(f"convert_model: layer {name!r} (transformers FP8Linear) holds its weight in FP8 and {problem}; "
                          f"valid recipes for it: {_RECIPES_FOR_LAYOUT[held.kind]}")
-    with torch.device("meta"):
-        new = FP8Linear(module.in_features, module.out_features, bias=False, recipe=recipe)
-    new.bias = module.bias
-    new.fp8_state = ScalingState(FP8Linear._history_len(recipe), device=module.weight.device)
-    new.fp8_state.recipe = recipe_key(recipe)
-    new.weight = nn.Parameter(torch.empty(0, device=module.weight.device), requires_grad=False)
+    new = FP8Linear.from_module(module, recipe)  # an nn.Linear: its Parameters, state on its device
     scale_inv = module.weight_scale_inv.detach().to(torch.float32)  # E8M0 scales widen exactly
     new.set_frozen_weight(module.weight.detach(), scale_inv.reshape(()) if block is None else scale_inv,
                           frozen_layout(recipe, module.weight.device, master_dtype))
-    new.train(module.training)
     return new

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..numerics.formats import is_fp8
 from ..numerics.quantizers import ScalingState
 from ..numerics.recipes import Recipe
 from ..numerics.scaling import dequantize
@@ -157,7 +158,7 @@ class FrozenExpertsMixin:
             incoming = state_dict.get(key)
             if not isinstance(incoming, torch.Tensor) or incoming.dim() != 3:
                 continue
-            fp8 = incoming.element_size() == 1 and incoming.is_floating_point()
+            fp8 = is_fp8(incoming.dtype)
             if proj in self.frozen_projections() and not fp8:
                 states = [ScalingState(1, device=incoming.device) for _ in range(incoming.shape[0])]
                 state_dict[key], state_dict[scale_key] = cast_expert_weights(incoming, states, self.recipe, record=False)

@@ -42,7 +42,7 @@ from torch import nn
 from .._private.peft_api import ADAPTER_DTYPE_ATTRIBUTE
 from ..numerics.device import recipe_gemm_kind
 from ..numerics.device_kind import fp8_family
-from ..numerics.formats import fp8_dtype
+from ..numerics.formats import fp8_dtype, is_fp8
 from ..numerics.quantizers import WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
@@ -283,7 +283,7 @@ class FrozenWeightMixin:
         key, scale_key = f"{prefix}weight", f"{prefix}weight_scale_inv"
         incoming = state_dict.get(key)
         if isinstance(incoming, torch.Tensor) and incoming.dim() == 2:
-            if self._frozen is not None and not _is_fp8(incoming.dtype):
+            if self._frozen is not None and not is_fp8(incoming.dtype):
                 q, _ = quantize_frozen(incoming.to(self.weight.device, self._frozen.master_dtype), self.recipe)
                 if q.block != self._frozen.block or q.data.dtype != self._frozen.dtype:
                     error_msgs.append(f"{key}: a high-precision weight for a frozen FP8 layer stored as "
@@ -291,7 +291,7 @@ class FrozenWeightMixin:
                                       "does not cast to; load it into the unconverted model, then convert")
                     return
                 state_dict[key], state_dict[scale_key] = q.data, q.scale_inv
-            elif self._frozen is None and _is_fp8(incoming.dtype) and scale_key in state_dict:
+            elif self._frozen is None and is_fp8(incoming.dtype) and scale_key in state_dict:
                 scale_inv = state_dict.pop(scale_key)
                 block = _block_of(tuple(incoming.shape), tuple(scale_inv.shape))
                 state_dict[key] = QuantizedTensor(incoming, scale_inv.float(), block).dequantize(self.weight.dtype)
@@ -306,10 +306,6 @@ def _adapter_dtype(self: FrozenWeightMixin) -> torch.dtype:
 # The dtype PEFT gives new adapters on an FP8 layer: its master dtype, not a frozen weight's FP8
 # dtype (fp8_plugin._private.peft_api).
 setattr(FrozenWeightMixin, ADAPTER_DTYPE_ATTRIBUTE, property(_adapter_dtype, doc="The layer's master_dtype, for PEFT."))
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def _block_of(shape: tuple[int, int], grid: tuple[int, ...]) -> Optional[tuple[int, int]]:

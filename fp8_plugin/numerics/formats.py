@@ -86,6 +86,11 @@ def fp8_max(dtype: torch.dtype) -> float:
         ) from None
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the four FP8 dtypes (OCP E4M3 / E5M2, FNUZ E4M3 / E5M2)."""
+    return dtype in _MAX
+
+
 def has_infinity(dtype: torch.dtype) -> bool:
     """Whether the FP8 dtype encodes infinities: OCP E5M2 only (E4M3 and both FNUZ have none)."""
     return dtype == torch.float8_e5m2
