@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import weakref
 from types import MethodType
 from typing import Any, Optional, Union
@@ -59,12 +60,13 @@ from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns
-from ..training.deepspeed_engine import REFUSED, attach_to_engine, check_deepspeed_config
+from ..training.deepspeed_engine import attach_to_engine
 from ..training.reference import METRIC_PREFIX, ReferenceCheck, output_loss
 from ..training.reference_report import with_written
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
 from ..training.statistics import FP8Statistics, statistics_config
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
+from .setup_checks import _check_deepspeed_setup, _check_not_sharded, _check_reference_setup
 
 __all__ = ["Accelerator"]
 
@@ -96,7 +98,7 @@ class Accelerator(_AccelerateAccelerator):
         fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
             off); see :mod:`fp8_plugin.training.reference`. The model's output must hold its loss
             (``output.loss``, ``output["loss"]`` or a 0-dim tensor), else pass
-            ``ReferenceCheck(output_loss=...)``. One process or DDP (refused under FSDP).
+            ``ReferenceCheck(output_loss=...)``. One process, DDP or FSDP2 (refused under FSDP1 and DeepSpeed).
         fp8_reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` (interval,
             policy, thresholds, report files); its ``every`` and ``policy`` count as given here.
             Both also come from :class:`FP8Kwargs` or the config file's ``fp8_config``
@@ -126,8 +128,8 @@ class Accelerator(_AccelerateAccelerator):
     Raises:
         ValueError: contradictory FP8 settings (the message names both sources), an unsupported
             option or value (named, with the valid ones), FP8 arguments without
-            ``mixed_precision="fp8"``, reference checks under FSDP or DeepSpeed (or another
-            set-up than one process or DDP), a ``nonfinite`` policy or tensor parallelism under
+            ``mixed_precision="fp8"``, reference checks under FSDP1 or DeepSpeed (or another
+            set-up than one process, DDP or FSDP2), a ``nonfinite`` policy or tensor parallelism under
             DeepSpeed, or ``AORecipeKwargs`` / ``MSAMPRecipeKwargs`` (other FP8 backends).
         RuntimeError: (at ``prepare``) DeepSpeed joined more processes than Accelerate counts
             (Accelerate on a machine without a GPU-type backend).
@@ -194,7 +196,7 @@ class Accelerator(_AccelerateAccelerator):
                 "valid here: torch.bfloat16, torch.float32"
             )
         if self.fp8_settings is not None and self.fp8_settings.reference_check is not None:
-            _check_reference_setup(self.fp8_settings, self.distributed_type)
+            _check_reference_setup(self.fp8_settings, self.distributed_type, fsdp2=self.is_fsdp2)
         if self.fp8_settings is not None and not deepspeed:
             # Under DeepSpeed the engine's save_checkpoint / load_checkpoint (which save_state /
             # load_state call) carry the FP8 state in their client_state instead.
@@ -422,76 +424,15 @@ def _indexed_reports(config: Optional[ReferenceCheck], index: int) -> Optional[R
     return dataclasses.replace(config, json_path=indexed(config.json_path), plot_path=indexed(config.plot_path))
 
 
-def _reference_given(settings: FP8Settings) -> str:
-    config = settings.reference_check
-    if "reference_every" in settings.sources:
-        return f"{settings.sources['reference_every']}={config.every!r}"
-    return f"{settings.sources.get('reference_policy', 'reference_policy')}={config.policy!r}"
-
-
-_REFERENCE_SETUPS = ("Valid set-ups: one process, DDP (multi-CPU / multi-GPU); set reference_every to 0 to "
-                     "train under FSDP")
-
-
-def _check_reference_setup(settings: FP8Settings, distributed_type: DistributedType) -> None:
-    """Reference checks run on one process or under DDP (Accelerate's MULTI_* types).
-
-    Raises:
-        ValueError: any other distributed type (FSDP, XLA, Megatron-LM).
-    """
-    if distributed_type == DistributedType.NO or str(distributed_type.value).startswith("MULTI_"):
-        return
-    raise ValueError(
-        f"FP8 reference checks ({_reference_given(settings)}) are not supported with distributed_type="
-        f"{distributed_type.value}: the check's replay computes gradients with torch.autograd.grad, which would run "
-        f"into FSDP's gradient hooks (reduce-scatter, resharding). {_REFERENCE_SETUPS}"
-    )
-
-
-def _check_deepspeed_setup(settings: FP8Settings, config: dict) -> None:
-    """What FP8 cannot do under DeepSpeed, refused before any step (the reasons are in
-    :data:`fp8_plugin.training.deepspeed_engine.REFUSED`).
-
-    Raises:
-        ValueError: reference checks on, a ``nonfinite`` policy given, DeepSpeed tensor
-            parallelism, or an invalid ZeRO stage.
-    """
-    if settings.reference_check is not None:
-        raise ValueError(f"FP8 reference checks ({_reference_given(settings)}) are not supported with "
-                         f"distributed_type=DEEPSPEED: {REFUSED['reference_checks']}")
-    if "nonfinite" in settings.sources:
-        raise ValueError(f"{settings.sources['nonfinite']}={settings.fault_policy.nonfinite!r} is not supported with "
-                         f"distributed_type=DEEPSPEED: {REFUSED['nonfinite']}")
-    check_deepspeed_config(config, "Accelerator")
-
-
-def _check_not_sharded(settings: FP8Settings, module: nn.Module) -> None:
-    """A model already sharded with FSDP (``fully_shard`` or ``FullyShardedDataParallel``,
-    e.g. by transformers' distributed loading) refuses reference checks as FSDP set-ups do.
-
-    Raises:
-        ValueError: ``module`` or one of its submodules is FSDP-sharded.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # torch without distributed support: nothing can be sharded
-        return
-    sharded = next((m for m in module.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))), None)
-    if sharded is not None:
-        raise ValueError(
-            f"FP8 reference checks ({_reference_given(settings)}) are not supported on a model sharded with FSDP "
-            f"(found {type(sharded).__name__}): the check's replay computes gradients with torch.autograd.grad, "
-            f"which would run into FSDP's gradient hooks. {_REFERENCE_SETUPS}"
-        )
-
-
 def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval: bool) -> None:
     """Run ``module``'s forward in the FP8 context (in training; in evaluation too if ``in_eval``).
 
     With reference checks on, a training forward (``module.training``, grad enabled) is first
     offered to them (``FP8Training.capture_replay``, kept on due steps only, with the RNG state of
-    this moment): the replay calls the unwrapped forward with the same arguments and reads the
-    loss with ``ReferenceCheck.output_loss`` (default :func:`~fp8_plugin.training.reference.output_loss`).
+    this moment): the replay calls the unwrapped forward with the same arguments (a module FSDP2
+    shards: the module itself, its FSDP hooks included, this wrapper passing straight through)
+    and reads the loss with ``ReferenceCheck.output_loss`` (default
+    :func:`~fp8_plugin.training.reference.output_loss`).
 
     The wrapper is a method with ``__wrapped__``, as Accelerate's own autocast wrapper is, so
     ``unwrap_model(model, keep_fp32_wrapper=False)`` removes it with Accelerate's.
@@ -502,17 +443,39 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return function(self, *args, **kwargs) if function is not None else original(*args, **kwargs)
 
+    def replayed(self: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not _is_fsdp2_module(self):
+            return call(self, *args, **kwargs)
+        # FSDP2 shards the module itself: its hooks (all-gather, and the reduce-scatter its
+        # backward queues) run only through __call__, which reaches this wrapper again.
+        _REPLAYING.active = True
+        try:
+            return self(*args, **kwargs)
+        finally:
+            _REPLAYING.active = False
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training or in_eval):
+        if getattr(_REPLAYING, "active", False) or not (self.training or in_eval):
             return call(self, *args, **kwargs)
         if self.training and run.reference is not None and torch.is_grad_enabled():
             loss_of = run.reference.config.output_loss or output_loss
-            run.capture_replay(lambda: loss_of(call(self, *args, **kwargs)))
+            run.capture_replay(lambda: loss_of(replayed(self, args, kwargs)))
         with run.forward_context(device_type):
             return call(self, *args, **kwargs)
 
     forward.__wrapped__ = function if function is not None else original  # type: ignore[attr-defined]
     module.forward = MethodType(forward, module)
+
+
+_REPLAYING = threading.local()  # a reference replay is calling a wrapped module through __call__
+
+
+def _is_fsdp2_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed support
+        return False
+    return isinstance(module, FSDPModule)
 
 
 class _FP8StepOptimizer(AcceleratedOptimizer):

@@ -254,13 +254,13 @@ def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
             "FP8Precision(reference_every / reference_check) needs automatic optimization; this LightningModule "
             "sets automatic_optimization=False: call fp8_plugin.reference_check(...) in its training_step instead"
         )
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+    if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
         raise ValueError(
             f"FP8Precision(reference_every / reference_check) with strategy {type(trainer.strategy).__name__} is not "
-            "supported: the replay's gradients would pass through sharded parameters' hooks. Valid strategies: "
-            "a single device, DDP"
+            "supported: its replay reads FSDP2's sharded gradients (DTensors), not FSDP1's flat parameters or "
+            "DeepSpeed's partitions. Valid strategies: a single device, DDP, ModelParallelStrategy (FSDP2)"
         )
     trainer.callbacks.append(_ReferenceCapture(fp8))
 

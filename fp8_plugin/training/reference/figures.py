@@ -89,8 +89,9 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
     The reference's results are read, not recomputed: dgrad is the gradient the replay's
     backward hands to this layer's input (an identity on the input, this call's alone), wgrad the
     weight's gradient the replay's backward forms (a hook on the weight: the sum over the
-    layer's calls in the micro-batch, as the FP8 side sums them); so the figures cost the FP8
-    GEMMs and casts alone. ``weight_shared`` (the weight is also another module's, or has a
+    layer's calls in the micro-batch, as the FP8 side sums them; under FSDP2 a hook on the
+    all-gathered weight, registered at its first forward: this rank's share, before the
+    reduce-scatter); so the figures cost the FP8 GEMMs and casts alone. ``weight_shared`` (the weight is also another module's, or has a
     user's tensor hook, which runs first and may change the gradient): wgrad's reference is then
     recomputed per call in ``dtype`` (the reference replay's GEMM dtype), as the weight's
     gradient holds the other module's share too. The FP8 side runs when the
@@ -108,6 +109,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
     wgrad_fp8: list[Optional[torch.Tensor]] = [None]  # sum over the calls of the FP8 wgrad
     wgrad_pending = [False]
     needs_wgrad = layer.weight.requires_grad
+    sharded_weight = needs_wgrad and not weight_shared and type(layer.weight).__name__ == "DTensor"
 
     def dgrad_done(call: dict, dx: torch.Tensor) -> None:  # the reference's own dgrad of one call
         with torch.no_grad():
@@ -117,9 +119,16 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             if fp8 is not None:  # the figure's own tensor: its error computed in place
                 energy[1, 1] += fp8.sub_(z).square_().sum()
 
+    gathered_hooks: dict[int, Any] = {}  # FSDP2: the gathered weight's wgrad hook, by tensor id
+
     def pre_hook(module: FP8Linear, args: tuple):
         call: dict = {}
         current[0] = call
+        if sharded_weight and id(module.weight) not in gathered_hooks:
+            # Under FSDP2 the weight the GEMMs read is the all-gathered one (a tensor of its own,
+            # kept across gathers); the sharded DTensor gets its .grad from the reduce-scatter,
+            # not from autograd: the reference wgrad is read on the gathered weight, per rank.
+            gathered_hooks[id(module.weight)] = module.weight.register_hook(weight_done)
         x = args[0]
         if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
             return (_Tap.apply(x, functools.partial(dgrad_done, call)), *args[1:])
@@ -171,10 +180,25 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
                 energy[2, 1] += wgrad_fp8[0].sub_(z).square_().sum()
         wgrad_fp8[0], wgrad_pending[0] = None, False
 
-    handles = [layer.register_forward_pre_hook(pre_hook), layer.register_forward_hook(hook)]
-    if needs_wgrad and not weight_shared:
+    # The forward hook after a layer's own FSDP2 post-forward hook: FSDP's hook on the output, which
+    # all-gathers the weight again for the backward, then fires before this one's.
+    handles = [layer.register_forward_pre_hook(pre_hook), layer.register_forward_hook(hook),
+               _Removal(gathered_hooks)]
+    if needs_wgrad and not weight_shared and not sharded_weight:
         handles.append(layer.weight.register_hook(weight_done))
     return handles
+
+
+class _Removal:
+    """A handle removing the hooks a replay registered as it went (``{key: handle}``)."""
+
+    def __init__(self, hooks: dict) -> None:
+        self.hooks = hooks
+
+    def remove(self) -> None:
+        for handle in self.hooks.values():
+            handle.remove()
+        self.hooks.clear()
 
 
 # A BF16 GEMM must be this many times faster than a float32 one for the figures to use it.
