@@ -8,7 +8,7 @@ the CPU shim under that name; no resumed fit).
 4 optimizer steps of 2 accumulated batches (2 epochs), checkpoints after steps 2 and 4 (DeepSpeed's
 save_checkpoint); the FP8 run then fits a second Trainer from the step-2 checkpoint to step 4.
 The plugin's FP8 run samples the per-layer statistics every 2 optimizer steps, logged to a
-recording logger.
+recording logger, and runs a BF16 reference check every 2 optimizer steps.
 Writes what it saw to ``<out>/rank<R>.pt``.
 
     python deepspeed_lightning_worker.py <out> --stage S [--precision fp8|bf16|fp8-string]
@@ -22,12 +22,13 @@ import deepspeed_worker  # noqa: F401  (DS_ACCELERATOR=cpu, the FP8 GEMM counter
 import lightning.pytorch as L
 import torch
 from amax_reductions import MAX_ALL_REDUCES
-from deepspeed_worker import FP8_GEMMS, fp8_state, full_fp32_weights
+from deepspeed_worker import CHECK_GEMMS, FP8_GEMMS, fp8_state, full_fp32_weights
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from torch import nn
 
+from fp8_plugin import ReferenceCheck
 from fp8_plugin.lightning.deepspeed_precision import FP8DeepSpeedPrecision
 from dist_teardown import tear_down_process_group  # noqa: E402
 
@@ -134,7 +135,9 @@ def loader() -> torch.utils.data.DataLoader:
 def fit(out: Path, stage: int, precision: str, ckpt_path=None) -> tuple[L.Trainer, Net, Record]:
     strategy = CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo", logging_batch_size_per_gpu=BATCH)
     record = Record()
-    kwargs = {"plugins": [FP8DeepSpeedPrecision(statistics=2)]} if precision == "fp8" else {"precision": "bf16-mixed"}
+    # The plugin's FP8 run also runs a reference check every 2 optimizer steps (policy "log").
+    plugin = FP8DeepSpeedPrecision(statistics=2, reference_check=ReferenceCheck(every=2, policy="log"))
+    kwargs = {"plugins": [plugin]} if precision == "fp8" else {"precision": "bf16-mixed"}
     if precision == "fp8-string":
         # Lightning's own name, resolved to the CPU shim of the same class (what the user writes).
         strategy = f"deepspeed_stage_{stage}"
@@ -173,11 +176,14 @@ def main() -> None:
         "weight_amaxes": record.weight_amaxes,
         "logged": trainer.logger.logged,
         "max_all_reduces": record.reduces,
-        "train_fp8_gemms": FP8_GEMMS[0],
+        "train_fp8_gemms": FP8_GEMMS[0] - CHECK_GEMMS[0],
+        "check_fp8_gemms": CHECK_GEMMS[0],
         "fp8_state": fp8_state(engine),
         "weights": full_fp32_weights(engine),
     }
     if args.precision == "fp8":
+        result["reference_results"] = [{k: v for k, v in r.to_dict().items() if k != "seconds"}
+                                       for r in trainer.precision_plugin.fp8.reference.results]
         resumed, _, resumed_record = fit(args.out / "resumed", args.stage, args.precision,
                                          ckpt_path=str(args.out / "ckpt" / "step=2.ckpt"))
         result["resumed_losses"] = resumed_record.losses

@@ -16,7 +16,7 @@ from pathlib import Path
 import deepspeed_worker  # noqa: F401  (its CPU shims for Accelerate and DeepSpeed, the FP8 GEMM counter)
 import torch
 from amax_reductions import MAX_ALL_REDUCES
-from deepspeed_worker import FP8_GEMMS, ds_config, fp8_state, full_fp32_weights
+from deepspeed_worker import CHECK_GEMMS, FP8_GEMMS, ds_config, fp8_state, full_fp32_weights
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -83,8 +83,9 @@ def trainer_for(out: Path, stage: int, precision: str, record: Record) -> Traine
     if precision == "fp8":
         from fp8_plugin.hf_trainer import FP8Trainer
 
-        # The per-layer statistics every 2 optimizer steps, merged into the Trainer's logs.
-        cls, fp8 = FP8Trainer, {"fp8_statistics": 2}
+        # The per-layer statistics every 2 optimizer steps, merged into the Trainer's logs, and a
+        # BF16 reference check every 2 optimizer steps.
+        cls, fp8 = FP8Trainer, {"fp8_statistics": 2, "fp8_reference_every": 2}
     return cls(model=make_model(), args=args, train_dataset=Data(BATCH * GRAD_ACCUM * STEPS * 2), callbacks=[record],
                **fp8)
 
@@ -108,7 +109,13 @@ def main() -> None:
         "max_all_reduces": record.reduces,
         "statistics": [(h["step"], {k: v for k, v in h.items() if k.startswith("fp8_stats/")})
                        for h in trainer.state.log_history if any(k.startswith("fp8_stats/") for k in h)],
-        "train_fp8_gemms": FP8_GEMMS[0],
+        "train_fp8_gemms": FP8_GEMMS[0] - CHECK_GEMMS[0],
+        "check_fp8_gemms": CHECK_GEMMS[0],
+        "reference": [(h["step"], h["fp8_ref/grad_cosine"]) for h in trainer.state.log_history
+                      if "fp8_ref/grad_cosine" in h],
+        "reference_results": [{k: v for k, v in r.to_dict().items() if k != "seconds"}
+                              for r in trainer.accelerator.fp8_runs[0].reference.results]
+        if args.precision == "fp8" else [],
         "fp8_state": fp8_state(engine),
         "weights": full_fp32_weights(engine),
     }

@@ -31,6 +31,7 @@ from torch import nn  # noqa: E402
 import fp8_plugin.modules.linear  # noqa: E402
 from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
 from fp8_plugin.modules.linear import FP8Linear  # noqa: E402
+from fp8_plugin.training.reference import ReferenceChecker  # noqa: E402
 from dist_teardown import tear_down_process_group  # noqa: E402
 
 
@@ -73,6 +74,19 @@ def _counting_gemm(*args, **kwargs):
 
 
 fp8_plugin.modules.linear.fp8_gemm = _counting_gemm
+CHECK_GEMMS = [0]  # of those, the FP8 GEMMs the reference checks ran (replays and figures)
+_run_check = ReferenceChecker.run
+
+
+def _counted_check(self, *args, **kwargs):
+    before = FP8_GEMMS[0]
+    try:
+        return _run_check(self, *args, **kwargs)
+    finally:
+        CHECK_GEMMS[0] += FP8_GEMMS[0] - before
+
+
+ReferenceChecker.run = _counted_check
 
 
 def make_model() -> nn.Module:
@@ -215,6 +229,72 @@ def llama_saves_pretrained(args) -> None:
     accelerator.end_training()
 
 
+def reference_checks(args) -> None:
+    """Reference checks under DeepSpeed (``--reference``): a fault planted on rank 1 only (its
+    inputs carry channel 0 at 1e6, whose weight column in layer 0 is zero and kept zero; current
+    scaling, so only rank 1's layer 0 flushes its other inputs to zero). Checks every 2 steps
+    with ``policy="fallback"``; the state is saved after step 3, then step 4 (checked) is run again
+    from it with the checks off: a check that leaves training alone gives the same weights."""
+    import fp8_plugin
+    from fp8_plugin.accelerate import Accelerator
+
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, 1))
+    accelerator = Accelerator(mixed_precision="fp8", deepspeed_plugin=plugin,
+                              fp8_recipe=fp8_plugin.Float8CurrentScaling(),
+                              fp8_reference_check=fp8_plugin.ReferenceCheck(every=2, policy="fallback"))
+    model = _LossOf(make_model())
+    with torch.no_grad():
+        model.net[0].weight[:, 0] = 0
+    model.net[0].weight.register_hook(lambda grad: grad.index_fill(1, torch.tensor([0], device=grad.device), 0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    generator = torch.Generator().manual_seed(1 + accelerator.process_index)
+    batches = [(torch.randn(16, 32, generator=generator), torch.randn(16, 16, generator=generator))
+               for _ in range(4)]
+    if accelerator.process_index == 1:
+        for x, _ in batches:
+            x[:, 0] = 1e6
+    run = accelerator.fp8_runs[0]
+
+    def train(steps: range) -> None:
+        for step in steps:
+            x, y = batches[step]
+            accelerator.backward(model(x.to(torch.bfloat16), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(range(3))
+    accelerator.save_state(str(args.out / "checkpoint"))
+    train(range(3, 4))
+    result = {
+        "results": [{k: v for k, v in r.to_dict().items() if k != "seconds"} for r in run.reference.results],
+        "use_fp8": {n: m.use_fp8 for n, m in model.module.net.named_modules() if isinstance(m, FP8Linear)},
+        "weights": full_fp32_weights(model),
+    }
+    accelerator.load_state(str(args.out / "checkpoint"))
+    result["loaded_checks"] = (run.reference.steps, len(run.reference.results))  # as saved after step 3
+    run.reference = None  # step 4 again, unchecked
+    train(range(3, 4))
+    result["unchecked_weights"] = full_fp32_weights(model)
+    result["unchecked_use_fp8"] = {n: m.use_fp8 for n, m in model.module.net.named_modules()
+                                   if isinstance(m, FP8Linear)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
+    tear_down_process_group()
+    accelerator.end_training()
+
+
+class _LossOf(nn.Module):
+    """A model returning its MSE loss, as transformers models return ``.loss``: the replay reads it."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -225,8 +305,11 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--from-env", action="store_true", help="the Accelerator from accelerate launch's environment")
+    parser.add_argument("--reference", action="store_true", help="reference checks on a planted fault")
     args = parser.parse_args()
 
+    if args.reference:
+        return reference_checks(args)
     if args.precision == "fp16":
         return fp16_skips(args)
     if args.model == "llama":

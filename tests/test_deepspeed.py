@@ -33,13 +33,13 @@ def _free_port() -> int:
 
 
 def run_worker(out: Path, stage: int, precision: str, model: str = "net", steps: int = STEPS,
-               grad_accum: int = GRAD_ACCUM) -> tuple[dict, dict]:
+               grad_accum: int = GRAD_ACCUM, extra: tuple = ()) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={_free_port()}", str(WORKER), str(out), "--stage", str(stage),
                            "--precision", precision, "--model", model, "--steps", str(steps),
-                           "--grad-accum", str(grad_accum)],
+                           "--grad-accum", str(grad_accum), *extra],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
@@ -118,6 +118,38 @@ def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_an
         assert r0["weight_cache"] == [True, True, True]
 
 
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory) -> dict:
+    return {stage: run_worker(tmp_path_factory.mktemp(f"reference{stage}"), stage, "fp8", extra=("--reference",))
+            for stage in (2, 3)}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_reference_checks_name_a_planted_layer_on_both_ranks_and_leave_training_alone(reference_runs, stage):
+    # A fault on rank 1 only (tests/deepspeed_worker.py, reference_checks): the figures summed
+    # over the ranks name net.0 on both, both move it to high precision, and the check at step 4
+    # (net.0 then in high precision: it passes) changes no weight: step 4 run again from the
+    # step-3 state without checks gives the same FP32 master weights, bit for bit.
+    r0, r1 = reference_runs[stage]
+    assert r0["results"] == r1["results"]
+    first, second = r0["results"]
+    assert [first["step"] + 1, second["step"] + 1] == [2, 4]
+    assert first["layer_sqnr_db"]["net.0"] < 10 < 20 < min(first["layer_sqnr_db"]["net.2"],
+                                                          first["layer_sqnr_db"]["net.4"])
+    assert first["fallback_layers"] == ["net.0"] and second["failures"] == []
+    assert r0["use_fp8"] == r1["use_fp8"] == r0["unchecked_use_fp8"] == {"0": False, "2": True, "4": True}
+    assert r0["loaded_checks"] == (3, 1)  # load_state restored the checks' schedule and history of step 3
+    for r in (r0, r1):
+        assert r["weights"].keys() == r["unchecked_weights"].keys()
+        assert all(torch.equal(w, r["unchecked_weights"][k]) for k, w in r["weights"].items())
+
+
+def test_zero3_reference_checks_give_the_figures_of_zero2(reference_runs):
+    # ZeRO-3 gathers each partitioned parameter for the replays' forwards and backwards as for
+    # training's; ZeRO-2 keeps them whole: the same computation, the same figures, exactly.
+    assert reference_runs[3][0]["results"] == reference_runs[2][0]["results"]
+
+
 def test_zero3_fp8_trained_transformers_model_saved_pretrained_loads_into_plain_transformers(tmp_path):
     # A tiny LlamaForCausalLM trained 2 optimizer steps in FP8 under ZeRO-3 (every parameter
     # partitioned), saved as Accelerate documents: accelerator.get_state_dict(model) (gathered
@@ -166,9 +198,7 @@ def test_deepspeed_refuses_what_cannot_work_at_start_up_naming_it():
 
     config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     _check_deepspeed_setup(resolve_settings(), config)  # the plain FP8 set-up passes
-    with pytest.raises(ValueError, match="FP8 reference checks \\(Accelerator\\(fp8_reference_every\\)=5\\) are not "
-                                         "supported with distributed_type=DEEPSPEED: .*torch.autograd.grad"):
-        _check_deepspeed_setup(resolve_settings(reference_every=5), config)
+    _check_deepspeed_setup(resolve_settings(reference_every=5), config)  # reference checks run under ZeRO 0-3
     with pytest.raises(ValueError, match="Accelerator\\(fp8_nonfinite\\)='raise' is not supported with "
                                          "distributed_type=DEEPSPEED: .*fp16 dynamic loss scaler"):
         _check_deepspeed_setup(resolve_settings(nonfinite="raise"), config)
@@ -181,6 +211,11 @@ def test_deepspeed_refuses_what_cannot_work_at_start_up_naming_it():
     with pytest.raises(ValueError, match="FP8DeepSpeedPrecision\\(precision='32-true'\\) is not supported; valid: "
                                          "'bf16-mixed', '16-mixed'"):
         FP8DeepSpeedPrecision(precision="32-true")
+    with pytest.raises(ValueError, match="FP8DeepSpeedPrecision\\(reference_every=-1\\) must be an int >= 0"):
+        FP8DeepSpeedPrecision(reference_every=-1)
+    with pytest.raises(TypeError, match="FP8DeepSpeedPrecision\\(reference_check=3\\) must be a fp8_plugin.ReferenceCheck"):
+        FP8DeepSpeedPrecision(reference_check=3)
+    assert FP8DeepSpeedPrecision(reference_every=3).fp8.reference.config.every == 3
     assert FP8DeepSpeedPrecision().fp8.compute_dtype == torch.bfloat16
     assert FP8DeepSpeedPrecision(precision="16-mixed").fp8.compute_dtype == torch.float16
 
@@ -261,6 +296,12 @@ def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(t
     ref0, _ = run_trainer_worker(tmp_path / "bf16", stage, "bf16")
     assert r0["world_size"] == 2 and r0["zero_stage"] == stage
     assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3) and ref0["train_fp8_gemms"] == 0
+    # FP8Trainer(fp8_reference_every=2): checks at steps 2 and 4, identical figures on both ranks,
+    # each in the Trainer's log at its step.
+    checks = r0["reference_results"]
+    assert [c["step"] + 1 for c in checks] == [2, 4] and checks == r1["reference_results"]
+    assert all(c["failures"] == [] for c in checks) and r0["check_fp8_gemms"] >= 2 * (2 + 3 + 3)
+    assert r0["reference"] == [(2, checks[0]["grad_cosine"]), (4, checks[1]["grad_cosine"])]
     assert _equal_states(r0["fp8_state"], r1["fp8_state"])
     assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
     # Each step's MAX all-reduces: DeepSpeed's own (those of the plain run) plus one amax
@@ -322,8 +363,17 @@ def test_lightning_deepspeed_strategy_with_fp8_precision_plugin(tmp_path, stage)
     # is that of the bf16 copy of the FP32 master weights the step's forwards ran on (under
     # ZeRO-3 the weight DeepSpeed gathered for the forward): rounding to nearest is monotonic,
     # so it is the bf16 rounding of the masters' largest magnitude.
-    logged = [(step, m) for step, m in r0["logged"] if any(k.startswith("fp8_stats/") for k in m)]
+    logged = [(step, {k: v for k, v in m.items() if k.startswith("fp8_stats/")})
+              for step, m in r0["logged"] if any(k.startswith("fp8_stats/") for k in m)]
     _check_statistics(logged, r0, r1, "net.")
+    # FP8DeepSpeedPrecision(reference_check=ReferenceCheck(every=2)): checks at steps 2 and 4 on
+    # the healthy model, identical on both ranks (the figures summed over them), logged at their
+    # step on rank zero; DeepSpeed's gradients untouched (the losses below and the resumed fit).
+    checks = r0["reference_results"]
+    assert [c["step"] + 1 for c in checks] == [2, 4] and checks == r1["reference_results"]
+    assert all(c["failures"] == [] and set(c["layer_sqnr_db"]) == {"net.0", "net.2", "net.4"} for c in checks)
+    assert [step for step, m in r0["logged"] if "fp8_ref/grad_cosine" in m] == [2, 4]
+    assert r0["check_fp8_gemms"] >= 2 * (2 + 3 + 3)  # each check's FP8 replay ran in FP8
     assert r1["logged"] == []
     for step, metrics in logged:
         for layer, amax in r0["weight_amaxes"][step - 1].items():

@@ -429,8 +429,8 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
 
     With reference checks on, a training forward (``module.training``, grad enabled) is first
     offered to them (``FP8Training.capture_replay``, kept on due steps only, with the RNG state of
-    this moment): the replay calls the unwrapped forward with the same arguments (a module FSDP2
-    shards: the module itself, its FSDP hooks included, this wrapper passing straight through)
+    this moment): the replay calls the unwrapped forward with the same arguments (a module FSDP2 or
+    ZeRO-3 shards: the module itself, their hooks included, this wrapper passing straight through)
     and reads the loss with ``ReferenceCheck.output_loss`` (default
     :func:`~fp8_plugin.training.reference.output_loss`).
 
@@ -444,10 +444,10 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
         return function(self, *args, **kwargs) if function is not None else original(*args, **kwargs)
 
     def replayed(self: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not _is_fsdp2_module(self):
+        if not _is_sharded(self):
             return call(self, *args, **kwargs)
-        # FSDP2 shards the module itself: its hooks (all-gather, and the reduce-scatter its
-        # backward queues) run only through __call__, which reaches this wrapper again.
+        # FSDP2 or ZeRO-3 shards the module's own parameters: their hooks (all-gathers, and what
+        # the backward queues) run only through __call__, which reaches this wrapper again.
         _REPLAYING.active = True
         try:
             return self(*args, **kwargs)
@@ -470,12 +470,14 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
 _REPLAYING = threading.local()  # a reference replay is calling a wrapped module through __call__
 
 
-def _is_fsdp2_module(module: nn.Module) -> bool:
+def _is_sharded(module: nn.Module) -> bool:
+    # FSDP2 (fully_shard made the module an FSDPModule) or DeepSpeed ZeRO-3 (partitioned
+    # parameters carry a ds_id).
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without distributed support
         return False
-    return isinstance(module, FSDPModule)
+    return isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 class _FP8StepOptimizer(AcceleratedOptimizer):

@@ -1,6 +1,6 @@
 """What the FP8 ``Accelerator`` refuses when it is built or a model is prepared, before any step:
-reference checks where their replay cannot run (FSDP1, XLA, Megatron-LM, DeepSpeed), and what
-FP8 cannot do under DeepSpeed.
+reference checks where their replay cannot run (FSDP1, XLA, Megatron-LM), and what FP8 cannot
+do under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ def _reference_given(settings: FP8Settings) -> str:
     return f"{settings.sources.get('reference_policy', 'reference_policy')}={config.policy!r}"
 
 
-_REFERENCE_SETUPS = ("Valid set-ups: one process, DDP (multi-CPU / multi-GPU), FSDP2 (fsdp_version: 2); set "
-                     "reference_every to 0 to train otherwise")
+_REFERENCE_SETUPS = ("Valid set-ups: one process, DDP (multi-CPU / multi-GPU), FSDP2 (fsdp_version: 2), DeepSpeed "
+                     "ZeRO 0-3; set reference_every to 0 to train otherwise")
 
 
 def _check_reference_setup(settings: FP8Settings, distributed_type: DistributedType, fsdp2: bool = False) -> None:
-    """Reference checks run on one process, under DDP (Accelerate's MULTI_* types) and under
-    FSDP2 (``distributed_type=FSDP`` with ``fsdp_version: 2``, ``fsdp2=True``).
+    """Reference checks run on one process, under DDP (Accelerate's MULTI_* types), under
+    FSDP2 (``distributed_type=FSDP`` with ``fsdp_version: 2``, ``fsdp2=True``) and under
+    DeepSpeed ZeRO 0-3.
 
     Raises:
         ValueError: any other distributed type (FSDP1, XLA, Megatron-LM).
     """
     if distributed_type == DistributedType.NO or str(distributed_type.value).startswith("MULTI_"):
         return
-    if distributed_type == DistributedType.FSDP and fsdp2:
+    if distributed_type == DistributedType.FSDP and fsdp2 or distributed_type == DistributedType.DEEPSPEED:
         return
     what = "FSDP1 (fsdp_version: 1)" if distributed_type == DistributedType.FSDP else distributed_type.value
     raise ValueError(
@@ -47,12 +48,9 @@ def _check_deepspeed_setup(settings: FP8Settings, config: dict) -> None:
     :data:`fp8_plugin.training.deepspeed_engine.REFUSED`).
 
     Raises:
-        ValueError: reference checks on, a ``nonfinite`` policy given, DeepSpeed tensor
-            parallelism, or an invalid ZeRO stage.
+        ValueError: a ``nonfinite`` policy given, DeepSpeed tensor parallelism, or an invalid
+            ZeRO stage.
     """
-    if settings.reference_check is not None:
-        raise ValueError(f"FP8 reference checks ({_reference_given(settings)}) are not supported with "
-                         f"distributed_type=DEEPSPEED: {REFUSED['reference_checks']}")
     if "nonfinite" in settings.sources:
         raise ValueError(f"{settings.sources['nonfinite']}={settings.fault_policy.nonfinite!r} is not supported with "
                          f"distributed_type=DEEPSPEED: {REFUSED['nonfinite']}")

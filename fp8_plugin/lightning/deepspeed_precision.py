@@ -16,8 +16,9 @@ settings run the non-FP8 ops and keep the FP32 master weights in its ZeRO optimi
 Use it with ``Trainer(strategy=DeepSpeedStrategy(stage=...), plugins=[FP8DeepSpeedPrecision()])``,
 or write ``Trainer(precision="fp8-hybrid", strategy="deepspeed_stage_2")``
 (:mod:`fp8_plugin.lightning.precision_strings`). Per-layer FP8 statistics (``statistics=``) go
-to the Trainer's loggers after each sampled optimizer step. The BF16 reference checks are not
-offered here (see :data:`fp8_plugin.training.deepspeed_engine.REFUSED`).
+to the Trainer's loggers after each sampled optimizer step, and so do the figures of the BF16
+reference checks (``reference_check=``), which run before ``engine.step()`` at the boundary on
+the batch Lightning offered last (docs/reference_checks.md).
 
 May import: :mod:`fp8_plugin.training` and below, Lightning.
 """
@@ -28,6 +29,7 @@ import contextlib
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -36,7 +38,9 @@ from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns, check_arguments
 from ..training.deepspeed_engine import attach_to_engine, is_deepspeed_engine
+from ..training.reference import ReferenceCheck, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
+from .reference_capture import _attach_reference_capture
 
 __all__ = ["FP8DeepSpeedPrecision"]
 
@@ -56,25 +60,35 @@ class FP8DeepSpeedPrecision(DeepSpeedPrecision):
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer
             steps; logged on rank zero to the Trainer's loggers as ``fp8_stats/...`` at the
             sampled optimizer step (DeepSpeed's accumulated steps, 1-based). None: off.
+        reference_every, reference_check: the periodic BF16 reference checks, as
+            ``FP8Precision`` takes them (an interval in optimizer steps, 0 or None: off; or a
+            :class:`~fp8_plugin.training.reference.ReferenceCheck`); their summary is printed
+            at the end of fit.
 
     Attributes:
         fp8: the :class:`~fp8_plugin.training.core.FP8Training` of the model.
 
     Raises:
         ValueError: ``precision`` not one of ``"bf16-mixed"``, ``"16-mixed"``.
-        TypeError: ``recipe`` not a Recipe, or ``statistics`` none of the valid types.
+        ValueError: ``reference_every`` negative or contradicting ``reference_check``.
+        TypeError: ``recipe`` not a Recipe, ``statistics`` none of the valid types, or
+            ``reference_check`` not a ReferenceCheck.
     """
 
     def __init__(self, recipe: Optional[Recipe] = None, precision: str = "bf16-mixed", include: Patterns = None,
-                 exclude: Patterns = None, statistics: Union[FP8Statistics, int, None] = None) -> None:
+                 exclude: Patterns = None, statistics: Union[FP8Statistics, int, None] = None,
+                 reference_every: Optional[int] = None, reference_check: Optional[ReferenceCheck] = None) -> None:
         if precision not in _COMPUTE:
             raise ValueError(f"FP8DeepSpeedPrecision(precision={precision!r}) is not supported; valid: "
                              f"{', '.join(repr(p) for p in _COMPUTE)}")
         super().__init__(precision)  # type: ignore[arg-type]
         compute_dtype = _COMPUTE[precision]
+        reference_check = resolve_reference_check(reference_every, reference_check, "FP8DeepSpeedPrecision")
         self.fp8 = FP8Training(check_arguments("FP8DeepSpeedPrecision", recipe, compute_dtype), include, exclude,
-                               compute_dtype, statistics=statistics_config(statistics, "FP8DeepSpeedPrecision"))
+                               compute_dtype, reference_check=reference_check,
+                               statistics=statistics_config(statistics, "FP8DeepSpeedPrecision"))
         self._device_type = "cpu"
+        self._summarised_steps = 0
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
@@ -82,6 +96,8 @@ class FP8DeepSpeedPrecision(DeepSpeedPrecision):
             rank_zero_info(f"FP8 layers: {self.fp8.report.summary()}")
             # DeepSpeed's checkpoints carry the FP8 state beside the model's vanilla state_dict().
             self.fp8.exclude_state_from_state_dict()
+            if self.fp8.reference is not None:
+                _attach_reference_capture(module, self.fp8)
         return module
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:
@@ -101,6 +117,15 @@ class FP8DeepSpeedPrecision(DeepSpeedPrecision):
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.fp8.forward_context(self._device_type)
+
+    def teardown(self) -> None:
+        """End of fit: the reference checks' summary and report files (rank zero)."""
+        checker = self.fp8.reference
+        if checker is not None and checker.steps > self._summarised_steps:
+            self._summarised_steps = checker.steps
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                rank_zero_info(checker.finish())
+        super().teardown()
 
     def state_dict(self) -> dict[str, Any]:
         """The FP8 state (every rank calls it): settled between optimizer steps, as it stands

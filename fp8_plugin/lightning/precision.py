@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch import nn
@@ -32,8 +31,9 @@ from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
 from ..training.faults import FaultPolicy, resolve_fault_policy
-from ..training.reference import ReferenceCheck, output_loss, resolve_reference_check
+from ..training.reference import ReferenceCheck, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
+from .reference_capture import _attach_reference_capture
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 
@@ -231,51 +231,6 @@ def _warn_if_spawned(module: nn.Module) -> None:
             "training, resume from a checkpoint (trainer.fit(..., ckpt_path=...)), or use strategy='ddp' to keep "
             "the converted model in this process"
         )
-
-
-class _ReferenceCapture(Callback):
-    """Offers each training batch to the reference checks at ``on_train_batch_start`` (the
-    batch is on its device, the RNG state is the training step's): the replay reruns
-    ``training_step`` on it with logging silenced and reads its loss as Lightning does."""
-
-    def __init__(self, fp8: FP8Training) -> None:
-        self.fp8 = fp8
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.fp8.capture_replay(lambda: _replay_training_step(pl_module, batch, batch_idx))
-
-
-def _attach_reference_capture(module: nn.Module, fp8: FP8Training) -> None:
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None:
-        return
-    if not getattr(module, "automatic_optimization", True):
-        raise ValueError(
-            "FP8Precision(reference_every / reference_check) needs automatic optimization; this LightningModule "
-            "sets automatic_optimization=False: call fp8_plugin.reference_check(...) in its training_step instead"
-        )
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
-    if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
-        raise ValueError(
-            f"FP8Precision(reference_every / reference_check) with strategy {type(trainer.strategy).__name__} is not "
-            "supported: its replay reads FSDP2's sharded gradients (DTensors), not FSDP1's flat parameters or "
-            "DeepSpeed's partitions. Valid strategies: a single device, DDP, ModelParallelStrategy (FSDP2)"
-        )
-    trainer.callbacks.append(_ReferenceCapture(fp8))
-
-
-def _replay_training_step(module: Any, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
-    import inspect
-
-    takes_index = len(inspect.signature(module.training_step).parameters) >= 2
-    # The replay's self.log calls would log reference figures under the user's keys: silence them.
-    module.log = module.log_dict = lambda *args, **kwargs: None
-    try:
-        output = module.training_step(batch, batch_idx) if takes_index else module.training_step(batch)
-    finally:
-        del module.log, module.log_dict
-    return None if output is None else output_loss(output)  # None: Lightning skips this batch
 
 
 class FP8Precision(_FP8Behaviour, MixedPrecision):

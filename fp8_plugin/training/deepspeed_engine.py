@@ -22,7 +22,13 @@ around that, without importing deepspeed (the engine is duck-typed):
   the parameter, so neither the weight's version counter nor its address tells a changed
   weight: the FP8 weight cache is turned off there (each gathered weight is cast afresh).
 - ``engine.save_checkpoint`` / ``load_checkpoint`` carry the FP8 state in DeepSpeed's
-  ``client_state`` (key :data:`CLIENT_STATE_KEY`); the model's own ``state_dict()`` stays vanilla.
+  ``client_state`` (key :data:`CLIENT_STATE_KEY`), and the reference checks' schedule and
+  history (:data:`REFERENCE_STATE_KEY`); the model's own ``state_dict()`` stays vanilla.
+- Reference checks run in ``engine.step()`` at the boundary, before DeepSpeed's step: the
+  replays take their gradients with ``torch.autograd.grad``, which runs none of ZeRO's gradient
+  hooks (they sit on the parameters' gradient accumulation), so DeepSpeed's partitions are not
+  touched; under ZeRO-3 the replays' forwards and backwards gather the parameters as training's
+  do.
 
 May import: :mod:`fp8_plugin.training` and below.
 """
@@ -39,16 +45,15 @@ from ..modules.linear import FP8Linear
 from .core import FP8Training
 
 __all__ = ["attach_to_engine", "check_deepspeed_config", "is_deepspeed_engine", "zero_stage",
-           "CLIENT_STATE_KEY", "REFUSED"]
+           "CLIENT_STATE_KEY", "REFERENCE_STATE_KEY", "REFUSED"]
 
-# The key of the FP8 state in a DeepSpeed checkpoint's client_state.
+# The keys of the FP8 state, and of the reference checks' history, in a DeepSpeed checkpoint's
+# client_state.
 CLIENT_STATE_KEY = "fp8_plugin_state"
+REFERENCE_STATE_KEY = "fp8_plugin_reference_checks"
 
 # What cannot run under DeepSpeed, and why (each loop refuses it at start-up with this reason).
 REFUSED = {
-    "reference_checks": "the BF16 reference checks replay a forward with torch.autograd.grad, which "
-                        "DeepSpeed's ZeRO gradient hooks (bucketed reduce-scatter, partitioned "
-                        "parameters under ZeRO-3) would intercept; set reference_every to 0 under DeepSpeed",
     "nonfinite": "DeepSpeed owns the optimizer step and keeps the gradients in its ZeRO partitions: a step "
                  "with non-finite gradients is skipped by DeepSpeed's fp16 dynamic loss scaler, not by "
                  "fp8-plugin's nonfinite policy; leave nonfinite unset under DeepSpeed",
@@ -166,20 +171,25 @@ def _wrap_checkpoints(engine: Any, runs: list[FP8Training]) -> None:
         state = dict(client_state or {})
         # Between steps every rank settles its pending amaxes (one reduction) before rank 0 writes.
         state[CLIENT_STATE_KEY] = [run.state_dict() for run in runs]
+        state[REFERENCE_STATE_KEY] = [run.reference.state_dict() if run.reference is not None else None
+                                      for run in runs]
         return save(save_dir, tag, state, *args, **kwargs)
 
     @functools.wraps(load)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         path, client_state = load(*args, **kwargs)
         saved = client_state.pop(CLIENT_STATE_KEY, None) if isinstance(client_state, dict) else None
+        checks = client_state.pop(REFERENCE_STATE_KEY, None) if isinstance(client_state, dict) else None
         if path is not None and saved is not None:
             if len(saved) != len(runs):
                 raise RuntimeError(
                     f"The DeepSpeed checkpoint {path} holds FP8 state for {len(saved)} model(s), this engine "
                     f"runs {len(runs)}: convert the same models before load_checkpoint"
                 )
-            for run, state in zip(runs, saved):
+            for index, (run, state) in enumerate(zip(runs, saved)):
                 run.load_state_dict(state, "DeepSpeedEngine.load_checkpoint")
+                if run.reference is not None and checks and checks[index] is not None:
+                    run.reference.load_state_dict(checks[index])  # the checks' schedule and history
                 for layer in _fp8_layers(run.module):
                     layer.clear_weight_cache()  # the loaded weights replace the ones cast
         return path, client_state

@@ -115,9 +115,13 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
         with torch.no_grad():
             z = dx.detach().reshape(-1, layer.in_features).float()
             energy[1, 0] += z.square().sum()
-            fp8 = call.pop("dgrad", None)
-            if fp8 is not None:  # the figure's own tensor: its error computed in place
-                energy[1, 1] += fp8.sub_(z).square_().sum()
+            qg = call.pop("dgrad", None)
+            if qg is not None:
+                # dx [M, K] = dy [M, N] @ W [N, K], on the weight's transposed FP8 copy as cached.
+                # Here, not when dy arrives: the layer's backward has just read its weight, which
+                # ZeRO-3 gathers only after the hooks on the layer's output have run.
+                fp8 = _figure_gemm(qg, layer._weight_casts(recipe, False, columnwise=True)[1])
+                energy[1, 1] += fp8.sub_(z).square_().sum()  # the figure's own tensor: in place
 
     gathered_hooks: dict[int, Any] = {}  # FSDP2: the gathered weight's wgrad hook, by tensor id
 
@@ -151,8 +155,8 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
                 quantizer = make_quantizer(recipe, GRAD_OUTPUT, layer.fp8_state, record=False, host=False)
                 in_bf16 = _figures_in_bf16(quantizer, g.device)
                 qg, qg_t = _figure_casts(quantizer, g, fp8_wgrad, in_bf16)
-            if fp8_dgrad:  # dx [M, K] = dy [M, N] @ W [N, K], on the weight's transposed FP8 copy as cached
-                call["dgrad"] = _figure_gemm(qg, layer._weight_casts(recipe, False, columnwise=True)[1])
+            if fp8_dgrad:  # its FP8 GEMM runs when the reference's dgrad arrives (dgrad_done)
+                call["dgrad"] = qg
             if not needs_wgrad:
                 return
             x2d = x.reshape(-1, layer.in_features)  # dW [N, K] = dy^T [N, M] @ x [M, K]
