@@ -11,7 +11,10 @@ The plugin's FP8 run samples the per-layer statistics every 2 optimizer steps, l
 recording logger, and runs a BF16 reference check every 2 optimizer steps.
 Writes what it saw to ``<out>/rank<R>.pt``.
 
-    python deepspeed_lightning_worker.py <out> --stage S [--precision fp8|bf16|fp8-string]
+    python deepspeed_lightning_worker.py <out> --stage S [--precision fp8|bf16|fp8-string|bf16+fp8...]
+
+Several precisions joined by ``+`` fit one after the other in the same launch, each into
+``<out>/<precision>`` (a launch's start is most of such a small run's time).
 """
 
 import argparse
@@ -158,11 +161,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp8-string"))
+    parser.add_argument("--precision", default="fp8",
+                        help="fp8, bf16 or fp8-string; several joined by '+' run one after the other in this launch, "
+                             "each into <out>/<precision>")
     args = parser.parse_args()
+    precisions = args.precision.split("+")
+    if any(p not in ("fp8", "bf16", "fp8-string") for p in precisions):
+        parser.error(f"--precision {args.precision}: valid: fp8, bf16, fp8-string, joined by '+'")
+    for precision in precisions:
+        run(args.out / precision if len(precisions) > 1 else args.out, args.stage, precision)
+    tear_down_process_group()
 
-    trainer, model, record = fit(args.out, args.stage, args.precision)
+
+def run(out: Path, stage: int, precision: str) -> None:
+    gemms_before, checks_before = FP8_GEMMS[0], CHECK_GEMMS[0]
+    trainer, model, record = fit(out, stage, precision)
     engine = trainer.strategy.model
+    check_gemms = CHECK_GEMMS[0] - checks_before
     result = {
         "world_size": trainer.world_size,
         "zero_stage": engine.zero_optimization_stage(),
@@ -176,22 +191,22 @@ def main() -> None:
         "weight_amaxes": record.weight_amaxes,
         "logged": trainer.logger.logged,
         "max_all_reduces": record.reduces,
-        "train_fp8_gemms": FP8_GEMMS[0] - CHECK_GEMMS[0],
-        "check_fp8_gemms": CHECK_GEMMS[0],
+        "train_fp8_gemms": FP8_GEMMS[0] - gemms_before - check_gemms,
+        "check_fp8_gemms": check_gemms,
         "fp8_state": fp8_state(engine),
         "weights": full_fp32_weights(engine),
     }
-    if args.precision == "fp8":
+    if precision == "fp8":
         result["reference_results"] = [{k: v for k, v in r.to_dict().items() if k != "seconds"}
                                        for r in trainer.precision_plugin.fp8.reference.results]
-        resumed, _, resumed_record = fit(args.out / "resumed", args.stage, args.precision,
-                                         ckpt_path=str(args.out / "ckpt" / "step=2.ckpt"))
+        resumed, _, resumed_record = fit(out / "resumed", stage, precision,
+                                         ckpt_path=str(out / "ckpt" / "step=2.ckpt"))
         result["resumed_losses"] = resumed_record.losses
         result["resumed_inputs"] = resumed_record.inputs
         result["resumed_fp8_state"] = fp8_state(resumed.strategy.model)
         result["resumed_weights"] = full_fp32_weights(resumed.strategy.model)
-    torch.save(result, args.out / f"rank{trainer.global_rank}.pt")
-    tear_down_process_group()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

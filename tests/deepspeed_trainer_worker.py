@@ -6,7 +6,9 @@ The run trains 4 optimizer steps of 2 accumulated micro-batches, checkpointing e
 run then trains again from ``checkpoint-2`` (``train(resume_from_checkpoint=...)``, DeepSpeed's
 ``load_checkpoint``) to step 4. Writes what it saw to ``<out>/rank<R>.pt``.
 
-    python deepspeed_trainer_worker.py <out> --stage S [--precision fp8|bf16]
+    python deepspeed_trainer_worker.py <out> --stage S [--precision fp8|bf16|bf16+fp8]
+
+``bf16+fp8`` runs both in the same launch, each into ``<out>/<precision>``.
 """
 
 import argparse
@@ -94,9 +96,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp8", choices=("fp8", "bf16"))
+    parser.add_argument("--precision", default="fp8",
+                        help="fp8 or bf16; both, 'bf16+fp8', run one after the other in this launch, each into "
+                             "<out>/<precision>")
     args = parser.parse_args()
+    precisions = args.precision.split("+")
+    if any(p not in ("fp8", "bf16") for p in precisions):
+        parser.error(f"--precision {args.precision}: valid: fp8, bf16, joined by '+'")
+    for precision in precisions:
+        run(args.out / precision if len(precisions) > 1 else args.out, args.stage, precision)
+    tear_down_process_group()
 
+
+def run(out: Path, stage: int, precision: str) -> None:
+    gemms_before, checks_before = FP8_GEMMS[0], CHECK_GEMMS[0]
+    args = argparse.Namespace(out=out, stage=stage, precision=precision)
     record = Record()
     trainer = trainer_for(args.out, args.stage, args.precision, record)
     trainer.train()
@@ -109,8 +123,8 @@ def main() -> None:
         "max_all_reduces": record.reduces,
         "statistics": [(h["step"], {k: v for k, v in h.items() if k.startswith("fp8_stats/")})
                        for h in trainer.state.log_history if any(k.startswith("fp8_stats/") for k in h)],
-        "train_fp8_gemms": FP8_GEMMS[0] - CHECK_GEMMS[0],
-        "check_fp8_gemms": CHECK_GEMMS[0],
+        "train_fp8_gemms": FP8_GEMMS[0] - gemms_before - (CHECK_GEMMS[0] - checks_before),
+        "check_fp8_gemms": CHECK_GEMMS[0] - checks_before,
         "reference": [(h["step"], h["fp8_ref/grad_cosine"]) for h in trainer.state.log_history
                       if "fp8_ref/grad_cosine" in h],
         "reference_results": [{k: v for k, v in r.to_dict().items() if k != "seconds"}
@@ -136,8 +150,8 @@ def main() -> None:
         result["resumed_losses"] = [h["loss"] for h in resumed.state.log_history if "loss" in h]
         result["resumed_fp8_state"] = fp8_state(resumed.model_wrapped)
         result["resumed_weights"] = full_fp32_weights(resumed.model_wrapped)
+    out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{trainer.args.process_index}.pt")
-    tear_down_process_group()
 
 
 if __name__ == "__main__":

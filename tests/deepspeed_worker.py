@@ -10,8 +10,12 @@ It trains ``--steps`` optimizer steps of ``--grad-accum`` micro-batches, saves t
 then loads that state and trains the same last steps again; writes what it saw to
 ``<out>/rank<R>.pt``.
 
-    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16] [--model net|llama] [--steps N]
-        [--grad-accum K] [--from-env]
+    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16|bf16+fp8] [--model net|llama]
+        [--steps N] [--grad-accum K] [--from-env] [--reference]
+
+Several precisions joined by ``+`` (and ``--reference``, :func:`reference_checks`) run one after
+the other in the same launch, each with an Accelerator of its own, into ``<out>/<precision>``
+(``<out>/reference``): a launch's start is most of such a small run's time.
 
 With ``--from-env`` (under ``accelerate launch --config_file ...``) the Accelerator takes
 everything from the environment the launcher sets from the config file.
@@ -124,7 +128,7 @@ def fp8_state(model) -> dict:
             for name, m in model.module.named_modules() if isinstance(m, FP8Linear)}
 
 
-def fp16_skips(args) -> None:
+def fp16_skips(args, out: Path):
     """DeepSpeed fp16 with FP8: a non-finite gradient (an inf input on rank 0 in optimizer step
     2) makes DeepSpeed's dynamic loss scaler skip that step on both ranks; the FP8 step still
     ends (one amax reduction), and the skip is counted."""
@@ -135,6 +139,7 @@ def fp16_skips(args) -> None:
     # DeepSpeed's CPU back end allows fp16 only where oneDNN has fast fp16 kernels (a speed
     # gate): fp16 itself computes on any CPU.
     get_accelerator().is_fp16_supported = lambda: True
+    gemms_before, reduces_before = FP8_GEMMS[0], len(MAX_ALL_REDUCES)
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.grad_accum, "fp16"))
     accelerator = Accelerator(mixed_precision="fp8", fp8_compute_dtype=torch.float16, deepspeed_plugin=plugin,
                               gradient_accumulation_steps=args.grad_accum)
@@ -160,21 +165,23 @@ def fp16_skips(args) -> None:
             applied.append(model.was_step_applied())
             skips.append(int(run.faults._scaler_skipped))  # loss-scaler skips in a row, as counted
             weights.append(full_fp32_weights(model))
-            reduces.append(MAX_ALL_REDUCES[len(sum(reduces, [])):])
+            reduces.append(MAX_ALL_REDUCES[reduces_before + len(sum(reduces, [])):])
     result = {
         "applied": applied,
         "weights": weights,
         "max_all_reduces": reduces,
         "optimizer_steps": run.optimizer_steps,
         "scaler_skips": skips,
-        "train_fp8_gemms": FP8_GEMMS[0],
+        "train_fp8_gemms": FP8_GEMMS[0] - gemms_before,
         "fp8_state": fp8_state(model),
         "param_dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
-    accelerator.end_training()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{accelerator.process_index}.pt")
+    return accelerator
+
+
+LLAMA_STEPS = 2
 
 
 def make_llama():
@@ -186,7 +193,7 @@ def make_llama():
                                         max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
-def llama_saves_pretrained(args) -> None:
+def llama_saves_pretrained(args, out: Path):
     """A tiny LlamaForCausalLM trained in FP8 through fp8_plugin.accelerate.Accelerator, then
     saved the way Accelerate documents for ZeRO-3: ``accelerator.get_state_dict(model)`` (which
     gathers the 16-bit weights from the partitions when
@@ -196,6 +203,7 @@ def llama_saves_pretrained(args) -> None:
     load through ``deepspeed.zero.Init`` (collectives on the loading rank alone)."""
     from fp8_plugin.accelerate import Accelerator
 
+    gemms_before = FP8_GEMMS[0]
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.grad_accum))
     accelerator = Accelerator(mixed_precision="fp8", deepspeed_plugin=plugin,
                               gradient_accumulation_steps=args.grad_accum)
@@ -214,22 +222,22 @@ def llama_saves_pretrained(args) -> None:
             optimizer.zero_grad()
     result = {
         "zero_stage": model.zero_optimization_stage(),
-        "train_fp8_gemms": FP8_GEMMS[0],
+        "steps": args.steps,
+        "train_fp8_gemms": FP8_GEMMS[0] - gemms_before,
         "fp8_layers": sorted(n for n, m in model.module.named_modules() if isinstance(m, FP8Linear)),
         "initial_weights": initial,
         "weights": full_fp32_weights(model),  # the FP32 masters, gathered from the partitions
     }
     state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
-    saved = args.out / "pretrained"
+    saved = out / "pretrained"
     accelerator.unwrap_model(model).save_pretrained(saved, is_main_process=accelerator.is_main_process,
                                                     state_dict=state_dict)
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
-    accelerator.end_training()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{accelerator.process_index}.pt")
+    return accelerator
 
 
-def reference_checks(args) -> None:
+def reference_checks(args, out: Path):
     """Reference checks under DeepSpeed (``--reference``): a fault planted on rank 1 only (its
     inputs carry channel 0 at 1e6, whose weight column in layer 0 is zero and kept zero; current
     scaling, so only rank 1's layer 0 flushes its other inputs to zero). Checks every 2 steps
@@ -264,24 +272,23 @@ def reference_checks(args) -> None:
             optimizer.zero_grad()
 
     train(range(3))
-    accelerator.save_state(str(args.out / "checkpoint"))
+    accelerator.save_state(str(out / "checkpoint"))
     train(range(3, 4))
     result = {
         "results": [{k: v for k, v in r.to_dict().items() if k != "seconds"} for r in run.reference.results],
         "use_fp8": {n: m.use_fp8 for n, m in model.module.net.named_modules() if isinstance(m, FP8Linear)},
         "weights": full_fp32_weights(model),
     }
-    accelerator.load_state(str(args.out / "checkpoint"))
+    accelerator.load_state(str(out / "checkpoint"))
     result["loaded_checks"] = (run.reference.steps, len(run.reference.results))  # as saved after step 3
     run.reference = None  # step 4 again, unchecked
     train(range(3, 4))
     result["unchecked_weights"] = full_fp32_weights(model)
     result["unchecked_use_fp8"] = {n: m.use_fp8 for n, m in model.module.net.named_modules()
                                    if isinstance(m, FP8Linear)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    tear_down_process_group()
-    accelerator.end_training()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{accelerator.process_index}.pt")
+    return accelerator
 
 
 class _LossOf(nn.Module):
@@ -299,22 +306,55 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp16"))
+    parser.add_argument("--precision", default="fp8",
+                        help="fp8, bf16 or fp16; several joined by '+' run one after the other, each into <out>/<precision>")
     parser.add_argument("--model", default="net", choices=("net", "llama"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--from-env", action="store_true", help="the Accelerator from accelerate launch's environment")
-    parser.add_argument("--reference", action="store_true", help="reference checks on a planted fault")
+    parser.add_argument("--reference", action="store_true",
+                        help="then reference checks on a planted fault, into <out>/reference")
     args = parser.parse_args()
 
+    precisions = args.precision.split("+")
+    if any(p not in ("fp8", "bf16", "fp16", "llama") for p in precisions):
+        parser.error(f"--precision {args.precision}: valid: fp8, bf16, fp16, llama, joined by '+'")
+    several = len(precisions) > 1 or args.reference
+    accelerator = None
+    # One launch, several runs: each a new Accelerator on the same process group (the start of a
+    # launch, imports and group, is most of a small run's time).
+    for precision in precisions:
+        if accelerator is not None:
+            _reset_accelerate()
+        out = args.out / precision if several else args.out
+        if precision == "fp16":
+            accelerator = fp16_skips(args, out)
+        elif precision == "llama" or args.model == "llama":
+            # "llama" in a list: LLAMA_STEPS steps of one micro-batch.
+            llama = args if precision != "llama" else argparse.Namespace(**{**vars(args), "steps": LLAMA_STEPS,
+                                                                           "grad_accum": 1})
+            accelerator = llama_saves_pretrained(llama, out)
+        else:
+            accelerator = train_and_resume(args, precision, out)
     if args.reference:
-        return reference_checks(args)
-    if args.precision == "fp16":
-        return fp16_skips(args)
-    if args.model == "llama":
-        return llama_saves_pretrained(args)
-    if args.precision == "fp8":
+        _reset_accelerate()
+        accelerator = reference_checks(args, args.out / "reference")
+    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
+    accelerator.end_training()
+
+
+def _reset_accelerate() -> None:
+    # A new Accelerator with other settings in this process: Accelerate's shared state starts
+    # afresh (the process group stays).
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def train_and_resume(args, precision: str, out: Path):
+    if precision == "fp8":
         from fp8_plugin.accelerate import Accelerator
     else:
         from accelerate import Accelerator
@@ -323,9 +363,10 @@ def main() -> None:
     else:
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config(args.stage, args.grad_accum))
         # The FP8 run samples the per-layer statistics every 2 optimizer steps.
-        fp8 = {"fp8_statistics": 2} if args.precision == "fp8" else {}
-        accelerator = Accelerator(mixed_precision=args.precision, deepspeed_plugin=plugin,
+        fp8 = {"fp8_statistics": 2} if precision == "fp8" else {}
+        accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=plugin,
                                   gradient_accumulation_steps=args.grad_accum, **fp8)
+    gemms_before, reduces_before = FP8_GEMMS[0], len(MAX_ALL_REDUCES)
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
@@ -349,18 +390,18 @@ def main() -> None:
                     optimizer.step()
                     optimizer.zero_grad()
                 losses.append(loss.item())
-            reduces.append(MAX_ALL_REDUCES[len(sum(reduces, [])):])
-            statistics.append(accelerator.fp8_reference_metrics() if args.precision == "fp8" else {})
+            reduces.append(MAX_ALL_REDUCES[reduces_before + len(sum(reduces, [])):])
+            statistics.append(accelerator.fp8_reference_metrics() if precision == "fp8" else {})
         return losses
 
     reduces: list[list[int]] = []
     input_amaxes: list[float] = []  # per micro-batch: the largest magnitude of the bf16 inputs
     statistics: list[dict] = []  # per optimizer step: the fp8_stats/ figures it formed
     losses = train(range(args.save_at))
-    checkpoint = args.out / "checkpoint"
+    checkpoint = out / "checkpoint"
     accelerator.save_state(str(checkpoint))
     losses += train(range(args.save_at, args.steps))
-    train_gemms = FP8_GEMMS[0]
+    train_gemms = FP8_GEMMS[0] - gemms_before
     result = {
         "world_size": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
@@ -405,9 +446,9 @@ def main() -> None:
             after = model(x).float()
         result["regathered_ratio"] = (after / before).flatten()
 
-    torch.save(result, args.out / f"rank{accelerator.process_index}.pt")
-    tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
-    accelerator.end_training()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{accelerator.process_index}.pt")
+    return accelerator
 
 
 if __name__ == "__main__":

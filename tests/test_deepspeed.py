@@ -34,6 +34,9 @@ def _free_port() -> int:
 
 def run_worker(out: Path, stage: int, precision: str, model: str = "net", steps: int = STEPS,
                grad_accum: int = GRAD_ACCUM, extra: tuple = ()) -> tuple[dict, dict]:
+    """One launch of tests/deepspeed_worker.py; returns what ranks 0 and 1 wrote to ``out``
+    (with several precisions, ``"bf16+fp8"``, or ``--reference``, each run wrote its own folder
+    of ``out`` and nothing is returned: see ``zero_runs``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -42,8 +45,9 @@ def run_worker(out: Path, stage: int, precision: str, model: str = "net", steps:
                            "--grad-accum", str(grad_accum), *extra],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    return r0, r1
+    if "+" in precision or "--reference" in extra:
+        return None
+    return _ranks(out)
 
 
 def _check_statistics(logged: list, r0: dict, r1: dict, prefix: str) -> None:
@@ -63,10 +67,36 @@ def _equal_states(a: dict, b: dict) -> bool:
         a[name].keys() == b[name].keys() and all(torch.equal(v, b[name][k]) for k, v in a[name].items()) for name in a)
 
 
+def _ranks(out: Path) -> tuple[dict, dict]:
+    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """``zero_runs(stage)``: the runs of a ZeRO stage, from one launch per stage, made once:
+    ``{"bf16" | "fp8" | "fp16" | "llama" | "reference": (rank 0, rank 1), "dir": its folder}``
+    (BF16 and FP8 under every stage; fp16 under ZeRO-2, llama under ZeRO-3; the reference-check
+    run under ZeRO-2 and 3)."""
+    runs: dict[int, dict] = {}
+
+    def get(stage: int) -> dict:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"zero{stage}")
+            # ZeRO-2 also runs DeepSpeed's fp16, ZeRO-3 the transformers model saved with save_pretrained.
+            precisions = {1: "bf16+fp8", 2: "bf16+fp8+fp16", 3: "bf16+fp8+llama"}[stage]
+            run_worker(out, stage, precisions, extra=("--reference",) if stage in (2, 3) else ())
+            runs[stage] = {name: _ranks(out / name) for name in ("bf16", "fp8", "fp16", "llama", "reference")
+                           if (out / name).is_dir()}
+            runs[stage]["dir"] = out
+        return runs[stage]
+
+    return get
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_and_resumes(tmp_path, stage):
-    r0, r1 = run_worker(tmp_path / "fp8", stage, "fp8")
-    ref0, _ = run_worker(tmp_path / "bf16", stage, "bf16")
+def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_and_resumes(zero_runs, stage):
+    r0, r1 = zero_runs(stage)["fp8"]
+    ref0, _ = zero_runs(stage)["bf16"]
     assert r0["distributed_type"] == "DistributedType.DEEPSPEED" and r0["zero_stage"] == stage
     assert r0["world_size"] == 2 and r0["losses"] != r1["losses"]  # the ranks saw different data
     assert r0["param_dtypes"] == ["torch.bfloat16"]  # DeepSpeed's bf16 holds the model (FP32 masters in ZeRO)
@@ -118,19 +148,13 @@ def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_an
         assert r0["weight_cache"] == [True, True, True]
 
 
-@pytest.fixture(scope="module")
-def reference_runs(tmp_path_factory) -> dict:
-    return {stage: run_worker(tmp_path_factory.mktemp(f"reference{stage}"), stage, "fp8", extra=("--reference",))
-            for stage in (2, 3)}
-
-
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_reference_checks_name_a_planted_layer_on_both_ranks_and_leave_training_alone(reference_runs, stage):
+def test_zero_reference_checks_name_a_planted_layer_on_both_ranks_and_leave_training_alone(zero_runs, stage):
     # A fault on rank 1 only (tests/deepspeed_worker.py, reference_checks): the figures summed
     # over the ranks name net.0 on both, both move it to high precision, and the check at step 4
     # (net.0 then in high precision: it passes) changes no weight: step 4 run again from the
     # step-3 state without checks gives the same FP32 master weights, bit for bit.
-    r0, r1 = reference_runs[stage]
+    r0, r1 = zero_runs(stage)["reference"]
     assert r0["results"] == r1["results"]
     first, second = r0["results"]
     assert [first["step"] + 1, second["step"] + 1] == [2, 4]
@@ -144,13 +168,13 @@ def test_zero_reference_checks_name_a_planted_layer_on_both_ranks_and_leave_trai
         assert all(torch.equal(w, r["unchecked_weights"][k]) for k, w in r["weights"].items())
 
 
-def test_zero3_reference_checks_give_the_figures_of_zero2(reference_runs):
+def test_zero3_reference_checks_give_the_figures_of_zero2(zero_runs):
     # ZeRO-3 gathers each partitioned parameter for the replays' forwards and backwards as for
     # training's; ZeRO-2 keeps them whole: the same computation, the same figures, exactly.
-    assert reference_runs[3][0]["results"] == reference_runs[2][0]["results"]
+    assert zero_runs(3)["reference"][0]["results"] == zero_runs(2)["reference"][0]["results"]
 
 
-def test_zero3_fp8_trained_transformers_model_saved_pretrained_loads_into_plain_transformers(tmp_path):
+def test_zero3_fp8_trained_transformers_model_saved_pretrained_loads_into_plain_transformers(zero_runs):
     # A tiny LlamaForCausalLM trained 2 optimizer steps in FP8 under ZeRO-3 (every parameter
     # partitioned), saved as Accelerate documents: accelerator.get_state_dict(model) (gathered
     # from the partitions, stage3_gather_16bit_weights_on_model_save), then save_pretrained of
@@ -161,9 +185,9 @@ def test_zero3_fp8_trained_transformers_model_saved_pretrained_loads_into_plain_
 
     from fp8_plugin.modules.linear import FP8Linear
 
-    steps = 2
-    r0, r1 = run_worker(tmp_path, 3, "fp8", model="llama", steps=steps, grad_accum=1)
-    assert r0["zero_stage"] == 3
+    r0, r1 = zero_runs(3)["llama"]
+    steps = r0["steps"]
+    assert r0["zero_stage"] == 3 and steps == 2
     # It trained in FP8: the 7 projections of each of the 2 decoder layers (lm_head stays in
     # high precision) ran forward, dgrad and wgrad in FP8 for each micro-batch.
     projections = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
@@ -175,7 +199,7 @@ def test_zero3_fp8_trained_transformers_model_saved_pretrained_loads_into_plain_
     assert all(not torch.equal(masters[k], v) for k, v in r0["initial_weights"].items())  # every weight trained
     # The saved file: the model's own keys only (no FP8 scales or amax histories), each the bf16
     # rounding of its FP32 master (DeepSpeed's bf16 model copy is the masters cast to bf16).
-    saved = tmp_path / "pretrained"
+    saved = zero_runs(3)["dir"] / "llama" / "pretrained"
     tensors = safetensors.torch.load_file(saved / "model.safetensors")
     assert tensors.keys() == masters.keys()
     assert all(torch.equal(v, masters[k].to(torch.bfloat16)) for k, v in tensors.items())
@@ -245,11 +269,11 @@ def test_accelerate_launch_with_the_example_config_trains_zero3_in_fp8(tmp_path)
     assert _equal_states(r0["resumed_fp8_state"], r0["fp8_state"])
 
 
-def test_fp16_dynamic_loss_scaler_skips_a_step_with_non_finite_fp8_gradients(tmp_path):
+def test_fp16_dynamic_loss_scaler_skips_a_step_with_non_finite_fp8_gradients(zero_runs):
     # DeepSpeed fp16 (ZeRO-2) with FP8: rank 0 feeds an inf in the last micro-batch of optimizer
     # step 2. Its FP8 casts see a non-finite amax, its gradients are non-finite, and DeepSpeed's
     # dynamic loss scaler (its overflow check spans the ranks) skips that step on both.
-    r0, r1 = run_worker(tmp_path, 2, "fp16")
+    r0, r1 = zero_runs(2)["fp16"]
     assert r0["param_dtypes"] == ["torch.float16"]  # DeepSpeed's fp16 holds the model
     assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3)
     for r in (r0, r1):
@@ -277,14 +301,13 @@ def test_fp16_dynamic_loss_scaler_skips_a_step_with_non_finite_fp8_gradients(tmp
 TRAINER_WORKER = Path(__file__).with_name("deepspeed_trainer_worker.py")
 
 
-def run_trainer_worker(out: Path, stage: int, precision: str) -> tuple[dict, dict]:
+def run_trainer_worker(out: Path, stage: int, precision: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={_free_port()}", str(TRAINER_WORKER), str(out), "--stage", str(stage),
                            "--precision", precision], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -292,8 +315,9 @@ def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(t
     # FP8Trainer(args=TrainingArguments(deepspeed=<dict>, bf16=True)): 4 optimizer steps of 2
     # micro-batches, checkpoints every 2 (DeepSpeed's save_checkpoint), then a second Trainer
     # resumes from checkpoint-2 (its load_checkpoint); against the plain Trainer alike.
-    r0, r1 = run_trainer_worker(tmp_path / "fp8", stage, "fp8")
-    ref0, _ = run_trainer_worker(tmp_path / "bf16", stage, "bf16")
+    run_trainer_worker(tmp_path, stage, "bf16+fp8")  # one launch: the plain Trainer, then FP8Trainer
+    r0, r1 = _ranks(tmp_path / "fp8")
+    ref0, _ = _ranks(tmp_path / "bf16")
     assert r0["world_size"] == 2 and r0["zero_stage"] == stage
     assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3) and ref0["train_fp8_gemms"] == 0
     # FP8Trainer(fp8_reference_every=2): checks at steps 2 and 4, identical figures on both ranks,
@@ -334,22 +358,38 @@ def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(t
 LIGHTNING_WORKER = Path(__file__).with_name("deepspeed_lightning_worker.py")
 
 
-def run_lightning_worker(out: Path, stage: int, precision: str) -> tuple[dict, dict]:
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    """``lightning_runs(stage)``: ``{"bf16" | "fp8" (| "fp8-string" under ZeRO-2): (rank 0, rank 1)}``
+    from one launch per stage, made once."""
+    runs: dict[int, dict] = {}
+
+    def get(stage: int) -> dict:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"lightning{stage}")
+            precisions = ["bf16", "fp8"] + (["fp8-string"] if stage == 2 else [])
+            run_lightning_worker(out, stage, "+".join(precisions))
+            runs[stage] = {name: _ranks(out / name) for name in precisions}
+        return runs[stage]
+
+    return get
+
+
+def run_lightning_worker(out: Path, stage: int, precision: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={_free_port()}", str(LIGHTNING_WORKER), str(out), "--stage", str(stage),
                            "--precision", precision], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lightning_deepspeed_strategy_with_fp8_precision_plugin(tmp_path, stage):
+def test_lightning_deepspeed_strategy_with_fp8_precision_plugin(lightning_runs, stage):
     # Trainer(strategy=DeepSpeedStrategy(stage), plugins=[FP8DeepSpeedPrecision()]) against
     # Lightning's own DeepSpeed precision="bf16-mixed" on the same model and batches.
-    r0, r1 = run_lightning_worker(tmp_path / "fp8", stage, "fp8")
-    ref0, _ = run_lightning_worker(tmp_path / "bf16", stage, "bf16")
+    r0, r1 = lightning_runs(stage)["fp8"]
+    ref0, _ = lightning_runs(stage)["bf16"]
     assert r0["world_size"] == 2 and r0["zero_stage"] == stage and r0["inputs"] != r1["inputs"]
     assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3) and ref0["train_fp8_gemms"] == 0
     assert _equal_states(r0["fp8_state"], r1["fp8_state"])
@@ -392,10 +432,10 @@ def test_lightning_deepspeed_strategy_with_fp8_precision_plugin(tmp_path, stage)
         assert all(torch.equal(v, r["resumed_weights"][k]) for k, v in r["weights"].items())
 
 
-def test_lightning_trainer_fp8_string_with_deepspeed_stage_2_string_trains_in_fp8(tmp_path):
+def test_lightning_trainer_fp8_string_with_deepspeed_stage_2_string_trains_in_fp8(lightning_runs):
     # Trainer(precision="fp8-hybrid", strategy="deepspeed_stage_2"), two processes: Lightning
     # resolves the strategy name, the string becomes FP8DeepSpeedPrecision on DeepSpeed's bf16.
-    r0, r1 = run_lightning_worker(tmp_path, 2, "fp8-string")
+    r0, r1 = lightning_runs(2)["fp8-string"]
     assert r0["precision_plugin"] == "FP8DeepSpeedPrecision" and r0["recipe_format"] == "HYBRID"
     assert r0["world_size"] == 2 and r0["zero_stage"] == 2 and r0["bf16_enabled"]
     # 3 forward + 2 dgrad + 3 wgrad FP8 GEMMs per micro-batch (the first layer's input needs no dgrad).
