@@ -11,10 +11,10 @@ The plugin's FP8 run samples the per-layer statistics every 2 optimizer steps, l
 recording logger, and runs a BF16 reference check every 2 optimizer steps.
 Writes what it saw to ``<out>/rank<R>.pt``.
 
-    python deepspeed_lightning_worker.py <out> --stage S [--precision fp8|bf16|fp8-string|bf16+fp8...]
+    python deepspeed_lightning_worker.py <out> --runs 2:bf16,2:fp8,2:fp8-string,3:bf16,3:fp8
 
-Several precisions joined by ``+`` fit one after the other in the same launch, each into
-``<out>/<precision>`` (a launch's start is most of such a small run's time).
+The runs fit one after the other in the same launch, each into ``<out>/<stage>/<run>`` (a
+launch's start is most of such a small run's time).
 """
 
 import argparse
@@ -160,16 +160,15 @@ def fit(out: Path, stage: int, precision: str, ckpt_path=None) -> tuple[L.Traine
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp8",
-                        help="fp8, bf16 or fp8-string; several joined by '+' run one after the other in this launch, "
-                             "each into <out>/<precision>")
+    parser.add_argument("--runs", required=True,
+                        help="'STAGE:RUN,...' (RUN: fp8, bf16, fp8-string), one after the other in this launch, "
+                             "each into <out>/<STAGE>/<RUN>")
     args = parser.parse_args()
-    precisions = args.precision.split("+")
-    if any(p not in ("fp8", "bf16", "fp8-string") for p in precisions):
-        parser.error(f"--precision {args.precision}: valid: fp8, bf16, fp8-string, joined by '+'")
-    for precision in precisions:
-        run(args.out / precision if len(precisions) > 1 else args.out, args.stage, precision)
+    runs = [spec.split(":") for spec in args.runs.split(",")]
+    if any(len(r) != 2 or r[0] not in "123" or r[1] not in ("fp8", "bf16", "fp8-string") for r in runs):
+        parser.error(f"--runs {args.runs}: valid: STAGE:RUN,... with STAGE 1-3 and RUN fp8, bf16 or fp8-string")
+    for stage, name in runs:
+        run(args.out / stage / name, int(stage), name)
     tear_down_process_group()
 
 

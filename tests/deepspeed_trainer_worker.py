@@ -6,9 +6,9 @@ The run trains 4 optimizer steps of 2 accumulated micro-batches, checkpointing e
 run then trains again from ``checkpoint-2`` (``train(resume_from_checkpoint=...)``, DeepSpeed's
 ``load_checkpoint``) to step 4. Writes what it saw to ``<out>/rank<R>.pt``.
 
-    python deepspeed_trainer_worker.py <out> --stage S [--precision fp8|bf16|bf16+fp8]
+    python deepspeed_trainer_worker.py <out> --runs 2:bf16,2:fp8,3:bf16,3:fp8
 
-``bf16+fp8`` runs both in the same launch, each into ``<out>/<precision>``.
+The runs train one after the other in the same launch, each into ``<out>/<stage>/<run>``.
 """
 
 import argparse
@@ -95,16 +95,15 @@ def trainer_for(out: Path, stage: int, precision: str, record: Record) -> Traine
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp8",
-                        help="fp8 or bf16; both, 'bf16+fp8', run one after the other in this launch, each into "
-                             "<out>/<precision>")
+    parser.add_argument("--runs", required=True,
+                        help="'STAGE:RUN,...' (RUN: fp8, bf16), one after the other in this launch, each into "
+                             "<out>/<STAGE>/<RUN>")
     args = parser.parse_args()
-    precisions = args.precision.split("+")
-    if any(p not in ("fp8", "bf16") for p in precisions):
-        parser.error(f"--precision {args.precision}: valid: fp8, bf16, joined by '+'")
-    for precision in precisions:
-        run(args.out / precision if len(precisions) > 1 else args.out, args.stage, precision)
+    runs = [spec.split(":") for spec in args.runs.split(",")]
+    if any(len(r) != 2 or r[0] not in "123" or r[1] not in ("fp8", "bf16") for r in runs):
+        parser.error(f"--runs {args.runs}: valid: STAGE:RUN,... with STAGE 1-3 and RUN fp8 or bf16")
+    for stage, name in runs:
+        run(args.out / stage / name, int(stage), name)
     tear_down_process_group()
 
 

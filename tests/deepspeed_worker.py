@@ -10,12 +10,13 @@ It trains ``--steps`` optimizer steps of ``--grad-accum`` micro-batches, saves t
 then loads that state and trains the same last steps again; writes what it saw to
 ``<out>/rank<R>.pt``.
 
-    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16|bf16+fp8] [--model net|llama]
-        [--steps N] [--grad-accum K] [--from-env] [--reference]
+    python deepspeed_worker.py <out> --stage S [--precision fp8|bf16|fp16] [--model net|llama]
+        [--steps N] [--grad-accum K] [--from-env]
+    python deepspeed_worker.py <out> --runs 2:bf16,2:fp8,2:reference,3:fp8,3:llama,...
 
-Several precisions joined by ``+`` (and ``--reference``, :func:`reference_checks`) run one after
-the other in the same launch, each with an Accelerator of its own, into ``<out>/<precision>``
-(``<out>/reference``): a launch's start is most of such a small run's time.
+``--runs`` runs one after the other in the same launch, each with an Accelerator of its own,
+into ``<out>/<stage>/<run>`` (``reference``: :func:`reference_checks`; ``llama``:
+:func:`llama_saves_pretrained`): a launch's start is most of such a small run's time.
 
 With ``--from-env`` (under ``accelerate launch --config_file ...``) the Accelerator takes
 everything from the environment the launcher sets from the config file.
@@ -305,43 +306,44 @@ class _LossOf(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp8",
-                        help="fp8, bf16 or fp16; several joined by '+' run one after the other, each into <out>/<precision>")
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--precision", default="fp8", choices=RUNS[:3])
+    parser.add_argument("--runs", default="",
+                        help="several runs in this launch, 'STAGE:RUN,...' (RUN: fp8, bf16, fp16, llama, reference), "
+                             "each into <out>/<STAGE>/<RUN>; --stage and --precision are then ignored")
     parser.add_argument("--model", default="net", choices=("net", "llama"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--from-env", action="store_true", help="the Accelerator from accelerate launch's environment")
-    parser.add_argument("--reference", action="store_true",
-                        help="then reference checks on a planted fault, into <out>/reference")
     args = parser.parse_args()
 
-    precisions = args.precision.split("+")
-    if any(p not in ("fp8", "bf16", "fp16", "llama") for p in precisions):
-        parser.error(f"--precision {args.precision}: valid: fp8, bf16, fp16, llama, joined by '+'")
-    several = len(precisions) > 1 or args.reference
+    runs = [spec.split(":") for spec in args.runs.split(",")] if args.runs else [[str(args.stage), args.precision]]
+    if any(len(r) != 2 or r[0] not in "0123" or r[1] not in RUNS for r in runs):
+        parser.error(f"--runs {args.runs}: valid: STAGE:RUN,... with STAGE 0-3 and RUN one of {', '.join(RUNS)}")
     accelerator = None
     # One launch, several runs: each a new Accelerator on the same process group (the start of a
     # launch, imports and group, is most of a small run's time).
-    for precision in precisions:
+    for stage, name in runs:
         if accelerator is not None:
             _reset_accelerate()
-        out = args.out / precision if several else args.out
-        if precision == "fp16":
-            accelerator = fp16_skips(args, out)
-        elif precision == "llama" or args.model == "llama":
-            # "llama" in a list: LLAMA_STEPS steps of one micro-batch.
-            llama = args if precision != "llama" else argparse.Namespace(**{**vars(args), "steps": LLAMA_STEPS,
-                                                                           "grad_accum": 1})
-            accelerator = llama_saves_pretrained(llama, out)
+        run_args = argparse.Namespace(**{**vars(args), "stage": int(stage)})
+        out = args.out / stage / name if args.runs else args.out
+        if name == "fp16":
+            accelerator = fp16_skips(run_args, out)
+        elif name == "reference":
+            accelerator = reference_checks(run_args, out)
+        elif name == "llama" or args.model == "llama":
+            if name == "llama":  # LLAMA_STEPS steps of one micro-batch
+                run_args.steps, run_args.grad_accum = LLAMA_STEPS, 1
+            accelerator = llama_saves_pretrained(run_args, out)
         else:
-            accelerator = train_and_resume(args, precision, out)
-    if args.reference:
-        _reset_accelerate()
-        accelerator = reference_checks(args, args.out / "reference")
+            accelerator = train_and_resume(run_args, name, out)
     tear_down_process_group()  # before Accelerate's destroy, which frees nothing first
     accelerator.end_training()
+
+
+RUNS = ("fp8", "bf16", "fp16", "llama", "reference")
 
 
 def _reset_accelerate() -> None:

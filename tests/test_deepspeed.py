@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
-TIMEOUT_S = 120
+TIMEOUT_S = 300  # a launch runs several small trainings
 # 3 FP8 layers x 3 roles (input, weight, grad_output): the element count of one amax reduction.
 AMAX_ELEMENTS = 9
 # The statistics of a sampled step: 3 layers x 3 roles x 3 extremes (amax, smallest and largest
@@ -30,24 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_worker(out: Path, stage: int, precision: str, model: str = "net", steps: int = STEPS,
-               grad_accum: int = GRAD_ACCUM, extra: tuple = ()) -> tuple[dict, dict]:
-    """One launch of tests/deepspeed_worker.py; returns what ranks 0 and 1 wrote to ``out``
-    (with several precisions, ``"bf16+fp8"``, or ``--reference``, each run wrote its own folder
-    of ``out`` and nothing is returned: see ``zero_runs``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={_free_port()}", str(WORKER), str(out), "--stage", str(stage),
-                           "--precision", precision, "--model", model, "--steps", str(steps),
-                           "--grad-accum", str(grad_accum), *extra],
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    if "+" in precision or "--reference" in extra:
-        return None
-    return _ranks(out)
 
 
 def _check_statistics(logged: list, r0: dict, r1: dict, prefix: str) -> None:
@@ -71,26 +54,17 @@ def _ranks(out: Path) -> tuple[dict, dict]:
     return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
+# The runs of every ZeRO stage, in one launch: BF16 and FP8 under each; DeepSpeed's fp16 under
+# ZeRO-2; the transformers model saved with save_pretrained under ZeRO-3; the reference checks
+# under ZeRO-2 and 3.
+ZERO_RUNS = {1: ("bf16", "fp8"), 2: ("bf16", "fp8", "fp16", "reference"), 3: ("bf16", "fp8", "llama", "reference")}
+
+
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory):
-    """``zero_runs(stage)``: the runs of a ZeRO stage, from one launch per stage, made once:
-    ``{"bf16" | "fp8" | "fp16" | "llama" | "reference": (rank 0, rank 1), "dir": its folder}``
-    (BF16 and FP8 under every stage; fp16 under ZeRO-2, llama under ZeRO-3; the reference-check
-    run under ZeRO-2 and 3)."""
-    runs: dict[int, dict] = {}
-
-    def get(stage: int) -> dict:
-        if stage not in runs:
-            out = tmp_path_factory.mktemp(f"zero{stage}")
-            # ZeRO-2 also runs DeepSpeed's fp16, ZeRO-3 the transformers model saved with save_pretrained.
-            precisions = {1: "bf16+fp8", 2: "bf16+fp8+fp16", 3: "bf16+fp8+llama"}[stage]
-            run_worker(out, stage, precisions, extra=("--reference",) if stage in (2, 3) else ())
-            runs[stage] = {name: _ranks(out / name) for name in ("bf16", "fp8", "fp16", "llama", "reference")
-                           if (out / name).is_dir()}
-            runs[stage]["dir"] = out
-        return runs[stage]
-
-    return get
+    """``zero_runs(stage)``: ``{run: (rank 0, rank 1), "dir": the stage's folder}`` for the runs
+    of :data:`ZERO_RUNS`, from one launch of tests/deepspeed_worker.py made at the first call."""
+    return _runs_of(tmp_path_factory.mktemp("zero"), WORKER, ZERO_RUNS)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -301,23 +275,20 @@ def test_fp16_dynamic_loss_scaler_skips_a_step_with_non_finite_fp8_gradients(zer
 TRAINER_WORKER = Path(__file__).with_name("deepspeed_trainer_worker.py")
 
 
-def run_trainer_worker(out: Path, stage: int, precision: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={_free_port()}", str(TRAINER_WORKER), str(out), "--stage", str(stage),
-                           "--precision", precision], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """``trainer_runs(stage)``: the plain Trainer's and FP8Trainer's runs under ZeRO-2 and 3,
+    ``{"bf16" | "fp8": (rank 0, rank 1)}``, from one launch made at the first call."""
+    return _runs_of(tmp_path_factory.mktemp("trainer"), TRAINER_WORKER, {2: ("bf16", "fp8"), 3: ("bf16", "fp8")})
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(tmp_path, stage):
+def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(trainer_runs, stage):
     # FP8Trainer(args=TrainingArguments(deepspeed=<dict>, bf16=True)): 4 optimizer steps of 2
     # micro-batches, checkpoints every 2 (DeepSpeed's save_checkpoint), then a second Trainer
     # resumes from checkpoint-2 (its load_checkpoint); against the plain Trainer alike.
-    run_trainer_worker(tmp_path, stage, "bf16+fp8")  # one launch: the plain Trainer, then FP8Trainer
-    r0, r1 = _ranks(tmp_path / "fp8")
-    ref0, _ = _ranks(tmp_path / "bf16")
+    r0, r1 = trainer_runs(stage)["fp8"]
+    ref0, _ = trainer_runs(stage)["bf16"]
     assert r0["world_size"] == 2 and r0["zero_stage"] == stage
     assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3) and ref0["train_fp8_gemms"] == 0
     # FP8Trainer(fp8_reference_every=2): checks at steps 2 and 4, identical figures on both ranks,
@@ -358,30 +329,36 @@ def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(t
 LIGHTNING_WORKER = Path(__file__).with_name("deepspeed_lightning_worker.py")
 
 
+LIGHTNING_RUNS = {2: ("bf16", "fp8", "fp8-string"), 3: ("bf16", "fp8")}
+
+
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory):
-    """``lightning_runs(stage)``: ``{"bf16" | "fp8" (| "fp8-string" under ZeRO-2): (rank 0, rank 1)}``
-    from one launch per stage, made once."""
-    runs: dict[int, dict] = {}
+    """``lightning_runs(stage)``: ``{run: (rank 0, rank 1)}`` for the runs of :data:`LIGHTNING_RUNS`,
+    from one launch made at the first call."""
+    return _runs_of(tmp_path_factory.mktemp("lightning"), LIGHTNING_WORKER, LIGHTNING_RUNS)
+
+
+def _runs_of(out: Path, worker: Path, runs: dict) -> Callable[[int], dict]:
+    # One launch of ``worker`` with ``--runs`` (every stage's runs, each into out/<stage>/<run>:
+    # a launch's start is most of such a small run's time), at the first call.
+    loaded: dict[int, dict] = {}
 
     def get(stage: int) -> dict:
-        if stage not in runs:
-            out = tmp_path_factory.mktemp(f"lightning{stage}")
-            precisions = ["bf16", "fp8"] + (["fp8-string"] if stage == 2 else [])
-            run_lightning_worker(out, stage, "+".join(precisions))
-            runs[stage] = {name: _ranks(out / name) for name in precisions}
-        return runs[stage]
+        if not loaded:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+            env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+            specs = ",".join(f"{s}:{name}" for s, names in runs.items() for name in names)
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                   f"--master_port={_free_port()}", str(worker), str(out), "--runs", specs],
+                                  env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            for s, names in runs.items():
+                loaded[s] = {name: _ranks(out / str(s) / name) for name in names}
+                loaded[s]["dir"] = out / str(s)
+        return loaded[stage]
 
     return get
-
-
-def run_lightning_worker(out: Path, stage: int, precision: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={_free_port()}", str(LIGHTNING_WORKER), str(out), "--stage", str(stage),
-                           "--precision", precision], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
