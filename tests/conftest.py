@@ -46,3 +46,27 @@ def smollm2_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("smollm2")
     convert_gguf_checkpoint(smollm2_gguf_path(), path)
     return path
+
+
+# The two-rank scenarios of tests/distributed_worker.py, all in one launch (a launch's start,
+# imports and process group, is most of such a small run's time): FSDP2 after the DDP ones.
+DISTRIBUTED_SCENARIOS = ("ddp", "ddp-local", "fp16", "reference", "fabric-ddp", "fsdp2", "reference-fsdp2")
+
+
+@pytest.fixture(scope="session")
+def distributed_runs(tmp_path_factory):
+    """``distributed_runs(scenario)``: the ``.pt`` files the scenario wrote, by file stem, from
+    one torchrun launch of every scenario of :data:`DISTRIBUTED_SCENARIOS` made at the first call."""
+    from test_distributed import run_worker_script
+
+    loaded: dict[str, dict] = {}
+
+    def get(scenario: str) -> dict:
+        if not loaded:
+            out = tmp_path_factory.mktemp("distributed")
+            run_worker_script("distributed_worker.py", [",".join(DISTRIBUTED_SCENARIOS)], out)
+            for name in DISTRIBUTED_SCENARIOS:
+                loaded[name] = {p.stem: torch.load(p, weights_only=False) for p in (out / name).glob("*.pt")}
+        return loaded[scenario]
+
+    return get

@@ -4,7 +4,11 @@ Trains a small MLP with a real Lightning Trainer on CPU (gloo) and writes what t
 to ``<out>/<run>-rank<r>.pt``: FP8 scaling state, full weights, losses, loss scales, and the MAX
 all-reduces issued at each step.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py SCENARIO OUT
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py SCENARIO[,SCENARIO...] OUT
+
+Several scenarios run one after the other in the same launch, each into ``OUT/<scenario>`` (a
+launch's start is most of such a small run's time); ``reference-fsdp2`` is
+tests/reference_fsdp_worker.py's.
 """
 
 import argparse
@@ -72,7 +76,7 @@ class Record(Callback):
 
     def __init__(self) -> None:
         self.losses, self.max_all_reduces, self.loss_scales, self.weights = [], [], [], []
-        self._seen = 0
+        self._seen = len(MAX_ALL_REDUCES)  # this fit's own, whatever ran before in the process
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
@@ -226,12 +230,27 @@ def run(scenario: str, out: Path) -> None:
             fit(out, "current", "fp8-current", fsdp2)
 
 
+SCENARIOS = ("ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference"])
+    parser.add_argument("scenarios", help=f"one of {', '.join(SCENARIOS)}, or several joined by ',' (run one after "
+                                          "the other in this launch, each into OUT/<scenario>)")
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
-    run(args.scenario, args.out)
+    scenarios = args.scenarios.split(",")
+    if any(s not in SCENARIOS for s in scenarios):
+        parser.error(f"scenarios {args.scenarios!r}: valid: {', '.join(SCENARIOS)}, joined by ','")
+    for scenario in scenarios:
+        out = args.out / scenario if len(scenarios) > 1 else args.out
+        out.mkdir(parents=True, exist_ok=True)
+        if scenario == "reference-fsdp2":
+            import reference_fsdp_worker
+
+            reference_fsdp_worker.run(out)
+        else:
+            run(scenario, out)
     tear_down_process_group()
 
 

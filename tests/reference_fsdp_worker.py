@@ -11,6 +11,8 @@ Three things, written to ``<out>/<run>-rank<r>.pt``:
   twin, and the twin without checks: the results, the layers in FP8, the full weights.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/reference_fsdp_worker.py OUT
+
+(The tests run it within tests/distributed_worker.py's launch, scenario ``reference-fsdp2``.)
 """
 
 import copy
@@ -137,14 +139,17 @@ def fit(out: Path, run: str, planted: bool, checks: bool, rank: int) -> None:
     }, out / f"{run}-rank{rank}.pt")
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+def run(out: Path) -> None:
+    """Every run of this file, on the process group in place (or a new gloo one)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     one_check(out, rank)
-    for run, planted, checks in (("planted", True, True), ("healthy", False, True), ("healthy-plain", False, False)):
-        fit(out, run, planted, checks, rank)
-    tear_down_process_group()
+    for run_name, planted, checks in (("planted", True, True), ("healthy", False, True),
+                                      ("healthy-plain", False, False)):
+        fit(out, run_name, planted, checks, rank)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[-1]))
+    run(Path(sys.argv[-1]))
+    tear_down_process_group()

@@ -1,6 +1,8 @@
 """Multi-process FP8 training on CPU (gloo, 2 ranks, real Lightning Trainers), bounded in time.
 
-Each test starts tests/distributed_worker.py under torchrun and compares what the ranks wrote.
+The tests compare what the ranks of tests/distributed_worker.py wrote: every two-rank scenario
+in one torchrun launch (the ``distributed_runs`` fixture of tests/conftest.py), the one-rank run
+in its own process.
 """
 
 import os
@@ -66,10 +68,9 @@ def assert_resume_exact(runs: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    results = run_worker("ddp", out)
-    results.update(run_worker("single", out, ranks=1))
+def ddp(tmp_path_factory, distributed_runs):
+    results = dict(distributed_runs("ddp"))
+    results.update(run_worker("single", tmp_path_factory.mktemp("single"), ranks=1))
     return results
 
 
@@ -94,10 +95,10 @@ def test_ddp_fit_ends_with_settled_state_and_uneven_predict_issues_no_collective
         assert run["predictions"] == batches and run["predict_max_all_reduces"] == 0
 
 
-def test_ddp_does_not_broadcast_scaling_state_ranks_keep_their_own_without_reduction(tmp_path):
+def test_ddp_does_not_broadcast_scaling_state_ranks_keep_their_own_without_reduction(distributed_runs):
     # With reduce_amax=False each rank scales with its own amaxes. A DDP buffer broadcast from
     # rank 0 would overwrite rank 1's scales (and hide a missing reduction elsewhere).
-    runs = run_worker("ddp-local", tmp_path)
+    runs = distributed_runs("ddp-local")
     s0, s1 = runs["local-rank0"]["fp8_state"]["net.0"], runs["local-rank1"]["fp8_state"]["net.0"]
     # Input role: rank 1's inputs are exactly 11x rank 0's (same samples, x * 11).
     torch.testing.assert_close(s0["amax_history"][0] * 11, s1["amax_history"][0], rtol=2**-22, atol=0)
@@ -123,8 +124,8 @@ def test_ddp_checkpoint_resume_is_exact_on_every_rank(ddp):
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory):
-    return run_worker("fsdp2", tmp_path_factory.mktemp("fsdp2"))
+def fsdp2(distributed_runs):
+    return distributed_runs("fsdp2")
 
 
 def test_fsdp2_trains_like_ddp_with_identical_ranks(fsdp2, ddp):
@@ -151,8 +152,8 @@ def test_fsdp2_current_scaling_uses_the_whole_weights_amax(fsdp2):
 
 
 @pytest.fixture(scope="module")
-def fp16(tmp_path_factory):
-    return run_worker("fp16", tmp_path_factory.mktemp("fp16"))
+def fp16(distributed_runs):
+    return distributed_runs("fp16")
 
 
 def test_fp16_loss_scaling_skips_an_overflow_on_one_rank_on_every_rank(fp16):
@@ -167,8 +168,8 @@ def test_fp16_loss_scaling_skips_an_overflow_on_one_rank_on_every_rank(fp16):
     assert_ranks_identical(fp16, "fp16")
 
 
-def test_fabric_ddp_ranks_end_identical_with_one_amax_all_reduce_per_step(tmp_path):
-    runs = run_worker("fabric-ddp", tmp_path)
+def test_fabric_ddp_ranks_end_identical_with_one_amax_all_reduce_per_step(distributed_runs):
+    runs = distributed_runs("fabric-ddp")
     assert_ranks_identical(runs, "fabric")
     r0, r1 = runs["fabric-rank0"], runs["fabric-rank1"]
     assert r0["losses"] != r1["losses"]  # different samples: the reduction made the scales agree
@@ -176,8 +177,8 @@ def test_fabric_ddp_ranks_end_identical_with_one_amax_all_reduce_per_step(tmp_pa
     assert r0["max_all_reduces"] == r1["max_all_reduces"] == [[6]] * 6
 
 
-def test_ddp_reference_checks_agree_across_ranks_and_fall_back_the_same_layer(tmp_path):
-    runs = run_worker("reference", tmp_path)
+def test_ddp_reference_checks_agree_across_ranks_and_fall_back_the_same_layer(distributed_runs):
+    runs = distributed_runs("reference")
     r0, r1 = runs["checked-rank0"], runs["checked-rank1"]
     assert [r["step"] + 1 for r in r0["results"]] == [2, 4, 6]
     # Identical figures on both ranks, though only rank 1's first layer is faulty.

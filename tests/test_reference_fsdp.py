@@ -1,6 +1,7 @@
 """Reference checks on FSDP2-sharded models (``fully_shard``; Lightning's ``ModelParallelStrategy``).
 
-One 2-rank torchrun of tests/reference_fsdp_worker.py (gloo, CPU) feeds every test here. The
+Two ranks of tests/reference_fsdp_worker.py (gloo, CPU; run in the shared launch of
+tests/distributed_worker.py) feed every test here. The
 replay runs FSDP's own backward into the sharded ``.grad`` and the figures are summed from each
 rank's shard, so a sharded check must give the unsharded model's figures, up to the order of the
 float64 sums.
@@ -10,7 +11,6 @@ import math
 
 import pytest
 
-from test_distributed import run_worker_script
 
 U64 = 2.0**-53  # unit roundoff of float64
 U32 = 2.0**-24  # unit roundoff of float32
@@ -24,8 +24,8 @@ def gamma(n: int, u: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_worker_script("reference_fsdp_worker.py", [], tmp_path_factory.mktemp("reference_fsdp"))
+def runs(distributed_runs):
+    return distributed_runs("reference-fsdp2")  # tests/reference_fsdp_worker.py, in the shared launch
 
 
 def test_a_sharded_check_gives_the_unsharded_figures_and_leaves_training_gradients_alone(runs):
