@@ -7,8 +7,8 @@ all-reduces issued at each step.
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py SCENARIO[,SCENARIO...] OUT
 
 Several scenarios run one after the other in the same launch, each into ``OUT/<scenario>`` (a
-launch's start is most of such a small run's time); ``reference-fsdp2`` is
-tests/reference_fsdp_worker.py's.
+launch's start is most of such a small run's time); ``reference-fsdp2``, ``statistics*``,
+``experts-*`` and ``fsdp-fp8-*`` are the other two-rank workers' (:func:`run_other`).
 """
 
 import argparse
@@ -230,7 +230,31 @@ def run(scenario: str, out: Path) -> None:
             fit(out, "current", "fp8-current", fsdp2)
 
 
-SCENARIOS = ("ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2")
+SCENARIOS = ("ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2",
+             "statistics", "statistics-fsdp2", "experts-ddp", "experts-fsdp2", "fsdp-fp8-current")
+
+
+def run_other(scenario: str, out: Path) -> bool:
+    """The scenarios of the other two-rank workers, run in this launch; False for this file's own."""
+    if scenario == "reference-fsdp2":
+        import reference_fsdp_worker
+
+        reference_fsdp_worker.run(out)
+    elif scenario.startswith("statistics"):
+        import statistics_worker
+
+        statistics_worker.main(out, scenario == "statistics-fsdp2")
+    elif scenario.startswith("experts-"):
+        import experts_worker
+
+        experts_worker.run(scenario.split("-", 1)[1], out)
+    elif scenario.startswith("fsdp-fp8-"):
+        import fsdp_fp8_worker
+
+        fsdp_fp8_worker.run(scenario.rsplit("-", 1)[1], out)
+    else:
+        return False
+    return True
 
 
 def main() -> None:
@@ -245,11 +269,7 @@ def main() -> None:
     for scenario in scenarios:
         out = args.out / scenario if len(scenarios) > 1 else args.out
         out.mkdir(parents=True, exist_ok=True)
-        if scenario == "reference-fsdp2":
-            import reference_fsdp_worker
-
-            reference_fsdp_worker.run(out)
-        else:
+        if not run_other(scenario, out):
             run(scenario, out)
     tear_down_process_group()
 

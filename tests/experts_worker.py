@@ -59,7 +59,7 @@ class MoE(L.LightningModule):
 class Record(Callback):
     def __init__(self) -> None:
         self.losses, self.max_all_reduces, self.gemms = [], [], []
-        self._seen = 0
+        self._seen = len(MAX_ALL_REDUCES)  # this fit's own, whatever ran before in the process
         self._gemms = expert_gemm_counts()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -76,7 +76,13 @@ def main() -> None:
     parser.add_argument("scenario", choices=["ddp", "fsdp2"])
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
-    fsdp2 = args.scenario == "fsdp2"
+    run(args.scenario, args.out)
+    tear_down_process_group()
+
+
+def run(scenario: str, out: Path) -> None:
+    """One scenario (``"ddp"`` or ``"fsdp2"``) into ``out`` (also within tests/distributed_worker.py's launch)."""
+    fsdp2 = scenario == "fsdp2"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     ids = torch.randint(0, 128, (STEPS * GLOBAL_BATCH, 9), generator=torch.Generator().manual_seed(1))
@@ -99,8 +105,7 @@ def main() -> None:
                     state[f"{name}.{proj}.{e}"]["pending"] = torch.tensor(sorted(s.pending))
     result = {"experts_state": state, "losses": record.losses, "max_all_reduces": record.max_all_reduces,
               "gemms": record.gemms, "report": str(trainer.precision_plugin.report)}
-    torch.save(result, args.out / f"{args.scenario}-rank{rank}.pt")
-    tear_down_process_group()
+    torch.save(result, out / f"{scenario}-rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -67,11 +67,16 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    recipe = RECIPES[args.recipe]
-    for run, fp8_all_gather in (("fp8-gather", True), ("hp-gather", False)):
-        torch.save(train(recipe, fp8_all_gather), args.out / f"{run}-rank{rank}.pt")
+    run(args.recipe, args.out)
     tear_down_process_group()
+
+
+def run(recipe_name: str, out: Path) -> None:
+    """Both gathers under ``RECIPES[recipe_name]`` into ``out`` (also within tests/distributed_worker.py's launch)."""
+    rank = dist.get_rank()
+    recipe = RECIPES[recipe_name]
+    for name, fp8_all_gather in (("fp8-gather", True), ("hp-gather", False)):
+        torch.save(train(recipe, fp8_all_gather), out / f"{name}-rank{rank}.pt")
 
 
 if __name__ == "__main__":

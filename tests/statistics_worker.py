@@ -23,7 +23,8 @@ from dist_teardown import tear_down_process_group  # noqa: E402
 
 
 def main(out: Path, fsdp2: bool) -> None:
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # else: run within tests/distributed_worker.py's launch
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     layer = FP8Linear(32, 16, bias=False, recipe=fp8_plugin.Float8CurrentScaling())
@@ -39,8 +40,8 @@ def main(out: Path, fsdp2: bool) -> None:
         layer(x).sum().backward()
     collector.end_step()
     torch.save({"metrics": collector.pop_metrics(), "x": x}, out / f"rank{rank}.pt")
-    tear_down_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[-1]), sys.argv[1:-1] == ["fsdp2"])
+    tear_down_process_group()

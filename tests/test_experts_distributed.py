@@ -9,7 +9,7 @@ layers'.
 import pytest
 import torch
 
-from test_distributed import assert_identical, run_worker_script
+from test_distributed import assert_identical
 
 pytest.importorskip("transformers")
 
@@ -19,8 +19,8 @@ AMAXES_PER_STEP = 8 * 3 + 2 * 2 * 4 * 3
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return run_worker_script("experts_worker.py", ["ddp"], tmp_path_factory.mktemp("moe"))
+def moe(distributed_runs):
+    return distributed_runs("experts-ddp")  # tests/experts_worker.py, in the shared launch
 
 
 def test_ddp_experts_fp8_state_identical_on_both_ranks(moe):
@@ -43,8 +43,8 @@ def test_ddp_one_amax_all_reduce_per_step_carries_the_experts(moe):
 
 
 @pytest.fixture(scope="module")
-def moe_fsdp2(tmp_path_factory):
-    return run_worker_script("experts_worker.py", ["fsdp2"], tmp_path_factory.mktemp("moe_fsdp2"))
+def moe_fsdp2(distributed_runs):
+    return distributed_runs("experts-fsdp2")
 
 
 def test_fsdp2_experts_train_like_ddp_with_identical_ranks_and_one_reduction(moe_fsdp2, moe):

@@ -1,6 +1,7 @@
 """FP8 all-gather of FSDP2-sharded weights (fp8_plugin.modules.fsdp_fp8).
 
-The 2-rank test runs tests/fsdp_fp8_worker.py under torchrun (gloo, CPU). Under current scaling
+The 2-rank test reads tests/fsdp_fp8_worker.py's runs (gloo, CPU; in the shared launch of
+tests/distributed_worker.py). Under current scaling
 a weight's scale comes from the whole weight's amax either way, so gathering the FP8 cast of each
 shard must train bit for bit as gathering the high-precision shards and casting after: same FP8
 values, same GEMMs. What the layers received shows the gather itself was FP8.
@@ -13,11 +14,10 @@ from torch import nn
 import fp8_plugin
 from fp8_plugin import FP8Linear
 from fp8_plugin.modules.fsdp_fp8 import FP8GatheredWeight
-from test_distributed import run_worker_script
 
 
-def test_fsdp2_fp8_all_gather_trains_bit_for_bit_as_the_high_precision_gather(tmp_path):
-    runs = run_worker_script("fsdp_fp8_worker.py", ["current"], tmp_path)
+def test_fsdp2_fp8_all_gather_trains_bit_for_bit_as_the_high_precision_gather(distributed_runs):
+    runs = distributed_runs("fsdp-fp8-current")  # tests/fsdp_fp8_worker.py, in the shared launch
     for rank in (0, 1):
         fp8, hp = runs[f"fp8-gather-rank{rank}"], runs[f"hp-gather-rank{rank}"]
         assert set(fp8["seen"]) == {("FP8GatheredWeight", "torch.float8_e4m3fn")}  # 1 byte per value gathered

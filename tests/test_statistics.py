@@ -145,10 +145,8 @@ def test_statistics_settings_are_checked():
         fp8_plugin.FP8Precision(statistics="often")
 
 
-def test_ranks_report_the_same_figures_reduced_over_both_ranks_inputs_with_or_without_fsdp2(tmp_path):
-    from test_distributed import run_worker_script
-
-    runs = run_worker_script("statistics_worker.py", [], tmp_path)
+def test_ranks_report_the_same_figures_reduced_over_both_ranks_inputs_with_or_without_fsdp2(distributed_runs):
+    runs = distributed_runs("statistics")  # tests/statistics_worker.py, in the shared launch
     assert runs["rank0"]["metrics"] == runs["rank1"]["metrics"]
     metrics = runs["rank0"]["metrics"]
     xs = [runs[f"rank{r}"]["x"].double() for r in (0, 1)]
@@ -164,8 +162,7 @@ def test_ranks_report_the_same_figures_reduced_over_both_ranks_inputs_with_or_wi
     assert metrics["fp8_stats/input/mse"] == pytest.approx(noise / numel, rel=1e-6)
     # Under FSDP2 the weight is sharded between forwards; the statistics read it gathered, as the
     # forward casts it, and reduce over the ranks as above: every figure is the unsharded run's.
-    (tmp_path / "fsdp2").mkdir()
-    sharded = run_worker_script("statistics_worker.py", ["fsdp2"], tmp_path / "fsdp2")
+    sharded = distributed_runs("statistics-fsdp2")
     assert sharded["rank0"]["metrics"] == sharded["rank1"]["metrics"] == metrics
     assert {k.split("/")[1] for k in metrics} == {"input", "weight", "grad_output"}
 
