@@ -30,6 +30,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -285,6 +286,15 @@ def reference_checks(args, out: Path):
     run.reference = None  # step 4 again, unchecked
     train(range(3, 4))
     result["unchecked_weights"] = full_fp32_weights(model)
+    # One check by hand on the same micro-batch on every rank (fp8_plugin.reference_check, the
+    # fault's channel included on both): whole-gradient sums and averaged-gradient parts agree.
+    same = (batches[0][0].clone(), batches[0][1].clone())
+    dist.broadcast(same[0], 0)
+    dist.broadcast(same[1], 0)
+    check = fp8_plugin.reference_check(model.module, (same[0].to(torch.bfloat16), same[1]),
+                                       lambda module, batch: module(*batch))
+    result["same_batch"] = {k: v for k, v in check.to_dict().items() if k != "seconds"}
+    result["numel"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters())
     result["unchecked_use_fp8"] = {n: m.use_fp8 for n, m in model.module.net.named_modules()
                                    if isinstance(m, FP8Linear)}
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import weakref
 from types import MethodType
 from typing import Any, Optional, Union
@@ -56,6 +55,7 @@ from accelerate.utils import (
 from accelerate.utils.dataclasses import FP8BackendType
 from torch import nn
 
+from ..modules.autocast import in_replay
 from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
@@ -444,18 +444,12 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
         return function(self, *args, **kwargs) if function is not None else original(*args, **kwargs)
 
     def replayed(self: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not _is_sharded(self):
-            return call(self, *args, **kwargs)
         # FSDP2 or ZeRO-3 shards the module's own parameters: their hooks (all-gathers, and what
         # the backward queues) run only through __call__, which reaches this wrapper again.
-        _REPLAYING.active = True
-        try:
-            return self(*args, **kwargs)
-        finally:
-            _REPLAYING.active = False
+        return self(*args, **kwargs) if _is_sharded(self) else call(self, *args, **kwargs)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_REPLAYING, "active", False) or not (self.training or in_eval):
+        if in_replay() or not (self.training or in_eval):  # a reference check's replay sets FP8 itself
             return call(self, *args, **kwargs)
         if self.training and run.reference is not None and torch.is_grad_enabled():
             loss_of = run.reference.config.output_loss or output_loss
@@ -465,9 +459,6 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
 
     forward.__wrapped__ = function if function is not None else original  # type: ignore[attr-defined]
     module.forward = MethodType(forward, module)
-
-
-_REPLAYING = threading.local()  # a reference replay is calling a wrapped module through __call__
 
 
 def _is_sharded(module: nn.Module) -> bool:

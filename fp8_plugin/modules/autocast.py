@@ -42,6 +42,9 @@ class _FP8Context:
     # nn.Linear computes (the torch autocast dtype). Training and the reference checks' replays
     # set the same one, so that a move's replay computes what training will.
     high_precision_dtype: Optional[torch.dtype] = None
+    # Made by replay(): a reference check's replay, whose FP8 switch the loops' own forward
+    # contexts leave alone.
+    replaying: bool = False
 
 
 class _Local(threading.local):
@@ -190,6 +193,11 @@ def autocast(
         _warn_no_fp8_layer()
 
 
+def in_replay() -> bool:
+    """Whether this thread runs inside :func:`replay` (a reference check's replay)."""
+    return _local.context.replaying
+
+
 @contextlib.contextmanager
 def replay(fp8: bool, recipe: Optional[Recipe] = None, *, reference_dtype: Optional[torch.dtype] = None) -> Iterator[None]:
     """Rerun a training forward and backward without changing any FP8 state (reference checks).
@@ -209,7 +217,7 @@ def replay(fp8: bool, recipe: Optional[Recipe] = None, *, reference_dtype: Optio
     check_recipe(recipe, "replay")
     outer = _local.context
     _local.context = _FP8Context(enabled=fp8, recipe=resolve_recipe(recipe) if fp8 else None,
-                                 high_precision_dtype=reference_dtype)
+                                 high_precision_dtype=reference_dtype, replaying=True)
     try:
         yield
     finally:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..modules.autocast import AmaxReducer, autocast, new_step_id
+from ..modules.autocast import AmaxReducer, autocast, in_replay, new_step_id
 from ..modules.convert import ConversionReport, convert_model, fp8_state_dict
 from ..modules.experts import FP8ExpertsMixin
 from ..modules.freezing import dequantize_in_state_dict, frozen_weights_state, release_replaced_weights
@@ -144,6 +144,10 @@ class FP8Training:
         Args:
             device_type: the autocast device; None means the converted module's device.
         """
+        if in_replay():
+            # A reference check replaying this forward (its loss_fn calls the wrapped model): the
+            # check sets FP8 on or off and the autocast dtype itself, and no training step starts.
+            return contextlib.nullcontext()
         if torch.compiler.is_compiling():
             # Traced (a forward wrapped in this context, then compiled): no per-step value may
             # enter the graph, or it recompiles every step. Scales are settled after each

@@ -28,7 +28,8 @@ around that, without importing deepspeed (the engine is duck-typed):
   replays take their gradients with ``torch.autograd.grad``, which runs none of ZeRO's gradient
   hooks (they sit on the parameters' gradient accumulation), so DeepSpeed's partitions are not
   touched; under ZeRO-3 the replays' forwards and backwards gather the parameters as training's
-  do.
+  do, and each gradient is reduce-scattered as it is formed, a rank keeping its part
+  (:mod:`fp8_plugin.training.reference.gradients`).
 
 May import: :mod:`fp8_plugin.training` and below.
 """

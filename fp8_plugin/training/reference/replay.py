@@ -23,6 +23,7 @@ from ...numerics.device import bf16_matmul_is_fast
 from ...numerics.device_kind import device_kind
 from ...numerics.recipes import GEMMS, Recipe
 from .figures import _cosine, _has_gemm_figures, _rel_error, _shared_weights, gemm_sqnr_hooks, sqnr_db, sqnr_hook
+from .gradients import FSDP2, WHOLE, fp8_weights, grad_stats, gradient_layout, take_gradients
 from .result import ReferenceResult
 
 
@@ -81,15 +82,17 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     Returns None, comparing nothing, when ``run_replay`` returns None (a loop that skips the
     micro-batch, as Lightning does when ``training_step`` returns None).
 
-    Gradients: with plain parameters (one process, DDP) each rank takes its own micro-batch's
-    gradients with ``torch.autograd.grad`` (no DDP all-reduce), and the figures sum the ranks'
-    ``<g8, gr>``, ``|g8|^2``, ... With FSDP2-sharded parameters (``fully_shard``: DTensors) each
-    replay runs FSDP's own backward (its all-gathers, one layer's parameters at a time; its
-    reduce-scatter, averaging over the ranks) into the sharded ``.grad``, which is taken and
-    cleared; training's ``.grad`` is set aside and put back. The figures then sum the ranks'
-    products over their shards: those of the whole averaged gradient, not of a shard. Per rank a
-    check holds the two replays' sharded gradients (twice the sharded gradient bytes) and one
-    micro-batch's activations, as a training step does.
+    Gradients (:mod:`.gradients`): with whole parameters (one process, DDP, ZeRO-1 and 2) each
+    rank takes its own micro-batch's gradients with ``torch.autograd.grad`` (no DDP all-reduce,
+    no ZeRO hook), and the figures sum the ranks' ``<g8, gr>``, ``|g8|^2``, ... With FSDP2-sharded
+    parameters (``fully_shard``: DTensors) each replay runs FSDP's own backward (its all-gathers,
+    one module's parameters at a time; its reduce-scatter, averaging over the ranks) into the
+    sharded ``.grad``, which is taken and cleared; training's ``.grad`` is set aside and put back.
+    Under ZeRO-3 each parameter's gradient is reduce-scattered (averaged) as it is formed, and
+    this rank keeps its part. In these two the figures sum the ranks' products over their parts:
+    those of the whole averaged gradient, not of a part. Per rank a check then holds the two
+    replays' parts of the gradients (twice the trainable parameters' bytes over the ranks) and
+    one micro-batch's activations, as a training step does.
 
     Args:
         model: the converted model whose parameters and FP8 layers are compared.
@@ -110,18 +113,18 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
 
     Raises:
         ValueError: the replay's loss is not a scalar tensor, or ``model`` is partly sharded, or
-            its FP8 weights are all-gathered in FP8 (see :func:`_sharded`).
+            its FP8 weights are all-gathered in FP8 (:func:`.gradients.gradient_layout`).
     """
     start = time.perf_counter()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in trainable], [p for _, p in trainable]
-    sharded = _sharded(model, names, params)
+    layout = gradient_layout(names, params, fp8_weights(_fp8_layers(model)))
     layers = [(name, layer) for name, layer in _fp8_layers(model) if layer.use_fp8]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = [rng_state.device] if rng_state.device is not None else []
     # FSDP2: each replay's backward reduce-scatters into .grad; training's gradients wait aside.
-    training_grads = [p.grad for p in params] if sharded else []
-    replay_step = functools.partial(_replay, sharded=sharded)
+    training_grads = [p.grad for p in params] if layout == FSDP2 else []
+    replay_step = functools.partial(_replay, layout=layout, group=group)
     try:
         with torch.random.fork_rng(devices=devices, device_type=device_kind(devices[0]) if devices else "cuda"):
             # The FP8 replay's high-precision GEMMs (a move being verified) in reference_dtype, as training runs them.
@@ -162,7 +165,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     # parameter <g8, gr>, |g8|^2, |gr|^2, |g8 - gr|^2; summed over ranks in one all-reduce.
     stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten(), gemm_energies.flatten()]
     for g8, gr in zip(grads_fp8, grads_ref):
-        stats.append(_grad_stats(g8, gr, loss_fp8.device))
+        stats.append(grad_stats(g8, gr, loss_fp8.device))
     flat = torch.cat([s.to(loss_fp8.device) for s in stats])
     world = 1
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -218,39 +221,12 @@ def _cpu_bf16_is_fast() -> bool:
     return bf16_matmul_is_fast("cpu")[0]
 
 
-def _sharded(model: nn.Module, names: Sequence[str], params: Sequence[torch.Tensor]) -> bool:
-    """Whether the trainable parameters are FSDP2-sharded (DTensors): every one of them, or none.
-
-    Raises:
-        ValueError: some are sharded and others not (a model partly under ``fully_shard``), or an
-            FP8 layer's weight is all-gathered in FP8 (:func:`~fp8_plugin.enable_fp8_all_gather`).
-    """
-    is_dtensor = [type(p).__name__ == "DTensor" for p in params]
-    if not any(is_dtensor):
-        return False
-    if not all(is_dtensor):
-        plain = next(n for n, d in zip(names, is_dtensor) if not d)
-        raise ValueError(
-            f"Reference checks need every trainable parameter sharded by FSDP2 or none; {plain!r} is not sharded "
-            "while others are: apply fully_shard to the root module too (valid set-ups: one process, DDP, FSDP2)")
-    for name, layer in _fp8_layers(model):
-        weight = getattr(layer, "weight", None)
-        local = weight.to_local() if type(weight).__name__ == "DTensor" else weight
-        if type(local).__name__ == "FP8AllGatherWeight":
-            raise ValueError(
-                f"Reference checks do not support FP8 all-gather of FSDP2 weights (layer {name!r}): the reference "
-                "replay would compute with the FP8-gathered weight; train without enable_fp8_all_gather, or set "
-                "reference_every to 0")
-    return True
-
-
 def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], rng_state: _RNGState, fp8: bool,
             compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe],
-            reference_dtype: Optional[torch.dtype] = None, fp8_layers: int = 0, sharded: bool = False):
-    # fp8_layers: the FP8 layers the FP8 replay must run in FP8 (the guard below). sharded: FSDP2
-    # parameters, whose gradients only FSDP's own backward forms (all-gathers in the backward,
-    # reduce-scatter into the sharded .grad, averaged over the ranks); torch.autograd.grad would
-    # reach the sharded DTensors, not the gathered parameters the forward used.
+            reference_dtype: Optional[torch.dtype] = None, fp8_layers: int = 0, layout: str = WHOLE,
+            group: Optional["dist.ProcessGroup"] = None):
+    # fp8_layers: the FP8 layers the FP8 replay must run in FP8 (the guard below); layout, group:
+    # how the gradients are taken (gradients.py).
     _restore_rng_state(rng_state)
     before = fp8_forward_count()
     with torch.enable_grad(), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
@@ -264,16 +240,7 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     loss = loss.reshape(())
     if not params or not loss.requires_grad:
         return loss.detach().float(), [None] * len(params)
-    if sharded:
-        for param in params:
-            param.grad = None
-        torch.autograd.backward(loss)
-        grads = [param.grad for param in params]
-        for param in params:
-            param.grad = None
-        return loss.detach().float(), grads
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss.detach().float(), grads
+    return loss.detach().float(), take_gradients(loss, params, layout, group)
 
 
 def _ran_fp8(layers: Sequence[tuple[str, nn.Module]]) -> int:
@@ -296,16 +263,3 @@ def _check_fp8_forwards(fp8: bool, ran: int, fp8_layers: int) -> None:
             f"FP8 reference check: the FP8 replay ran no FP8 forward, though {fp8_layers} FP8 layers ran in FP8 in "
             "training: the replayed step turns FP8 off (fp8_plugin.autocast(enabled=False) inside loss_fn) or "
             "does not call the model; call the model in loss_fn without fp8_plugin.autocast")
-
-
-def _grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if g8 is None and gr is None:
-        return torch.zeros(4, dtype=torch.float64, device=device)
-    g8, gr = _local(g8), _local(gr)  # an FSDP2 gradient's shard: the ranks' sums make the whole's figures
-    a = g8.detach().to(torch.float64) if g8 is not None else torch.zeros_like(gr, dtype=torch.float64)
-    b = gr.detach().to(torch.float64) if gr is not None else torch.zeros_like(a)
-    return torch.stack([(a * b).sum(), a.square().sum(), b.square().sum(), (a - b).square().sum()])
-
-
-def _local(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
