@@ -665,6 +665,21 @@ class _LossModel(nn.Module):
         return nn.functional.mse_loss(self.net(self.norm(x)).float(), y)
 
 
+def test_a_check_by_hand_on_a_prepared_model_replays_in_fp8_and_in_high_precision(fresh_accelerate):
+    # The prepared model's forward enters the FP8 context itself; inside a check's replay it
+    # leaves the check's FP8 switch alone (before, the reference replay ran in FP8 and the guard
+    # against a check that cannot fail stopped it).
+    accelerator = Accelerator(mixed_precision="fp8", fp8_compute_dtype=torch.float32)
+    model = accelerator.prepare(_LossModel())
+    x, y = batches(1)[0]
+    result = fp.reference_check(model, (x, y), lambda m, batch: m(*batch), compute_dtype=torch.float32)
+    assert set(result.layer_sqnr_db) == {"net.0", "net.2", "net.4"}
+    assert all(0 < db < float("inf") for db in result.layer_sqnr_db.values())  # FP8 against high precision
+    assert result.loss_fp8 != result.loss_reference
+    plain = _LossModel()  # the same weights (make_model seeds), never converted: the reference's loss
+    assert plain(x, y).item() == pytest.approx(result.loss_reference, rel=1e-6)
+
+
 def test_reference_checks_run_under_fsdp2_and_are_refused_under_fsdp1(tmp_path, monkeypatch):
     # Accelerate never picks FSDP on CPUs (it keeps MULTI_CPU, i.e. DDP, whatever
     # ACCELERATE_USE_FSDP says): the construction check is called with the type a GPU run gets,
