@@ -25,7 +25,7 @@ import deepspeed_worker  # noqa: F401  (DS_ACCELERATOR=cpu, the FP8 GEMM counter
 import lightning.pytorch as L
 import torch
 from amax_reductions import MAX_ALL_REDUCES
-from deepspeed_worker import CHECK_GEMMS, FP8_GEMMS, fp8_state, full_fp32_weights
+from deepspeed_worker import CHECK_GEMMS, FP8_GEMMS, fp8_state, full_fp32_weights, parse_runs
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
@@ -164,9 +164,7 @@ def main() -> None:
                         help="'STAGE:RUN,...' (RUN: fp8, bf16, fp8-string), one after the other in this launch, "
                              "each into <out>/<STAGE>/<RUN>")
     args = parser.parse_args()
-    runs = [spec.split(":") for spec in args.runs.split(",")]
-    if any(len(r) != 2 or r[0] not in "123" or r[1] not in ("fp8", "bf16", "fp8-string") for r in runs):
-        parser.error(f"--runs {args.runs}: valid: STAGE:RUN,... with STAGE 1-3 and RUN fp8, bf16 or fp8-string")
+    runs = parse_runs(parser, args.runs, ("fp8", "bf16", "fp8-string"))
     for stage, name in runs:
         run(args.out / stage / name, int(stage), name)
     tear_down_process_group()

@@ -18,7 +18,7 @@ from pathlib import Path
 import deepspeed_worker  # noqa: F401  (its CPU shims for Accelerate and DeepSpeed, the FP8 GEMM counter)
 import torch
 from amax_reductions import MAX_ALL_REDUCES
-from deepspeed_worker import CHECK_GEMMS, FP8_GEMMS, ds_config, fp8_state, full_fp32_weights
+from deepspeed_worker import CHECK_GEMMS, FP8_GEMMS, ds_config, fp8_state, full_fp32_weights, parse_runs
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -99,9 +99,7 @@ def main() -> None:
                         help="'STAGE:RUN,...' (RUN: fp8, bf16), one after the other in this launch, each into "
                              "<out>/<STAGE>/<RUN>")
     args = parser.parse_args()
-    runs = [spec.split(":") for spec in args.runs.split(",")]
-    if any(len(r) != 2 or r[0] not in "123" or r[1] not in ("fp8", "bf16") for r in runs):
-        parser.error(f"--runs {args.runs}: valid: STAGE:RUN,... with STAGE 1-3 and RUN fp8 or bf16")
+    runs = parse_runs(parser, args.runs, ("fp8", "bf16"))
     for stage, name in runs:
         run(args.out / stage / name, int(stage), name)
     tear_down_process_group()

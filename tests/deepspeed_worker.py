@@ -328,9 +328,7 @@ def main() -> None:
     parser.add_argument("--from-env", action="store_true", help="the Accelerator from accelerate launch's environment")
     args = parser.parse_args()
 
-    runs = [spec.split(":") for spec in args.runs.split(",")] if args.runs else [[str(args.stage), args.precision]]
-    if any(len(r) != 2 or r[0] not in "0123" or r[1] not in RUNS for r in runs):
-        parser.error(f"--runs {args.runs}: valid: STAGE:RUN,... with STAGE 0-3 and RUN one of {', '.join(RUNS)}")
+    runs = parse_runs(parser, args.runs, RUNS) if args.runs else [(str(args.stage), args.precision)]
     accelerator = None
     # One launch, several runs: each a new Accelerator on the same process group (the start of a
     # launch, imports and group, is most of a small run's time).
@@ -354,6 +352,14 @@ def main() -> None:
 
 
 RUNS = ("fp8", "bf16", "fp16", "llama", "reference")
+
+
+def parse_runs(parser: argparse.ArgumentParser, spec: str, names: tuple) -> list[tuple[str, str]]:
+    """``"STAGE:RUN,..."`` as ``[(stage, run), ...]`` (the DeepSpeed workers' ``--runs``)."""
+    runs = [tuple(item.split(":")) for item in spec.split(",")]
+    if any(len(r) != 2 or r[0] not in "0123" or r[1] not in names for r in runs):
+        parser.error(f"--runs {spec}: valid: STAGE:RUN,... with STAGE 0-3 and RUN one of {', '.join(names)}")
+    return runs
 
 
 def _reset_accelerate() -> None:

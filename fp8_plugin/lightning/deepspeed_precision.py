@@ -29,7 +29,6 @@ import contextlib
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -40,7 +39,7 @@ from ..training.core import FP8Training, Patterns, check_arguments
 from ..training.deepspeed_engine import attach_to_engine, is_deepspeed_engine
 from ..training.reference import ReferenceCheck, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
-from .reference_capture import _attach_reference_capture
+from .reference_capture import _attach_reference_capture, summarise_once
 
 __all__ = ["FP8DeepSpeedPrecision"]
 
@@ -120,11 +119,7 @@ class FP8DeepSpeedPrecision(DeepSpeedPrecision):
 
     def teardown(self) -> None:
         """End of fit: the reference checks' summary and report files (rank zero)."""
-        checker = self.fp8.reference
-        if checker is not None and checker.steps > self._summarised_steps:
-            self._summarised_steps = checker.steps
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-                rank_zero_info(checker.finish())
+        self._summarised_steps = summarise_once(self.fp8, self._summarised_steps)
         super().teardown()
 
     def state_dict(self) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
 from ..training.faults import FaultPolicy, resolve_fault_policy
 from ..training.reference import ReferenceCheck, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
-from .reference_capture import _attach_reference_capture
+from .reference_capture import _attach_reference_capture, summarise_once
 
 __all__ = ["FP8Precision", "FP8FSDPPrecision", "COMPUTE_DTYPES"]
 
@@ -158,11 +158,7 @@ class _FP8Behaviour:
 
     def teardown(self) -> None:
         """End of fit (or validate / test): the reference checks' summary and report files."""
-        checker = self.fp8.reference
-        if checker is not None and checker.steps > self._summarised_steps:
-            self._summarised_steps = checker.steps
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-                rank_zero_info(checker.finish())
+        self._summarised_steps = summarise_once(self.fp8, self._summarised_steps)
         super().teardown()  # type: ignore[misc]
 
     @property

@@ -1,6 +1,6 @@
-"""How the Lightning plugins offer each training batch to the reference checks: a callback at
-``on_train_batch_start`` keeps a replay of ``training_step`` on that batch (single device, DDP,
-FSDP2's ``ModelParallelStrategy``, ``DeepSpeedStrategy``).
+"""How the Lightning plugins run the reference checks: a callback at ``on_train_batch_start``
+keeps a replay of ``training_step`` on that batch (single device, DDP, FSDP2's
+``ModelParallelStrategy``, ``DeepSpeedStrategy``), and the summary at the end of fit.
 """
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..training.core import FP8Training
@@ -60,3 +62,15 @@ def _replay_training_step(module: Any, batch: Any, batch_idx: int) -> Optional[t
     finally:
         del module.log, module.log_dict
     return None if output is None else output_loss(output)  # None: Lightning skips this batch
+
+
+def summarise_once(fp8: FP8Training, summarised: int) -> int:
+    """At the end of fit (a plugin's ``teardown``): print the checks' summary and write their
+    report files on rank zero, if steps ran since the last summary (``summarised`` steps);
+    returns the steps now summarised."""
+    checker = fp8.reference
+    if checker is None or checker.steps <= summarised:
+        return summarised
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        rank_zero_info(checker.finish())
+    return checker.steps
