@@ -98,7 +98,8 @@ class Accelerator(_AccelerateAccelerator):
         fp8_reference_every: run a BF16 reference check every this many optimizer steps (0:
             off); see :mod:`fp8_plugin.training.reference`. The model's output must hold its loss
             (``output.loss``, ``output["loss"]`` or a 0-dim tensor), else pass
-            ``ReferenceCheck(output_loss=...)``. One process, DDP or FSDP2 (refused under FSDP1 and DeepSpeed).
+            ``ReferenceCheck(output_loss=...)``. One process, DDP, FSDP2 or DeepSpeed ZeRO 0-3 (refused
+            under FSDP1).
         fp8_reference_check: a :class:`~fp8_plugin.training.reference.ReferenceCheck` (interval,
             policy, thresholds, report files); its ``every`` and ``policy`` count as given here.
             Both also come from :class:`FP8Kwargs` or the config file's ``fp8_config``
@@ -128,8 +129,8 @@ class Accelerator(_AccelerateAccelerator):
     Raises:
         ValueError: contradictory FP8 settings (the message names both sources), an unsupported
             option or value (named, with the valid ones), FP8 arguments without
-            ``mixed_precision="fp8"``, reference checks under FSDP1 or DeepSpeed (or another
-            set-up than one process, DDP or FSDP2), a ``nonfinite`` policy or tensor parallelism under
+            ``mixed_precision="fp8"``, reference checks under FSDP1 (or another set-up than one
+            process, DDP, FSDP2 or DeepSpeed), a ``nonfinite`` policy or tensor parallelism under
             DeepSpeed, or ``AORecipeKwargs`` / ``MSAMPRecipeKwargs`` (other FP8 backends).
         RuntimeError: (at ``prepare``) DeepSpeed joined more processes than Accelerate counts
             (Accelerate on a machine without a GPU-type backend).
@@ -462,13 +463,13 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
 
 
 def _is_sharded(module: nn.Module) -> bool:
-    # FSDP2 (fully_shard made the module an FSDPModule) or DeepSpeed ZeRO-3 (partitioned
-    # parameters carry a ds_id).
+    # FSDP2 (fully_shard made the module an FSDPModule) or DeepSpeed ZeRO-3 (its partitioned
+    # parameters carry their part as ds_tensor).
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without distributed support
         return False
-    return isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters())
+    return isinstance(module, FSDPModule) or any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
 class _FP8StepOptimizer(AcceleratedOptimizer):

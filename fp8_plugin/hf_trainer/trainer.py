@@ -92,7 +92,7 @@ class FP8Trainer(Trainer):
 
     Raises:
         ValueError: as :class:`fp8_plugin.accelerate.Accelerator` (bad or contradictory FP8
-            settings, reference checks under FSDP1 or DeepSpeed), when the Trainer is built.
+            settings, reference checks under FSDP1), when the Trainer is built.
             ``TrainingArguments(deepspeed=...)`` runs DeepSpeed ZeRO 1-3 (docs/deepspeed.md).
         TypeError: ``fp8_reference_check`` not a ReferenceCheck.
         RuntimeError: a transformers version that builds its Accelerator differently.

@@ -91,7 +91,9 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
     weight's gradient the replay's backward forms (a hook on the weight: the sum over the
     layer's calls in the micro-batch, as the FP8 side sums them; under FSDP2 a hook on the
     all-gathered weight, registered at its first forward: this rank's share, before the
-    reduce-scatter); so the figures cost the FP8 GEMMs and casts alone. ``weight_shared`` (the weight is also another module's, or has a
+    reduce-scatter); so the figures cost the FP8 GEMMs and casts alone. The FP8 dgrad runs when
+    the reference's dgrad arrives, after the layer's own backward, whose weight FSDP2 and ZeRO-3
+    have gathered by then. ``weight_shared`` (the weight is also another module's, or has a
     user's tensor hook, which runs first and may change the gradient): wgrad's reference is then
     recomputed per call in ``dtype`` (the reference replay's GEMM dtype), as the weight's
     gradient holds the other module's share too. The FP8 side runs when the
