@@ -118,8 +118,9 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     start = time.perf_counter()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in trainable], [p for _, p in trainable]
-    layout = gradient_layout(names, params, fp8_weights(_fp8_layers(model)))
-    layers = [(name, layer) for name, layer in _fp8_layers(model) if layer.use_fp8]
+    every_layer = _fp8_layers(model)
+    layout = gradient_layout(names, params, fp8_weights(every_layer))
+    layers = [(name, layer) for name, layer in every_layer if layer.use_fp8]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = [rng_state.device] if rng_state.device is not None else []
     # FSDP2: each replay's backward reduce-scatters into .grad; training's gradients wait aside.
