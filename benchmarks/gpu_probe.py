@@ -312,7 +312,9 @@ def grouped_variants(device: torch.device, major, kind_of: str) -> Iterator[tupl
             return torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
 
         for name in ("_scaled_grouped_mm E4M3 x E4M3", "_grouped_mm bf16 E5M2 x E4M3", "_grouped_mm bf16 wgrad E5M2 x E4M3"):
-            def grouped(name=name, counts=counts):
+            # offsets_of bound here: a closure would see the loop's last one (rows past the
+            # operand's end: a device-side assertion in torch's kernel setup, not a kernel fault).
+            def grouped(name=name, counts=counts, offsets_of=offsets_of):
                 if major not in (9, 10) and kind_of != "cpu":
                     return "SKIP torch's grouped FP8 kernels are for sm90 / sm100"
                 gen = torch.Generator().manual_seed(4)

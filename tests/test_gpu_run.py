@@ -15,6 +15,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -123,3 +124,29 @@ def test_a_device_side_assertion_is_named_once_not_per_thread(monkeypatch):
     assert words == ("; device-side: /pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:111: operator(): Assertion "
                      "`-sizes[i] <= index && index < sizes[i] && \"index out of bounds\"` failed.")
     assert gpu_probe._assertions(["RuntimeError: no assertion here"]) == ""
+
+
+def test_each_grouped_variant_gets_the_offsets_of_its_own_groups(monkeypatch):
+    # A closure over the loop's last offsets handed the groups [5, 0, 37, 16] (58 rows) the
+    # ends of [16, 32, 0, 16] (64): a device-side assertion on the H200 run, not a kernel fault.
+    monkeypatch.syspath_prepend(str(PROBE.parent))
+    import gpu_probe
+
+    from fp8_plugin.numerics import grouped_gemm
+
+    seen = {}
+
+    def record(a, sa, b, sb, offsets, out_dtype):
+        seen.setdefault(current, []).append(offsets.tolist())
+        raise gpu_probe.Refused("recorded")
+
+    monkeypatch.setattr(grouped_gemm, "_emulated", record)
+    monkeypatch.setattr(grouped_gemm, "_emulated_wgrad", record)
+    listed = [(name, run) for name, run in gpu_probe.variants(torch.device("cpu")) if name.startswith("grouped")]
+    assert len(listed) == 6
+    for current, run in listed:
+        with pytest.raises(gpu_probe.Refused):
+            run()
+        counts = [int(c) for c in current.split("groups [")[1].split("]")[0].split(", ")]
+        ends = [sum(counts[:i + 1]) for i in range(len(counts))]  # hand-computed cumulative ends
+        assert seen[current] == [ends], current
