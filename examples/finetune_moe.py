@@ -48,6 +48,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,6 +77,7 @@ from finetune_causal_lm import (  # noqa: E402  (the causal-LM example's checkpo
 )
 from finetune_classifier import StepStats as ClassifierStepStats  # noqa: E402
 from fp8_plugin.modules.experts import FP8ExpertsMixin, expert_gemm_counts  # noqa: E402
+from fp8_plugin.modules.linear import FP8Linear  # noqa: E402
 from fp8_plugin.numerics.device import recipe_name  # noqa: E402
 from fp8_plugin.training.precision_strings import settings_for_loop  # noqa: E402
 
@@ -210,6 +212,25 @@ def precision_flags(precision: str, dtype: torch.dtype) -> dict:
                                      device=settings.device)]}
 
 
+def report_of(trainer: L.Trainer):
+    """The FP8 plugin's conversion report, or None for a run without FP8."""
+    return getattr(trainer.precision_plugin, "report", None)
+
+
+@contextmanager
+def fp8_layers_off(model: torch.nn.Module):
+    """Run the FP8 linear layers and experts of ``model`` in high precision inside (their
+    ``use_fp8`` switch, as the reference checks' fallback uses it); restored on exit."""
+    switched = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8ExpertsMixin)) and m.use_fp8]
+    for m in switched:
+        m.use_fp8 = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.use_fp8 = True
+
+
 def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, val_blocks: torch.Tensor) -> dict:
     """Upcycle a freshly loaded dense model and fine-tune it in ``precision``; its figures."""
     L.seed_everything(args.seed, verbose=False)
@@ -231,13 +252,19 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
     trainer.fit(module, loader)
     train_seconds = time.perf_counter() - start
     experts_after = expert_gemm_counts()
-    val = trainer.validate(module, DataLoader(val_blocks, batch_size=args.batch_size), verbose=False)[0]
+    val_loader = DataLoader(val_blocks, batch_size=args.batch_size)
+    val = trainer.validate(module, val_loader, verbose=False)[0]
+    # The same validation with the FP8 layers off, the rest as the run computes it: the reference
+    # run's precision, so that the two runs' training is compared, not FP8 inference's own error.
+    with fp8_layers_off(module.model):
+        val_hp = val if report_of(trainer) is None else trainer.validate(module, val_loader, verbose=False)[0]
     timed = stats.times[1:] or stats.times  # the first step warms up
     last = stats.losses[-5:]
-    result = {"precision": label, "ppl_after": math.exp(val["val_loss"]), "final_loss": sum(last) / len(last),
+    result = {"precision": label, "ppl_after": math.exp(val["val_loss"]), "ppl_after_fp8_off": math.exp(val_hp["val_loss"]),
+              "final_loss": sum(last) / len(last),
               "step_time": sum(timed) / len(timed), "steps": len(stats.times), "train_seconds": train_seconds,
               "fp8_share": None, "expert_gemms": {k: experts_after[k] - experts_before[k] for k in experts_after}}
-    report = getattr(trainer.precision_plugin, "report", None)
+    report = report_of(trainer)
     if report is not None:
         experts = sum(isinstance(m, FP8ExpertsMixin) and m.use_fp8 for m in module.model.modules())
         coverage = report.gemm_coverage(module.model, inputs={"input_ids": val_blocks[:1].to(module.device)})
@@ -311,12 +338,21 @@ def main(argv=None) -> list[dict]:
     for prec in args.precision:
         results.append(train(prec, args, dtype, train_blocks, val_blocks))
         gc.collect()  # the run's model and optimizer state (Lightning keeps reference cycles) before the next
-    print(f"\n{'run':<32} {'ppl before':>10} {'ppl after':>10} {'final loss':>11} {'step time (s)':>14} "
-          f"{'FP8 share of GEMM FLOPs':>24}")
+    print(f"\n{'run':<32} {'ppl before':>10} {'ppl after':>10} {'FP8 off':>8} {'final loss':>11} "
+          f"{'step time (s)':>14} {'FP8 share of GEMM FLOPs':>24}")
     for r in results:
         share = "-" if r["fp8_share"] is None else f"{r['fp8_share']:.1%}"
-        print(f"{r['precision']:<32} {ppl_before:>10.3f} {r['ppl_after']:>10.3f} {r['final_loss']:>11.4f} "
-              f"{r['step_time']:>14.3f} {share:>24}")
+        print(f"{r['precision']:<32} {ppl_before:>10.3f} {r['ppl_after']:>10.3f} {r['ppl_after_fp8_off']:>8.3f} "
+              f"{r['final_loss']:>11.4f} {r['step_time']:>14.3f} {share:>24}")
+    print("(ppl after: validated in the run's own precision; FP8 off: validated with the FP8 layers in high precision, "
+          "as the reference computes)")
+    fp8 = [r for r in results if r["fp8_share"] is not None]
+    ref = [r for r in results if r["fp8_share"] is None]
+    if fp8 and ref:
+        a, b = fp8[0], ref[0]
+        print(f"FP8 against the reference: {a['ppl_after'] / b['ppl_after'] - 1:+.2%} validated in each run's "
+              f"precision, {a['ppl_after_fp8_off'] / b['ppl_after_fp8_off'] - 1:+.2%} both validated in the "
+              "reference's precision (the training alone)")
     print(f"whole run: {time.perf_counter() - started:.0f} s")
     return results
 

@@ -181,8 +181,8 @@ def test_example_runs_fp8_and_reference_with_fp8_gemms_counted(example, model_pa
     experts = {k: v - experts_before[k] for k, v in expert_gemm_counts().items()}
     out = capsys.readouterr().out
     # FP8 run only: 2 layers x 4 attention projections (lm_head and routers stay high precision),
-    # fprop, dgrad and wgrad in each of 2 steps, then fprop in the one validation batch; the
-    # reference run and the coverage forward (FP8 off) add none.
+    # fprop, dgrad and wgrad in each of 2 steps, then fprop in the one validation batch; its
+    # second validation (FP8 layers off), the reference run and the coverage forward add none.
     assert linear.count == 2 * 3 * 8 + 8, linear.count
     # 2 layers x 2 projections (gate_up, down): per step fprop, dgrad, wgrad; validation fprop.
     assert experts == {"fprop": 2 * 4 + 4, "dgrad": 2 * 4, "wgrad": 2 * 4}, experts
@@ -192,10 +192,19 @@ def test_example_runs_fp8_and_reference_with_fp8_gemms_counted(example, model_pa
     assert before, out[-3000:]  # the same perplexity: exp of float32 losses that agree to ~1e-6 relative
     assert math.isclose(float(before.group(1)), float(before.group(2)), rel_tol=1e-4)
     rows = re.findall(r"^(fp8-hybrid \(\w+ elsewhere\)|\S+ \(reference\))\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
-                      r"\s+(\S+)$", out, re.M)
+                      r"\s+([\d.]+)\s+(\S+)$", out, re.M)
     assert [r[0].split()[0] for r in rows] == ["fp8-hybrid", results[1]["precision"].split()[0]], out[-2000:]
-    assert rows[0][5] == "100.0%" and rows[1][5] == "-"
-    assert all(float(r[1]) > 1 and float(r[2]) > 1 for r in rows)
+    assert rows[0][6] == "100.0%" and rows[1][6] == "-"
+    assert all(float(r[1]) > 1 and float(r[2]) > 1 and float(r[3]) > 1 for r in rows)
+    # The FP8 run validated twice: in FP8 (the count above) and in high precision, which differ;
+    # the reference run once, its one figure in both columns.
+    assert results[0]["ppl_after_fp8_off"] != results[0]["ppl_after"]
+    assert results[1]["ppl_after_fp8_off"] == results[1]["ppl_after"]
+    changes = re.search(r"FP8 against the reference: ([+-][\d.]+)% validated in each run's precision, "
+                        r"([+-][\d.]+)% both validated in the reference's precision", out)
+    assert changes, out[-2000:]
+    for column, key in ((1, "ppl_after"), (2, "ppl_after_fp8_off")):  # hand-computed relative changes
+        assert float(changes.group(column)) == pytest.approx(100 * (results[0][key] / results[1][key] - 1), abs=0.006)
     assert "FP8 share of GEMM FLOPs: 100.0%" in out
 
 
