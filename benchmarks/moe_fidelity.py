@@ -72,7 +72,7 @@ def measure(label: str, model, batch) -> dict:
         result = fp.reference_check(model, batch, lambda m, b: m(input_ids=b, labels=b).loss,
                                     compute_dtype=torch.float32)
     sqnr = result.layer_sqnr_db
-    mlp = [db for n, db in sqnr.items() if n.endswith((".mlp.down_proj", ".mlp.experts"))]
+    mlp = [db for n, db in sqnr.items() if n.endswith(".mlp.down_proj") or ".mlp.experts[" in n]
     attention = [db for n, db in sqnr.items() if ".self_attn." in n]
     groups = grad_groups(model, batch)
     return {"label": label, "loss_rel_diff": result.loss_rel_diff, "grad_cosine": result.grad_cosine,

@@ -220,15 +220,18 @@ def report_of(trainer: L.Trainer):
 @contextmanager
 def fp8_layers_off(model: torch.nn.Module):
     """Run the FP8 linear layers and experts of ``model`` in high precision inside (their
-    ``use_fp8`` switch, as the reference checks' fallback uses it); restored on exit."""
-    switched = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8ExpertsMixin)) and m.use_fp8]
-    for m in switched:
+    ``use_fp8`` switch, as the reference checks' fallback uses it); each switch, an expert's
+    own included (``fp8_experts``), is restored on exit."""
+    saved = [(m, "fp8_experts" if isinstance(m, FP8ExpertsMixin) else "use_fp8") for m in model.modules()
+             if isinstance(m, (FP8Linear, FP8ExpertsMixin))]
+    saved = [(m, attr, getattr(m, attr)) for m, attr in saved]
+    for m, _, _ in saved:
         m.use_fp8 = False
     try:
         yield
     finally:
-        for m in switched:
-            m.use_fp8 = True
+        for m, attr, value in saved:
+            setattr(m, attr, value)
 
 
 def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, val_blocks: torch.Tensor) -> dict:

@@ -42,7 +42,8 @@ from .backends import get_backend
 from .coverage import GemmCoverage, measure_gemm_coverage
 from .equivalents import equivalent_linear_reason
 from .heads import HEAD_NAMES, head_reason, output_embedding_ids, tied_weight_ids
-from .experts import FP8ExpertGEMM, plan_experts
+from .experts import FP8ExpertGEMM
+from .experts_plan import plan_experts
 from .freezing import (
     check_frozen_layout, frozen_figures, is_transformers_fp8_linear, keep_frozen_in_fp8, master_dtype_of, save_dequantized,
     take_over_transformers_fp8,

@@ -120,7 +120,9 @@ def _expert_count(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     routed = int(((index >= 0) & (index < experts)).sum()) if isinstance(index, torch.Tensor) else 0
     # One expert's weights: the 3-D parameters [E, out, in] (or [E, in, out]) over E.
     per_token = sum(p[0].numel() for p in module.parameters(recurse=False) if p.dim() == 3)
-    return GemmCount(2 * routed * per_token, isinstance(module, FP8ExpertsMixin) and module.use_fp8)
+    # An experts module counts as FP8 when all its experts are: one moved by a reference check's
+    # fallback puts the module's FLOPs on the high-precision side (the share errs low, never high).
+    return GemmCount(2 * routed * per_token, isinstance(module, FP8ExpertsMixin) and all(module.fp8_experts))
 
 
 register_gemm_counter(lambda m: "layer" if _is_linear(m) else None, _linear_count)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -69,8 +69,7 @@ from .expert_casts import cast_expert_weights, cast_rows  # noqa: F401  (cast_ex
 from .frozen_experts import FrozenExpertsMixin
 from .scaling_group import ScalingGroup
 
-__all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "ExpertsPlan", "plan_experts",
-           "is_experts_module", "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
+__all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module", "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
            "ROUTER_NAMES"]
 
 # Recipes whose per-expert casts and grouped GEMMs exist.
@@ -310,15 +309,22 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         fp8_scaling: ``ModuleDict`` ``{projection: ModuleList of E FP8ExpertGEMM}``, the
             scaling state of each expert's projection (``gate_up_proj`` or ``up_proj``, then
             ``down_proj``).
-        use_fp8: False runs the experts in high precision even inside the autocast (saved with
-            the scaling state, as ``FP8Linear.use_fp8``).
+        use_fp8: whether any expert runs in FP8 inside the autocast; setting it sets every
+            expert's switch (False: the module's original forward, as ``FP8Linear.use_fp8``).
+        fp8_experts: each expert's own switch, a tuple of E bools (the reference checks' fallback
+            moves one expert to high precision without the others); saved with each expert's
+            scaling state.
         cache_fp8_weights: keep each projection's FP8 weight cast while the weights, scales and
             recipe are unchanged (default True), as ``FP8Linear`` does; :meth:`clear_weight_cache`
             drops them.
 
     Forward: ``(hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k]) -> [T, H]``
     in ``hidden_states``' dtype, as the experts module's own. Outside the autocast, with
-    ``use_fp8 = False``, or inside a high-precision replay, it is the original forward.
+    ``use_fp8 = False``, or inside a high-precision replay, it is the original forward. With
+    some experts switched off it is the sum of two passes over the routed tokens: the FP8
+    grouped GEMMs with the routing weights of those experts' slots zeroed, and the original
+    forward with the others' zeroed (each slot counted once, its gradients in one of the two;
+    the routed rows' GEMMs run twice, a cost of the fallback only).
     """
 
     def __reduce_ex__(self, protocol: int):
@@ -327,12 +333,27 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
 
     @property
     def use_fp8(self) -> bool:
-        return all(m.fp8_state.use_fp8 for m in self._fp8_members())
+        return any(self.fp8_experts)
 
     @use_fp8.setter
     def use_fp8(self, value: bool) -> None:
         for m in self._fp8_members():
             m.fp8_state.use_fp8 = bool(value)
+
+    @property
+    def fp8_experts(self) -> tuple[bool, ...]:
+        # An expert is in FP8 when all its projections' states say so (they are switched together).
+        return tuple(all(self.fp8_scaling[proj][e].fp8_state.use_fp8 for proj in self.fp8_scaling)
+                     for e in range(self.num_experts))
+
+    @fp8_experts.setter
+    def fp8_experts(self, flags) -> None:
+        flags = tuple(flags)
+        if len(flags) != self.num_experts or not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"fp8_experts={flags!r}: give one bool per expert ({self.num_experts} experts)")
+        for proj in self.fp8_scaling.values():
+            for member, flag in zip(proj, flags):
+                member.fp8_state.use_fp8 = flag
 
     @property
     def scaling_group(self) -> ScalingGroup:
@@ -411,8 +432,8 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
                 raise RuntimeError(
                     "FP8 experts: an activation-checkpoint recomputation ran after the FP8 scales were updated by "
                     "a later training step; run each step's backward before the next step's forward")
-            return self._fp8_experts_forward(hidden_states, top_k_index, top_k_weights, saved.recipe, False,
-                                             saved.training)
+            return self._fp8_or_mixed(original, hidden_states, top_k_index, top_k_weights, saved.recipe, False,
+                                      saved.training)
         context = current_context()
         recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
         if recipe is not None and getattr(self, "_is_expert_parallel", False):
@@ -432,8 +453,26 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
             group.step = context.step
             group.update(context.reduce_amax, context.recipe)
         self._forward_context = _ForwardContext(recipe, context.training, group.step)
-        return self._fp8_experts_forward(hidden_states, top_k_index, top_k_weights, recipe, context.training,
-                                         context.training)
+        return self._fp8_or_mixed(original, hidden_states, top_k_index, top_k_weights, recipe, context.training,
+                                  context.training)
+
+    def _fp8_or_mixed(self, original: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, recipe: Recipe, record_forward: bool,
+                      record_backward: bool) -> torch.Tensor:
+        # Every expert in FP8, or (a per-expert fallback) the FP8 pass plus the original forward,
+        # each with the other's routing slots weighted zero: a slot's output and the gradient of
+        # its routing weight come from the one pass its expert belongs to.
+        flags = self.fp8_experts
+        if all(flags):
+            return self._fp8_experts_forward(hidden_states, top_k_index, top_k_weights, recipe, record_forward,
+                                             record_backward)
+        on = torch.tensor(flags, device=top_k_index.device)[top_k_index]  # [T, k]: the slot's expert is FP8
+        zero = top_k_weights.new_zeros(())
+        fp8_part = self._fp8_experts_forward(hidden_states, top_k_index, torch.where(on, top_k_weights, zero), recipe,
+                                             record_forward, record_backward)
+        with self.dequantized():
+            high = original(hidden_states, top_k_index, torch.where(on, zero, top_k_weights))
+        return fp8_part + high.to(fp8_part.dtype)
 
     def _fp8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor, recipe: Recipe, record_forward: bool,
@@ -539,75 +578,3 @@ def convert_experts(module: nn.Module, recipe: Recipe) -> nn.Module:
     module.__class__ = _fp8_class(type(module))
     module._fp8_setup(recipe)
     return module
-
-
-@dataclass
-class ExpertsPlan:
-    """What ``convert_model`` will do with a model's experts and routers.
-
-    Attributes:
-        decisions: ``(name, kind, in_features, out_features, swapped, reason)`` per expert
-            projection (named ``<experts>.gate_up_proj`` ...; features of one expert) and per
-            router that is not an ``nn.Linear`` (those are judged with the linear layers).
-        routers: ``id(router) -> reason`` for routers that are ``nn.Linear`` candidates.
-    """
-
-    decisions: list[tuple[str, str, int, int, bool, str]] = field(default_factory=list)
-    routers: dict[int, str] = field(default_factory=dict)
-    todo: list[nn.Module] = field(default_factory=list)
-    recipe: Optional[Recipe] = None
-
-    def router_reason(self, module: nn.Module) -> str:
-        return self.routers.get(id(module), "")
-
-    def apply(self) -> None:
-        """Convert the planned experts modules."""
-        for module in self.todo:
-            convert_experts(module, self.recipe)
-
-
-def plan_experts(model: nn.Module, recipe: Optional[Recipe], pattern_reason: Callable[[str], str],
-                 linear_types: tuple[type, ...] = (nn.Linear,)) -> ExpertsPlan:
-    """Find the experts modules and routers of ``model`` and decide what becomes FP8.
-
-    Args:
-        model: any module; transformers MoE models have experts modules.
-        recipe: the conversion's recipe (None: ``DelayedScaling()``).
-        pattern_reason: ``name -> reason`` from include / exclude patterns ("" to convert).
-        linear_types: layer types ``convert_model`` judges itself (routers of these types are
-            reported by it, with :attr:`ExpertsPlan.routers`).
-
-    Raises:
-        ValueError: experts would be converted under a recipe they do not support
-            (:func:`check_experts_recipe`); nothing has been changed then.
-    """
-    plan = ExpertsPlan(recipe=recipe if recipe is not None else DelayedScaling())
-    for name, module in model.named_modules():
-        if not is_experts_module(module):
-            continue
-        kind = type(module).__name__
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        for child_name, child in parent.named_children():
-            if child_name in ROUTER_NAMES and child is not module:
-                if isinstance(child, linear_types):
-                    plan.routers[id(child)] = ROUTER_REASON
-                else:
-                    prefix = f"{name.rpartition('.')[0]}." if "." in name else ""
-                    w = getattr(child, "weight", None)
-                    out_f, in_f = (w.shape[0], w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() == 2 else (0, 0)
-                    plan.decisions.append((f"{prefix}{child_name}", type(child).__name__, in_f, out_f, False,
-                                           ROUTER_REASON))
-        already = isinstance(module, FP8ExpertsMixin)
-        at = f"{name}." if name else ""
-        reasons = [pattern_reason(f"{at}{proj}") for proj in _projections(module)]
-        # Both projections of an experts module share one forward: they convert together.
-        reason = "" if already else next((r for r in reasons if r), "")
-        for proj in _projections(module):
-            in_f, out_f = _in_out(module, proj)
-            why = "already FP8" if already else reason
-            plan.decisions.append((f"{at}{proj}", kind, in_f, out_f, already or not reason, why))
-        if not already and not reason:
-            plan.todo.append(module)
-    if plan.todo:
-        check_experts_recipe(plan.recipe)
-    return plan

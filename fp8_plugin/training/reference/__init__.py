@@ -20,9 +20,12 @@ The figures (:class:`ReferenceResult`), FP8 against the reference:
 - ``layer_sqnr_db``: for every FP8 layer, ``10 log10(sum y_ref^2 / sum (y_fp8 - y_ref)^2)`` where
   ``y_ref`` is the layer's high-precision output in the reference replay and ``y_fp8`` its FP8
   output on the same input, so that each layer's figure is its own quantisation error, not the
-  error it inherits from the layers before it. A MoE experts module
-  (:mod:`fp8_plugin.modules.experts`) is one layer here: its output over the routed tokens, the
-  same routing in both; its fallback moves all its experts to high precision.
+  error it inherits from the layers before it. Each expert of a MoE experts module
+  (:mod:`fp8_plugin.modules.experts`) is a layer of its own here, named with its index
+  (``model.layers.3.mlp.experts[2]``, :mod:`.expert_layers`): its output over the tokens routed
+  to it, each routed slot unweighted, the same routing in both; it falls back alone
+  (``FP8ExpertsMixin.fp8_experts``), the module's other experts staying in FP8. An expert no
+  token was routed to has no figure.
 - ``gemm_sqnr_db``: for every FP8 linear layer, the SQNR of each of its three GEMMs on its own:
   ``fprop`` (``y = x W^T``), ``dgrad`` (``dx = dy W``) and ``wgrad`` (``dW = dy^T x``), each
   ``10 log10(sum z_ref^2 / sum (z_fp8 - z_ref)^2)`` where ``x`` and ``dy`` are the layer's input and
@@ -39,13 +42,14 @@ The figures (:class:`ReferenceResult`), FP8 against the reference:
   gradient, wgrad of a frozen weight) has no figure. They are computed on the fly, as the
   replay's backward reaches each layer: a layer's input is held from its forward to its backward
   (as autograd holds it anyway), and its FP8 wgrad until the weight's gradient is formed. MoE
-  experts modules have no per-GEMM figures.
+  experts have no per-GEMM figures (their fallback moves the expert's GEMMs together).
 
 Under several processes every sum above is all-reduced (SUM) before the figures are formed:
 they describe the replayed micro-batches of all ranks together and are identical on every rank,
 so every rank takes the same decision.
 
-Modules, one job each: :mod:`.config` (:class:`ReferenceCheck`), :mod:`.result`
+Modules, one job each: :mod:`.config` (:class:`ReferenceCheck`), :mod:`.expert_layers` (the layers checked: FP8 linear layers
+and each expert), :mod:`.result`
 (:class:`ReferenceResult`, :func:`judge`, :class:`FP8ReferenceCheckError`), :mod:`.replay` (the
 two replays and their comparison), :mod:`.figures` (layer and per-GEMM SQNR hooks),
 :mod:`.localise` (candidates, verified fallback, escalation), :mod:`.policy` (what a check does;

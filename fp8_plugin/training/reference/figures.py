@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from ..._private.torch_api import in_backward_pass
-from ...modules.experts import FP8ExpertsMixin
 from ...modules.linear import FP8Linear
 from ...numerics.device import bf16_matmul_speedup
 from ...numerics.device_kind import device_kind, fp8_family
@@ -24,7 +23,8 @@ from ...numerics.recipes import Recipe
 
 
 def sqnr_hook(energy: torch.Tensor, recipe: Recipe, fprop_energy: Optional[torch.Tensor] = None) -> Callable:
-    """A forward hook for an FP8 layer running in high precision: adds the signal energy of its
+    """A forward hook for an FP8 linear layer running in high precision (MoE experts:
+    :func:`~fp8_plugin.training.reference.expert_layers.expert_sqnr_hooks`): adds the signal energy of its
     output, ``sum y^2``, to ``energy[0]`` and the energy of its FP8 output's error under
     ``recipe``, ``sum (y_fp8 - y)^2``, to ``energy[1]`` (``energy``: float64 ``[2]``, no host
     sync). The FP8 output is computed from the same input, recording nothing.
@@ -37,10 +37,7 @@ def sqnr_hook(energy: torch.Tensor, recipe: Recipe, fprop_energy: Optional[torch
         if torch.is_grad_enabled() and in_backward_pass():
             return  # an activation-checkpoint recomputation: this forward was counted already
         with torch.no_grad():
-            if isinstance(layer, FP8ExpertsMixin):  # (hidden_states, top_k_index, top_k_weights)
-                fp8_out = layer._fp8_experts_forward(*(a.detach() for a in args[:3]), recipe, False, False)
-            else:
-                fp8_out = layer._fp8_forward(args[0].detach(), recipe, record_forward=False, record_backward=False)
+            fp8_out = layer._fp8_forward(args[0].detach(), recipe, record_forward=False, record_backward=False)
             reference = output.detach().to(torch.float64)
             energy[0] += reference.square().sum()
             noise = (fp8_out.to(torch.float64) - reference).square().sum()

@@ -17,7 +17,7 @@ from ...modules.linear import FP8Linear
 from ...numerics.recipes import GEMMS
 from ..reference_report import move_text
 from .config import ReferenceCheck
-from .replay import _fp8_layers
+from .expert_layers import checked_layers
 from .result import ReferenceResult, judge
 
 
@@ -58,7 +58,7 @@ def _candidates(model: nn.Module, result: ReferenceResult, config: ReferenceChec
             tried.append(move)
             if (yield move):
                 return
-    pool, shown = [name for name, layer in _fp8_layers(model) if layer.use_fp8], False
+    pool, shown = [name for name, layer in checked_layers(model) if layer.use_fp8], False
     while True:  # O(log n) replays: keep the half whose move passes
         if len(pool) <= 1:
             if pool and not shown:
@@ -112,8 +112,8 @@ ESCALATION_STEPS: tuple[tuple[str, str, Optional[tuple[bool, bool, bool]]], ...]
 
 
 """``(name, description, GEMMs left in FP8 as (fprop, dgrad, wgrad))`` of each escalation step,
-in order; ``None``: the whole layer in high precision (MoE experts modules, which have no
-per-GEMM switch, move only at that step)."""
+in order; ``None``: the whole layer in high precision (MoE experts, which have no per-GEMM
+switch, move only at that step, each expert by its own switch)."""
 
 
 _FIGURES = ("loss_rel_diff", "grad_cosine", "grad_rel_error")
@@ -169,7 +169,7 @@ def _verified_fallback(model: nn.Module, result: ReferenceResult, config: Refere
     """Try the candidate moves, then the escalation; return the moves whose replay passed (empty
     when none did), the switches left as they were. At most ``max_fallback_replays`` candidate
     replays and ``max_escalation_replays`` escalation replays."""
-    layers = dict(_fp8_layers(model))
+    layers = dict(checked_layers(model))
     candidates = _candidates(model, result, config, low_layers)
     kept: list[Move] = []
     tried = 0

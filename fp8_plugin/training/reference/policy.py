@@ -16,7 +16,8 @@ from ...numerics.recipes import Recipe
 from ..reference_report import move_text
 from .config import ReferenceCheck
 from .localise import _apply_moves, _escalation_warning, _is_rank_zero, _verified_fallback, log
-from .replay import _RNGState, _fp8_layers, capture_rng_state, compare
+from .expert_layers import checked_layers
+from .replay import _RNGState, capture_rng_state, compare
 from .result import FP8ReferenceCheckError, ReferenceResult, judge
 
 
@@ -52,13 +53,13 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
             _escalation_warning(result, config)
             raise FP8ReferenceCheckError(result)
         _escalation_warning(result, config)
-        _apply_moves(dict(_fp8_layers(model)), kept)
+        _apply_moves(dict(checked_layers(model)), kept)
         result.fallback_layers = [name for name, gemm in kept if gemm is None]
         result.fallback_gemms = [f"{name}.{gemm}" for name, gemm in kept if gemm is not None]
     elif config.policy == "raise":
         raise FP8ReferenceCheckError(result)
     elif config.policy == "fallback":
-        layers = dict(_fp8_layers(model))
+        layers = dict(checked_layers(model))
         for name in offending:
             layers[name].use_fp8 = False
         result.fallback_layers = list(offending)

@@ -17,11 +17,11 @@ from torch import nn
 
 from ..._private.torch_api import has_tensor_hooks
 from ...modules.autocast import fp8_forward_count, replay
-from ...modules.experts import FP8ExpertsMixin
 from ...modules.linear import FP8Linear
 from ...numerics.device import bf16_matmul_is_fast
 from ...numerics.device_kind import device_kind
 from ...numerics.recipes import GEMMS, Recipe
+from .expert_layers import checked_layers, expert_sqnr_hooks
 from .figures import _cosine, _has_gemm_figures, _rel_error, _shared_weights, gemm_sqnr_hooks, sqnr_db, sqnr_hook
 from .gradients import FSDP2, WHOLE, fp8_weights, grad_stats, gradient_layout, take_gradients
 from .result import ReferenceResult
@@ -66,11 +66,6 @@ def _restore_rng_state(state: _RNGState) -> None:
     torch.set_rng_state(state.cpu)
     if state.device is not None:
         torch.cuda.set_rng_state(state.device_state, state.device)
-
-
-def _fp8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    # FP8 linear layers and MoE experts modules: each is checked, and falls back, as one layer.
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8ExpertsMixin))]
 
 
 def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
@@ -118,7 +113,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     start = time.perf_counter()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in trainable], [p for _, p in trainable]
-    every_layer = _fp8_layers(model)
+    every_layer = checked_layers(model)
     layout = gradient_layout(names, params, fp8_weights(every_layer))
     layers = [(name, layer) for name, layer in every_layer if layer.use_fp8]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -143,7 +138,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             handles = [layer.register_forward_hook(sqnr_hook(
                 energies[i], recipes[name], gemm_energies[i, 0] if _has_gemm_figures(layer, recipes[name]) else None),
                 prepend=True)
-                for i, (name, layer) in enumerate(layers) if recipes[name] is not None]
+                for i, (name, layer) in enumerate(layers) if recipes[name] is not None and isinstance(layer, FP8Linear)]
+            handles += expert_sqnr_hooks(layers, energies, recipes)  # each expert's own figure
             gemm_dtype = reference_dtype or compute_dtype  # the dtype the reference replay's GEMMs run in
             shared = _shared_weights(model)
             handles += [handle for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])
@@ -180,7 +176,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     grad_values = values[gemm_start + 2 * len(GEMMS) * len(layers):]
     sqnr, gemm_sqnr = {}, {}
     for i, (name, layer) in enumerate(layers):
-        if recipes[name] is not None:
+        # An expert no token was routed to (no signal, no noise) has no figure.
+        if recipes[name] is not None and (isinstance(layer, FP8Linear) or layer_values[2 * i] or layer_values[2 * i + 1]):
             sqnr[name] = sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
         if _has_gemm_figures(layer, recipes[name]):
             pairs = gemm_values[2 * len(GEMMS) * i:2 * len(GEMMS) * (i + 1)]
