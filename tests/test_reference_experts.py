@@ -133,6 +133,13 @@ def test_a_drifting_expert_is_named_and_falls_back_alone_and_the_switch_is_saved
         result = reference_check(model, ids, _loss, compute_dtype=torch.float32, config=config)
     name = "model.layers.1.mlp.experts[2]"
     assert result.layer_sqnr_db[name] == 0.0
+    # Its GEMMs: those that read the zeroed input (fprop, wgrad) give exactly 0 dB, in both
+    # projections; dgrad reads the weight and grad_output, not the planted operand, and stays
+    # far above it (its own E5M2 error, with this tiny model's stale delayed scales: 14 to 25 dB).
+    for proj in ("gate_up_proj", "down_proj"):
+        figures = result.gemm_sqnr_db[f"{name}.{proj}"]
+        assert figures["fprop"] == 0.0 and figures["wgrad"] == 0.0, (proj, figures)
+        assert figures["dgrad"] > 10.0, (proj, figures)
     assert min(result.layer_sqnr_db, key=result.layer_sqnr_db.get) == name
     assert result.fallback_layers == [name]
     assert layer.fp8_experts == (True, True, False, True)
@@ -158,3 +165,42 @@ def test_a_drifting_expert_is_named_and_falls_back_alone_and_the_switch_is_saved
     convert_model(fresh)
     fresh.load_state_dict({**model.state_dict(), **fp8_state_dict(model)})
     assert fresh.model.layers[1].mlp.experts.fp8_experts == (True, True, False, True)
+
+
+def test_each_experts_fprop_figure_is_the_float64_sqnr_of_its_e4m3_casts():
+    """Current scaling, so that each expert's scales come from its own operands: the check's
+    fprop figure of each expert's first projection against the same figure computed here in
+    float64 from torch's own E4M3 casts (scale 448 / amax per expert, Transformer Engine's
+    formula with margin 0) of the rows routed to it and of its weight. The check computes its
+    reference in float32 and its FP8 GEMM with float32 accumulation: each is within ~K u32 of
+    float64 relative to its terms (K = 64), four orders of magnitude below E4M3's 2^-4, so the
+    two figures agree to far better than 0.01 dB."""
+    model = tiny_mixtral()
+    convert_model(model, Float8CurrentScaling())
+    train_steps(model, 1)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    experts = model.model.layers[0].mlp.experts
+    calls = []
+    hook = experts.register_forward_pre_hook(lambda m, args: calls.append(tuple(a.detach() for a in args[:3])))
+    result = reference_check(model, ids, _loss, compute_dtype=torch.float32)
+    hook.remove()
+    hidden, index, _ = calls[-1]  # the reference replay's call, the one the figures read
+
+    def e4m3(t):
+        scale = 448.0 / t.abs().max()
+        return (t * scale).to(torch.float8_e4m3fn).double() / scale
+
+    checked = 0
+    for e in range(4):
+        rows = hidden.double()[(index == e).nonzero()[:, 0]]  # one row per routed slot
+        if not len(rows):
+            assert "model.layers.0.mlp.experts[{e}].gate_up_proj" not in result.gemm_sqnr_db
+            continue
+        w = experts.gate_up_proj[e].detach().double()
+        want = rows @ w.t()
+        got = e4m3(rows.float()) @ e4m3(w.float()).t()
+        expected = 10 * torch.log10(want.square().sum() / (got - want).square().sum()).item()
+        figure = result.gemm_sqnr_db[f"model.layers.0.mlp.experts[{e}].gate_up_proj"]["fprop"]
+        assert abs(figure - expected) < 0.01, (e, figure, expected)
+        checked += 1
+    assert checked >= 2

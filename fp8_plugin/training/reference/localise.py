@@ -17,7 +17,7 @@ from ...modules.linear import FP8Linear
 from ...numerics.recipes import GEMMS
 from ..reference_report import move_text
 from .config import ReferenceCheck
-from .expert_layers import checked_layers
+from .expert_layers import checked_layers, expert_of
 from .result import ReferenceResult, judge
 
 
@@ -43,7 +43,9 @@ def _candidates(model: nn.Module, result: ReferenceResult, config: ReferenceChec
     replays before them, sent back in): the layers under ``min_sqnr_db`` with the GEMMs under
     ``min_gemm_sqnr_db``; then each GEMM furthest below its healthy figure; then bisection over
     the FP8 layers still in FP8, each step moving half and keeping the half that passes."""
-    gemm_moves = [(n, g) for n, g, _ in _low_gemms(result, config) if n not in low_layers]
+    layers = dict(checked_layers(model))
+    gemm_moves = _distinct([_move(layers, n, g) for n, g, _ in _low_gemms(result, config)
+                            if expert_of(n, layers) not in low_layers])
     first = [(n, None) for n in low_layers] + gemm_moves
     tried = []
     if first:
@@ -53,7 +55,7 @@ def _candidates(model: nn.Module, result: ReferenceResult, config: ReferenceChec
     ranked = sorted(((n, g, db) for n, f in result.gemm_sqnr_db.items() for g, db in f.items() if math.isfinite(db)),
                     key=lambda item: item[2] - _HEALTHY_GEMM_DB[item[1]])
     for name, gemm, _ in ranked[:config.fallback_worst_k]:
-        move = [(name, gemm)]
+        move = [_move(layers, name, gemm)]
         if move not in tried:
             tried.append(move)
             if (yield move):
@@ -71,6 +73,16 @@ def _candidates(model: nn.Module, result: ReferenceResult, config: ReferenceChec
                 break
         else:
             return  # neither half alone restores the figures: drift that no one half explains
+
+
+def _move(layers: dict, name: str, gemm: str) -> Move:
+    # A GEMM of an expert's projection moves the expert: experts have no per-GEMM switch.
+    owner = expert_of(name, layers)
+    return (owner, None) if owner != name else (name, gemm)
+
+
+def _distinct(moves: list[Move]) -> list[Move]:
+    return list(dict.fromkeys(moves))
 
 
 def _apply_moves(layers: dict[str, nn.Module], moves: Sequence[Move]) -> None:

@@ -21,7 +21,7 @@ from ...modules.linear import FP8Linear
 from ...numerics.device import bf16_matmul_is_fast
 from ...numerics.device_kind import device_kind
 from ...numerics.recipes import GEMMS, Recipe
-from .expert_layers import checked_layers, expert_sqnr_hooks
+from .expert_layers import ExpertLayer, checked_layers, expert_gemm_names, expert_sqnr_hooks
 from .figures import _cosine, _has_gemm_figures, _rel_error, _shared_weights, gemm_sqnr_hooks, sqnr_db, sqnr_hook
 from .gradients import FSDP2, WHOLE, fp8_weights, grad_stats, gradient_layout, take_gradients
 from .result import ReferenceResult
@@ -139,7 +139,10 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
                 energies[i], recipes[name], gemm_energies[i, 0] if _has_gemm_figures(layer, recipes[name]) else None),
                 prepend=True)
                 for i, (name, layer) in enumerate(layers) if recipes[name] is not None and isinstance(layer, FP8Linear)]
-            handles += expert_sqnr_hooks(layers, energies, recipes)  # each expert's own figure
+            # Each expert's own figures: its output, and per projection its fprop, dgrad and wgrad.
+            expert_gemm_energies = torch.zeros(len(layers), 2, len(GEMMS), 2, dtype=torch.float64,
+                                               device=loss_fp8.device)
+            handles += expert_sqnr_hooks(layers, energies, recipes, expert_gemm_energies)
             gemm_dtype = reference_dtype or compute_dtype  # the dtype the reference replay's GEMMs run in
             shared = _shared_weights(model)
             handles += [handle for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])
@@ -160,7 +163,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             param.grad = grad
     # One flat float64 tensor: the losses, the layers' signal and noise energies, and per
     # parameter <g8, gr>, |g8|^2, |gr|^2, |g8 - gr|^2; summed over ranks in one all-reduce.
-    stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten(), gemm_energies.flatten()]
+    stats = [torch.stack([loss_fp8, loss_ref]).to(torch.float64), energies.flatten(), gemm_energies.flatten(),
+             expert_gemm_energies.flatten()]
     for g8, gr in zip(grads_fp8, grads_ref):
         stats.append(grad_stats(g8, gr, loss_fp8.device))
     flat = torch.cat([s.to(loss_fp8.device) for s in stats])
@@ -173,7 +177,9 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     layer_values = values[2:2 + 2 * len(layers)]
     gemm_start = 2 + 2 * len(layers)
     gemm_values = values[gemm_start:gemm_start + 2 * len(GEMMS) * len(layers)]
-    grad_values = values[gemm_start + 2 * len(GEMMS) * len(layers):]
+    expert_start = gemm_start + 2 * len(GEMMS) * len(layers)
+    expert_values = values[expert_start:expert_start + 4 * len(GEMMS) * len(layers)]
+    grad_values = values[expert_start + 4 * len(GEMMS) * len(layers):]
     sqnr, gemm_sqnr = {}, {}
     for i, (name, layer) in enumerate(layers):
         # An expert no token was routed to (no signal, no noise) has no figure.
@@ -182,8 +188,13 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
         if _has_gemm_figures(layer, recipes[name]):
             pairs = gemm_values[2 * len(GEMMS) * i:2 * len(GEMMS) * (i + 1)]
             # A GEMM that did not run (no signal, no noise) has no figure.
-            gemm_sqnr[name] = {gemm: sqnr_db(pairs[2 * j], pairs[2 * j + 1]) for j, gemm in enumerate(GEMMS)
-                               if pairs[2 * j] != 0 or pairs[2 * j + 1] != 0}
+            gemm_sqnr[name] = _gemm_figures(pairs)
+        elif isinstance(layer, ExpertLayer) and recipes[name] is not None:
+            for p, proj_name in enumerate(expert_gemm_names(name, layer)):
+                start = 4 * len(GEMMS) * i + 2 * len(GEMMS) * p
+                figures = _gemm_figures(expert_values[start:start + 2 * len(GEMMS)])
+                if figures:
+                    gemm_sqnr[proj_name] = figures
     totals = [0.0, 0.0, 0.0, 0.0]
     param_figures = {}
     for i, name in enumerate(names):
@@ -202,6 +213,13 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
         gemm_sqnr_db=gemm_sqnr,
         seconds=time.perf_counter() - start,
     )
+
+
+def _gemm_figures(pairs: Sequence[float]) -> dict[str, float]:
+    # (signal, noise) per GEMM in GEMMS order -> SQNR; a GEMM that did not run (no signal, no
+    # noise) has no figure.
+    return {gemm: sqnr_db(pairs[2 * j], pairs[2 * j + 1]) for j, gemm in enumerate(GEMMS)
+            if pairs[2 * j] != 0 or pairs[2 * j + 1] != 0}
 
 
 def reference_gemm_dtype(compute_dtype: torch.dtype, device_type: str) -> Optional[torch.dtype]:
