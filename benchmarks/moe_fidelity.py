@@ -13,14 +13,30 @@ News) gives, per model:
 - the output SQNR of each FP8 layer (the dense model's MLP down projections, the upcycled
   model's experts modules: the same place in the block) and of the attention projections.
 
-    python benchmarks/moe_fidelity.py [--model-path DIR] [--seq-len 128] [--batch-size 4]
+Then, per model (``--sections``):
 
-Prints a table and writes nothing; docs/moe.md records what it found.
+- ``eval``: validation perplexity at step 0 in float32 and in FP8 (``Float8CurrentScaling``, so
+  that no amax history is involved), the dense model and the upcycle on the same 16 blocks: what
+  FP8 inference alone costs, before any training;
+- ``blocks``: per decoder layer, the SQNR of the MLP block's FP8 output against its float32
+  output on the same input (the dense ``mlp``: gate, up and down projections in FP8; the
+  upcycle's MoE block: router in high precision, experts in FP8, so the routing is the same),
+  both models on the same batch: the step-0 target compares the two;
+- ``steps``: ``--steps`` optimizer steps of FP8 training (``DelayedScaling``, AdamW as the MoE
+  example) with a reference check before each, and per step the median and minimum per-GEMM
+  SQNR (fprop, dgrad, wgrad) of the MLP projections (dense: gate, up, down; upcycle: each
+  expert's ``gate_up_proj`` and ``down_proj``) and of the attention projections.
+
+    python benchmarks/moe_fidelity.py [--model-path DIR] [--seq-len 128] [--batch-size 4]
+    python benchmarks/moe_fidelity.py --sections eval,blocks,steps --steps 4
+
+Prints tables and writes nothing; docs/moe.md records what it found.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
@@ -33,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import fp8_plugin as fp  # noqa: E402
-from finetune_causal_lm import DEFAULT_MODEL_PATH, ensure_checkpoint, load_blocks  # noqa: E402
+from finetune_causal_lm import DEFAULT_MODEL_PATH, ensure_checkpoint, load_blocks, perplexity  # noqa: E402
 from finetune_moe import load_dense, upcycle  # noqa: E402
 
 GROUPS = (("router", (".mlp.gate.",)), ("experts", (".experts.",)), ("mlp", (".mlp.",)),
@@ -80,22 +96,122 @@ def measure(label: str, model, batch) -> dict:
             "attention_sqnr_median": statistics.median(attention), "groups": groups}
 
 
+def step0_perplexity(model, val_blocks, batch_size: int) -> tuple[float, float]:
+    """Validation perplexity in float32 and in FP8 (current scaling), model as given."""
+    fp8 = copy.deepcopy(model)
+    fp.convert_model(fp8, fp.Float8CurrentScaling())
+    device = torch.device("cpu")
+    with fp.autocast():
+        in_fp8 = perplexity(fp8, val_blocks, batch_size, device)
+    return perplexity(model, val_blocks, batch_size, device), in_fp8
+
+
+def block_sqnr(model, batch) -> list[float]:
+    """Per decoder layer: SQNR (dB) of the MLP block's FP8 output against its float32 output on the
+    input the float32 model gives it (``Float8CurrentScaling``, evaluation casts)."""
+    inputs = {}
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0].detach()))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    fp8 = copy.deepcopy(model)
+    fp.convert_model(fp8, fp.Float8CurrentScaling())
+    out = []
+    with torch.no_grad():
+        for i, (ref_layer, fp8_layer) in enumerate(zip(model.model.layers, fp8.model.layers)):
+            want = ref_layer.mlp(inputs[i]).double()
+            with fp.autocast():
+                got = fp8_layer.mlp(inputs[i]).double()
+            out.append(10 * math.log10(want.square().sum().item() / (got - want).square().sum().item()))
+    return out
+
+
+def gemm_group(name: str) -> str:
+    if ".self_attn." in name:
+        return "attention"
+    if ".experts[" in name:
+        return "experts " + name.rpartition(".")[2]  # gate_up_proj / down_proj
+    return "MLP " + name.rpartition(".")[2]  # gate_proj / up_proj / down_proj
+
+
+def first_steps(model, train_blocks, batch_size: int, steps: int, lr: float) -> list[dict]:
+    """FP8 training steps (delayed scaling) with a reference check before each optimizer step;
+    per step and per GEMM group, the median and minimum SQNR of fprop, dgrad and wgrad."""
+    fp.convert_model(model, fp.DelayedScaling())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    rows = []
+    for step in range(steps):
+        batch = train_blocks[step * batch_size:(step + 1) * batch_size]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = fp.reference_check(model, batch, lambda m, b: m(input_ids=b, labels=b).loss,
+                                        compute_dtype=torch.float32, step=step)
+        figures: dict[tuple[str, str], list[float]] = {}
+        for name, per_gemm in result.gemm_sqnr_db.items():
+            for gemm, db in per_gemm.items():
+                if math.isfinite(db):
+                    figures.setdefault((gemm_group(name), gemm), []).append(db)
+        rows.append({"step": step, "grad_cosine": result.grad_cosine,
+                     "figures": {k: (statistics.median(v), min(v)) for k, v in figures.items()}})
+        with fp.autocast():
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        fp.update_pending_scales(model)
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL_PATH)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=0, help="decoder layers kept (0: all 30)")
+    p.add_argument("--sections", default="checks", help="comma-separated: checks, eval, blocks, steps "
+                   "(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="FP8 training steps of the steps section")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the steps section")
     args = p.parse_args(argv)
-    args.text_file, args.val_blocks, args.seed = None, 4, 0
+    sections = set(args.sections.split(","))
+    unknown = sections - {"checks", "eval", "blocks", "steps"}
+    if unknown:
+        p.error(f"--sections {sorted(unknown)} unknown; valid: checks, eval, blocks, steps")
+    args.text_file, args.val_blocks, args.seed = None, 16, 0
     model_path = ensure_checkpoint(args.model_path.expanduser())
     from transformers import AutoTokenizer
 
-    train_blocks, _ = load_blocks(args, AutoTokenizer.from_pretrained(model_path))
+    train_blocks, val_blocks = load_blocks(args, AutoTokenizer.from_pretrained(model_path))
     batch = train_blocks[:args.batch_size]
     rows = []
     dense = load_dense(model_path, args.num_layers).train()
     moe = upcycle(dense).train()
+    if "eval" in sections:
+        for label, model in (("dense SmolLM2", dense), ("upcycled", moe)):
+            f32, f8 = step0_perplexity(model.eval(), val_blocks, args.batch_size)
+            print(f"step-0 validation perplexity, {label}: float32 {f32:.3f}, FP8 {f8:.3f} ({f8 / f32 - 1:+.2%})",
+                  flush=True)
+    if "blocks" in sections:
+        dense_db, moe_db = block_sqnr(dense.eval(), batch), block_sqnr(moe.eval(), batch)
+        print("step-0 MLP block output SQNR (dB) per layer, dense / MoE block:")
+        print("  " + " ".join(f"{d:.1f}/{m:.1f}" for d, m in zip(dense_db, moe_db)))
+        diffs = [m - d for d, m in zip(dense_db, moe_db)]
+        print(f"  median dense {statistics.median(dense_db):.2f} dB, MoE {statistics.median(moe_db):.2f} dB; "
+              f"MoE minus dense: median {statistics.median(diffs):+.2f} dB, worst {min(diffs):+.2f} dB", flush=True)
+    if "steps" in sections:
+        for label, model in (("dense SmolLM2", copy.deepcopy(dense).train()), ("upcycled", copy.deepcopy(moe).train())):
+            for row in first_steps(model, train_blocks, args.batch_size, args.steps, args.lr):
+                parts = ", ".join(f"{group} {gemm} {med:.1f}/{low:.1f}"
+                                  for (group, gemm), (med, low) in sorted(row["figures"].items()))
+                print(f"{label} step {row['step']}: grad cosine {row['grad_cosine']:.4f}; per-GEMM SQNR "
+                      f"median/min dB: {parts}", flush=True)
+            del model
+    if "checks" not in sections:
+        return rows
+    dense.train(), moe.train()
     fp.convert_model(dense, fp.DelayedScaling())
     rows.append(measure("dense SmolLM2, FP8", dense, batch))
     del dense

@@ -204,3 +204,33 @@ def test_each_experts_fprop_figure_is_the_float64_sqnr_of_its_e4m3_casts():
         assert abs(figure - expected) < 0.01, (e, figure, expected)
         checked += 1
     assert checked >= 2
+
+
+def test_expert_figures_under_fsdp2_are_those_of_the_unsharded_model(tmp_path):
+    """Each decoder layer and the model sharded with FSDP2 (one gloo rank: the reduce-scatter hands
+    each gradient on as it is): the experts' output and per-GEMM figures are the unsharded
+    model's, bit for bit (the same operations on the same all-gathered values), and so are the
+    other layers'."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        results = {}
+        for sharded in (True, False):
+            model = tiny_mixtral()
+            convert_model(model)
+            train_steps(model, 1)
+            if sharded:
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                fully_shard(model)
+            results[sharded] = reference_check(model, ids, _loss, compute_dtype=torch.float32)
+    finally:
+        dist.destroy_process_group()
+    got, expected = results[True], results[False]
+    assert any("experts[" in name for name in got.gemm_sqnr_db)
+    assert got.gemm_sqnr_db == expected.gemm_sqnr_db and got.layer_sqnr_db == expected.layer_sqnr_db
+    # The gradient sums: up to float64 summation order (4 gamma_n, tests/test_reference_fsdp.py).
+    assert got.grad_cosine == pytest.approx(expected.grad_cosine, rel=0, abs=3e-12)

@@ -179,9 +179,12 @@ def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, hidden_states: torch.
         fp8 = {}
         for proj, inputs in ((first, x_ref), (second, h)):
             states = [m.fp8_state for m in module.fp8_scaling[proj]]
-            param = getattr(module, proj)
+            weight = getattr(module, proj)
             operand = inputs.detach().requires_grad_(inputs.requires_grad)
-            cast = module._weight_cast(proj, param, states, recipe, False)
+            cast = module._weight_cast(proj, weight, states, recipe, False)
+            # A leaf of its own over the weight's data: the FP8 wgrad reaches no hook of the
+            # parameter (ZeRO-3 reduce-scatters gradients from such hooks).
+            param = weight.detach().requires_grad_(weight.requires_grad)
             out = fp8_grouped_linear(operand, param, expert_of_slot, offsets, states, recipe,
                                      transposed=bool(module.is_transposed), record_forward=False, record_backward=False,
                                      out_dtype=torch.float32, weight_cast=cast, tables=module._fp8_tables,
