@@ -202,7 +202,8 @@ def main(argv=None) -> list[dict]:
         print(f"  median dense {statistics.median(dense_db):.2f} dB, MoE {statistics.median(moe_db):.2f} dB; "
               f"MoE minus dense: median {statistics.median(diffs):+.2f} dB, worst {min(diffs):+.2f} dB", flush=True)
     if "steps" in sections:
-        for label, model in (("dense SmolLM2", copy.deepcopy(dense).train()), ("upcycled", copy.deepcopy(moe).train())):
+        for label, model in (("dense SmolLM2", copy.deepcopy(dense).train()),
+                             ("upcycled", copy.deepcopy(moe).train())):
             for row in first_steps(model, train_blocks, args.batch_size, args.steps, args.lr):
                 parts = ", ".join(f"{group} {gemm} {med:.1f}/{low:.1f}"
                                   for (group, gemm), (med, low) in sorted(row["figures"].items()))

@@ -265,8 +265,8 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
         val_hp = val if report_of(trainer) is None else trainer.validate(module, val_loader, verbose=False)[0]
     timed = stats.times[1:] or stats.times  # the first step warms up
     last = stats.losses[-5:]
-    result = {"precision": label, "ppl_after": math.exp(val["val_loss"]), "ppl_after_fp8_off": math.exp(val_hp["val_loss"]),
-              "final_loss": sum(last) / len(last),
+    result = {"precision": label, "ppl_after": math.exp(val["val_loss"]),
+              "ppl_after_fp8_off": math.exp(val_hp["val_loss"]), "final_loss": sum(last) / len(last),
               "step_time": sum(timed) / len(timed), "steps": len(stats.times), "train_seconds": train_seconds,
               "fp8_share": None, "expert_gemms": {k: experts_after[k] - experts_before[k] for k in experts_after}}
     report = report_of(trainer)

@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_experts import assert_fp8_expert_gemms, experts_reference, mixtral_experts, tiny_mixtral, train_steps  # noqa: E402
+from test_experts import (assert_fp8_expert_gemms, experts_reference, mixtral_experts, tiny_mixtral,  # noqa: E402
+                          train_steps)
 
 from fp8_plugin import Float8CurrentScaling, autocast, convert_model  # noqa: E402
 from fp8_plugin.modules.convert import fp8_state_dict  # noqa: E402

@@ -138,11 +138,10 @@ def _expert_hook(energies: torch.Tensor, recipe: Recipe, experts: list[int], row
             fp8 = module._fp8_experts_forward(x, expert_of_row, ones, recipe, False, False)
             with module.dequantized():  # the original forward, as the reference replay ran it
                 reference = super(FP8ExpertsMixin, module).forward(x, expert_of_row, ones)
-            reference = reference.to(torch.float64)
-            per_row = torch.stack([reference.square().sum(-1), (fp8.to(torch.float64) - reference).square().sum(-1)], 1)
-            per_expert = per_row.new_zeros(module.num_experts, 2).index_add_(0, expert_of_row.flatten(), per_row)
+            per_expert = _per_expert_rows(reference, fp8, expert_of_row.flatten(), module.num_experts)
             index = torch.tensor(rows, device=energies.device)
-            energies.index_add_(0, index, per_expert[torch.tensor(experts, device=per_expert.device)].to(energies.device))
+            chosen = per_expert[torch.tensor(experts, device=per_expert.device)]
+            energies.index_add_(0, index, chosen.to(energies.device))
         if gemm_energies is not None and not any(module.frozen_cast(p) is not None for p in _projections(module)):
             _gemm_figures(module, recipe, hidden_states, args[0].requires_grad, top_k_index, top_k_weights, output,
                           experts, rows, gemm_energies)
@@ -150,8 +149,8 @@ def _expert_hook(energies: torch.Tensor, recipe: Recipe, experts: list[int], row
 
 
 def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, hidden_states: torch.Tensor, needs_dgrad: bool,
-                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, output: torch.Tensor, experts: list[int], rows: list[int],
-                  gemm_energies: torch.Tensor) -> None:
+                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, output: torch.Tensor,
+                  experts: list[int], rows: list[int], gemm_energies: torch.Tensor) -> None:
     # fprop now, on the forward's operands; dgrad and wgrad when the backward reaches the output.
     num_experts, slots = module.num_experts, top_k_index.shape[-1]
     expert_of_slot, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -163,8 +162,7 @@ def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, hidden_states: torch.
 
     def project(proj: str, inputs: torch.Tensor) -> torch.Tensor:
         w = weights[proj]
-        out = torch.cat([inputs[ends[e]:ends[e + 1]] @ w[e].t() for e in range(num_experts)])
-        return out
+        return torch.cat([inputs[ends[e]:ends[e + 1]] @ w[e].t() for e in range(num_experts)])
 
     with torch.enable_grad():
         x_ref = x.detach().requires_grad_(needs_dgrad)

@@ -138,7 +138,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             handles = [layer.register_forward_hook(sqnr_hook(
                 energies[i], recipes[name], gemm_energies[i, 0] if _has_gemm_figures(layer, recipes[name]) else None),
                 prepend=True)
-                for i, (name, layer) in enumerate(layers) if recipes[name] is not None and isinstance(layer, FP8Linear)]
+                for i, (name, layer) in enumerate(layers)
+                if recipes[name] is not None and isinstance(layer, FP8Linear)]
             # Each expert's own figures: its output, and per projection its fprop, dgrad and wgrad.
             expert_gemm_energies = torch.zeros(len(layers), 2, len(GEMMS), 2, dtype=torch.float64,
                                                device=loss_fp8.device)
@@ -183,7 +184,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     sqnr, gemm_sqnr = {}, {}
     for i, (name, layer) in enumerate(layers):
         # An expert no token was routed to (no signal, no noise) has no figure.
-        if recipes[name] is not None and (isinstance(layer, FP8Linear) or layer_values[2 * i] or layer_values[2 * i + 1]):
+        measured = isinstance(layer, FP8Linear) or layer_values[2 * i] or layer_values[2 * i + 1]
+        if recipes[name] is not None and measured:
             sqnr[name] = sqnr_db(layer_values[2 * i], layer_values[2 * i + 1])
         if _has_gemm_figures(layer, recipes[name]):
             pairs = gemm_values[2 * len(GEMMS) * i:2 * len(GEMMS) * (i + 1)]
