@@ -69,7 +69,8 @@ from .expert_casts import cast_expert_weights, cast_rows  # noqa: F401  (cast_ex
 from .frozen_experts import FrozenExpertsMixin
 from .scaling_group import ScalingGroup
 
-__all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module", "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
+__all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module",
+           "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
            "ROUTER_NAMES"]
 
 # Recipes whose per-expert casts and grouped GEMMs exist.
