@@ -224,16 +224,15 @@ def fp8_layers_off(model: torch.nn.Module):
     """Run the FP8 linear layers and experts of ``model`` in high precision inside (their
     ``use_fp8`` switch, as the reference checks' fallback uses it); each switch, an expert's
     own included (``fp8_experts``), is restored on exit."""
-    saved = [(m, "fp8_experts" if isinstance(m, FP8ExpertsMixin) else "use_fp8") for m in model.modules()
+    saved = [(m, m.fp8_experts if isinstance(m, FP8ExpertsMixin) else m.use_fp8) for m in model.modules()
              if isinstance(m, (FP8Linear, FP8ExpertsMixin))]
-    saved = [(m, attr, getattr(m, attr)) for m, attr in saved]
-    for m, _, _ in saved:
+    for m, _ in saved:
         m.use_fp8 = False
     try:
         yield
     finally:
-        for m, attr, value in saved:
-            setattr(m, attr, value)
+        for m, value in saved:
+            setattr(m, "fp8_experts" if isinstance(m, FP8ExpertsMixin) else "use_fp8", value)
 
 
 def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, val_blocks: torch.Tensor) -> dict:

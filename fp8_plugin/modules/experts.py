@@ -434,9 +434,10 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
                     "FP8 experts: an activation-checkpoint recomputation ran after the FP8 scales were updated by "
                     "a later training step; run each step's backward before the next step's forward")
             return self._fp8_or_mixed(original, hidden_states, top_k_index, top_k_weights, saved.recipe, False,
-                                      saved.training)
+                                      saved.training, self.fp8_experts)
         context = current_context()
-        recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
+        flags = self.fp8_experts  # read once per forward: use_fp8 is any(flags)
+        recipe = (context.recipe or self.recipe) if (any(flags) and context.enabled) else None
         if recipe is not None and getattr(self, "_is_expert_parallel", False):
             _warn_expert_parallel()
             recipe = None
@@ -455,15 +456,14 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
             group.update(context.reduce_amax, context.recipe)
         self._forward_context = _ForwardContext(recipe, context.training, group.step)
         return self._fp8_or_mixed(original, hidden_states, top_k_index, top_k_weights, recipe, context.training,
-                                  context.training)
+                                  context.training, flags)
 
     def _fp8_or_mixed(self, original: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor, recipe: Recipe, record_forward: bool,
-                      record_backward: bool) -> torch.Tensor:
+                      record_backward: bool, flags: tuple[bool, ...]) -> torch.Tensor:
         # Every expert in FP8, or (a per-expert fallback) the FP8 pass plus the original forward,
         # each with the other's routing slots weighted zero: a slot's output and the gradient of
         # its routing weight come from the one pass its expert belongs to.
-        flags = self.fp8_experts
         if all(flags):
             return self._fp8_experts_forward(hidden_states, top_k_index, top_k_weights, recipe, record_forward,
                                              record_backward)

@@ -33,10 +33,9 @@ from torch import nn
 
 from ..._private.torch_api import in_backward_pass
 from ...modules.experts import FP8ExpertsMixin, _projections, fp8_grouped_linear
-from ...numerics.grouped_gemm import group_offsets
-from ...numerics.recipes import GEMMS
 from ...modules.linear import FP8Linear
-from ...numerics.recipes import Recipe
+from ...numerics.grouped_gemm import group_offsets
+from ...numerics.recipes import GEMMS, Recipe
 
 __all__ = ["ExpertLayer", "checked_layers", "expert_sqnr_hooks", "expert_gemm_names", "expert_of"]
 
@@ -89,13 +88,13 @@ def checked_layers(model: nn.Module) -> list[tuple[str, CheckedLayer]]:
 
 
 def expert_sqnr_hooks(layers: Sequence[tuple[str, CheckedLayer]], energies: torch.Tensor,
-                      recipes: dict[str, Optional[Recipe]], gemm_energies: Optional[torch.Tensor] = None) -> list:
+                      recipes: dict[str, Optional[Recipe]], gemm_energies: torch.Tensor) -> list:
     """Forward hooks, one per experts module, on the experts of ``layers`` that ran in FP8 in the
     FP8 replay (a recipe in ``recipes``): in the reference replay each adds, for each of those
     experts, the signal and noise energies of its output (module docstring) to its row of
     ``energies`` (float64 ``[len(layers), 2]``, the rows of ``layers``' order), on the device,
-    and with ``gemm_energies`` (float64 ``[len(layers), 2, 3, 2]``: projection, GEMM in
-    :data:`~fp8_plugin.numerics.recipes.GEMMS` order, signal and noise) those of its GEMMs.
+    and those of its GEMMs to ``gemm_energies`` (float64 ``[len(layers), 2, 3, 2]``: projection,
+    GEMM in :data:`~fp8_plugin.numerics.recipes.GEMMS` order, signal and noise).
     Returns the handles."""
     by_module: dict[int, tuple[FP8ExpertsMixin, Recipe, list[int], list[int]]] = {}
     for row, (name, layer) in enumerate(layers):
@@ -123,7 +122,7 @@ def expert_of(name: str, layers: dict[str, CheckedLayer]) -> str:
 
 
 def _expert_hook(energies: torch.Tensor, recipe: Recipe, experts: list[int], rows: list[int],
-                 gemm_energies: Optional[torch.Tensor]) -> Callable:
+                 gemm_energies: torch.Tensor) -> Callable:
     def hook(module: FP8ExpertsMixin, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled() and in_backward_pass():
             return  # an activation-checkpoint recomputation: this forward was counted already
@@ -142,19 +141,20 @@ def _expert_hook(energies: torch.Tensor, recipe: Recipe, experts: list[int], row
             index = torch.tensor(rows, device=energies.device)
             chosen = per_expert[torch.tensor(experts, device=per_expert.device)]
             energies.index_add_(0, index, chosen.to(energies.device))
-        if gemm_energies is not None and not any(module.frozen_cast(p) is not None for p in _projections(module)):
-            _gemm_figures(module, recipe, hidden_states, args[0].requires_grad, top_k_index, top_k_weights, output,
+        if not any(module.frozen_cast(p) is not None for p in _projections(module)):
+            _gemm_figures(module, recipe, x, args[0].requires_grad, expert_of_row.flatten(), top_k_weights, output,
                           experts, rows, gemm_energies)
     return hook
 
 
-def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, hidden_states: torch.Tensor, needs_dgrad: bool,
-                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, output: torch.Tensor,
+def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, slot_rows: torch.Tensor, needs_dgrad: bool,
+                  expert_of_row: torch.Tensor, top_k_weights: torch.Tensor, output: torch.Tensor,
                   experts: list[int], rows: list[int], gemm_energies: torch.Tensor) -> None:
     # fprop now, on the forward's operands; dgrad and wgrad when the backward reaches the output.
-    num_experts, slots = module.num_experts, top_k_index.shape[-1]
-    expert_of_slot, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-    x = hidden_states.repeat_interleave(slots, dim=0)[perm].float()
+    # slot_rows [T * k, H]: each routed slot's token (row t * k + j), expert_of_row its expert.
+    num_experts, slots = module.num_experts, top_k_weights.shape[-1]
+    expert_of_slot, perm = torch.sort(expert_of_row, stable=True)
+    x = slot_rows[perm].float()
     offsets = group_offsets(expert_of_slot, num_experts)
     ends = [0] + offsets.tolist()  # the reference's per-expert loop (a check reads the host anyway)
     first, second = _projections(module)
@@ -209,11 +209,11 @@ def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, hidden_states: torch.
             if operand.requires_grad and dinput[proj] is not None:
                 _add(gemm_energies, select, p, 1,
                      _per_expert_rows(dinput[proj], fp8_grads[id(operand)], expert_of_slot, num_experts))
-            if param.requires_grad:
-                wgrad8 = _as_nk(module, fp8_grads[id(param)].float())
-                ref, err = dweight[proj].double(), wgrad8.double() - dweight[proj].double()
-                _add(gemm_energies, select, p, 2,
-                     torch.stack([ref.square().sum((1, 2)), err.square().sum((1, 2))], 1))
+            if param.requires_grad:  # each expert's weight gradient as one row of its own
+                wgrad8 = _as_nk(module, fp8_grads[id(param)])
+                _add(gemm_energies, select, p, 2, _per_expert_rows(dweight[proj].flatten(1), wgrad8.flatten(1),
+                                                                   torch.arange(num_experts, device=x.device),
+                                                                   num_experts))
         fp8.clear()
 
     output.register_hook(backward_reached)
