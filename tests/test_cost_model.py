@@ -116,11 +116,11 @@ def test_fake_cpu_trace_issues_the_ops_of_the_cuda_path(cast_path):
                     out.backward(grad)
         return [(op.name, op.category, op.bytes, op.flops) for op in counter.ops if op.large or op.flops]
 
-    gemm._native_gemm.cache_clear()
+    gemm.clear_plans()
     try:
         cuda = trace(device_kind.meta_as_cuda((9, 0)), "meta", False)
     finally:
-        gemm._native_gemm.cache_clear()
+        gemm.clear_plans()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # weight-cache key
         cpu = trace(contextlib.nullcontext(), "cpu", True)

@@ -307,12 +307,13 @@ def test_fp8_linear_trains_bit_for_bit_through_the_kernels(recipe, autocast_dtyp
         layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous())
         layer.weight_transposed = True
     twin = copy.deepcopy(layer)
-    kernel = "cast_transpose_delayed" if recipe.delayed() else "cast_transpose_current"
-    with mock.patch.object(tensorwise, kernel, wraps=getattr(tensorwise, kernel)) as casts:
+    casts, cast = [], tensorwise.RecordingCast.__call__
+    with mock.patch.object(tensorwise.RecordingCast, "__call__",
+                           lambda plan, *args: casts.append(plan.kind) or cast(plan, *args)):
         fused = train(layer, "triton", 3, autocast_dtype, recipe)
     plain = train(twin, "torch", 3, autocast_dtype, recipe)
     # Three casts per step through the kernels (input, weight, grad_output): the fused path ran.
-    assert casts.call_count == 9
+    assert casts == ["delayed" if recipe.delayed() else "current"] * 9
     for (y1, g1), (y2, g2) in zip(fused, plain):
         assert torch.equal(y1, y2) and torch.equal(g1, g2)
     assert torch.equal(layer.weight, twin.weight)
@@ -329,9 +330,9 @@ def test_the_bias_gradient_comes_from_the_grad_output_cast_within_float32_summat
     x = (torch.randn(300, 96) * 3).to(grad_dtype).requires_grad_()  # 300 rows: 5 row tiles, the last partial
     g = (torch.randn(300, 200) * torch.logspace(-3, 3, 200)).to(grad_dtype)  # column scales over 6 decades
     g[7, 5] = 1e4  # one large term: cancellation and a wide range within a column
-    calls = []
-    real = tensorwise._partials
-    with mock.patch.object(tensorwise, "_partials", lambda *a: calls.append(a[2] is not None) or real(*a)):
+    calls, cast = [], tensorwise.RecordingCast.__call__
+    with mock.patch.object(tensorwise.RecordingCast, "__call__",
+                           lambda plan, *args: calls.append(plan.bias_grad) or cast(plan, *args)):
         with force_kernels("triton"), fp.autocast(recipe=recipe):
             layer(x).backward(g)
     assert calls.count(True) == 1  # the grad_output cast summed the bias gradient
@@ -449,16 +450,9 @@ def test_the_casts_write_into_the_state_a_checkpoint_load_puts_in_place():
         assert torch.equal(t, twin.fp8_state.tensors()[name]), name
 
 
-class _Stub:
-    """A kernel that launches nothing: what the host does around the launches is left alone."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 @pytest.mark.parametrize("kind, kernels", [("delayed", ("_amax_unless_initialized_kernel", "_delayed_kernel")),
                                            ("current", ("_amax_kernel", "_current_kernel"))])
-def test_an_eager_cast_makes_its_outputs_and_nothing_else_on_the_host(kind, kernels, monkeypatch):
+def test_an_eager_cast_makes_its_outputs_and_nothing_else_on_the_host(kind, kernels):
     # On the GPU every op is some microseconds of CPU (an H100 machine's host ran a 4096 x 2048
     # FP8Linear step 10x longer than BF16's): a steady-state cast makes its three outputs (data,
     # data_t, scale_inv) and no view, select or placeholder besides the two launches.
@@ -475,13 +469,16 @@ def test_an_eager_cast_makes_its_outputs_and_nothing_else_on_the_host(kind, kern
             self.names.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    for name in kernels:
-        monkeypatch.setattr(tensorwise, name, _Stub())
+    from fp8_plugin.numerics.kernels.launch import record_launches
+
     state, x = ScalingState(4), torch.randn(128, 96, dtype=torch.bfloat16)
-    ops._direct(kind, x, state, 0, E4M3, 0, True, True, False)  # the first call makes the row views
-    with Ops() as seen:
-        data, data_t, scale_inv, bias = ops._direct(kind, x, state, 0, E4M3, 0, True, True, False)
+    with record_launches() as launches:  # counted, not run: what the host does around them is left alone
+        ops.eager_cast(kind, x, state, 0, E4M3, 0, True, True, False)  # the first call makes the row views
+        launches.clear()
+        with Ops() as seen:
+            data, data_t, scale_inv, bias = ops.eager_cast(kind, x, state, 0, E4M3, 0, True, True, False)
     assert seen.names == ["empty.memory_format"] * 3
+    assert launches == {name: 1 for name in kernels}
     assert data.shape == (128, 96) and data_t.shape == (96, 128) and data.dtype == data_t.dtype == E4M3
     assert scale_inv.shape == () and scale_inv.dtype == torch.float32 and bias is None
 

@@ -136,7 +136,7 @@ def seam_linear_ops(m: int, k: int, n: int, recipe: Optional[fp8_plugin.Recipe],
     from fp8_plugin.numerics import gemm
     from fp8_plugin.numerics.device_kind import meta_as_cuda
 
-    gemm._native_gemm.cache_clear()  # decided per device: the presented GPU changes
+    gemm.clear_plans()  # decided per device: the presented GPU changes
     try:
         with meta_as_cuda(capability), force_path("native"), force_kernels(cast_path), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -146,4 +146,4 @@ def seam_linear_ops(m: int, k: int, n: int, recipe: Optional[fp8_plugin.Recipe],
             grad = torch.empty(m, n, device="meta", dtype=torch.bfloat16)
             return _steady_step(layer, lambda: layer(x), grad, [x], recipe, autocast=False)
     finally:
-        gemm._native_gemm.cache_clear()
+        gemm.clear_plans()

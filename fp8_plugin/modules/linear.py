@@ -15,7 +15,7 @@ Any of the three GEMMs (fprop, dgrad, wgrad) can run in high precision instead, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,11 @@ from .scaling_group import ScalingGroup
 __all__ = ["FP8Linear"]
 
 
-@dataclass(frozen=True)
-class _ForwardContext:
+class _ForwardContext(NamedTuple):
     # How a layer's last forward ran, so that an activation-checkpoint recompute (which runs in
     # the backward, outside the autocast) reruns it alike: the FP8 recipe (None: high
-    # precision), whether it was a training forward, and the group's update it used.
+    # precision), whether it was a training forward, and the group's update it used. A named
+    # tuple: made every forward, at a fraction of a frozen dataclass's host time.
     recipe: Optional[Recipe]
     training: bool
     group_step: Optional[int]
@@ -428,8 +428,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 # which no scale update takes for a scale.
                 mark_recorded(state, recipe, GRAD_OUTPUT)
             frozen = self._frozen is not None
-            info = _Backward(recipe, record_backward, qx.block, qw.block, self.weight_transposed, gemms,
-                             split_accumulators(recipe), frozen, high_precision)
+            info = self._backward_info(recipe, record_backward, qx.block, qw.block, gemms, frozen, high_precision)
             # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
             weight = self.dense_weight() if frozen and not (gemms[0] and gemms[1]) else self.weight
             out = _FP8LinearFunction.apply(
@@ -438,6 +437,23 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 qx_t and qx_t.gemm_scale, qw_t and qw_t.gemm_scale, state, info,
             )  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _backward_info(self, recipe: Recipe, record: bool, x_block: Optional[tuple[int, int]],
+                       w_block: Optional[tuple[int, int]], gemms: tuple[bool, bool, bool], frozen: bool,
+                       high_precision: Optional[torch.dtype]) -> _Backward:
+        # The same _Backward for the same forward, made once: a frozen dataclass costs
+        # microseconds to build, every step. Keyed by the recipe's identity (hashing a recipe
+        # hashes all its fields), checked against the kept one.
+        key = (id(recipe), record, x_block, w_block, self.weight_transposed, gemms, frozen, high_precision)
+        memo = self.__dict__.setdefault("_backward_infos", {})
+        info = memo.get(key)
+        if info is None or info.recipe is not recipe:
+            info = _Backward(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
+                             frozen, high_precision)
+            if len(memo) >= 16:  # recipes made anew for each step: keep the newest few
+                memo.clear()
+            memo[key] = info
+        return info
 
     def _weight_casts(self, recipe: Recipe, record: bool, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while

@@ -23,7 +23,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["device_kind", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm", "FNUZ_ARCHS"]
+__all__ = ["device_kind", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm", "presented_device",
+           "FNUZ_ARCHS"]
 
 # The compute capability meta tensors present while meta_as_cuda is active (None: they are meta).
 _meta_capability: Optional[tuple[int, int]] = None
@@ -45,6 +46,12 @@ def device_kind(device: Union[str, torch.device]) -> str:
     if device.type == "meta" and _meta_capability is not None:
         return "cuda"
     return device.type
+
+
+def presented_device() -> tuple[Optional[tuple[int, int]], Optional[str]]:
+    """What :func:`meta_as_cuda` and :func:`present_rocm` present now (a compute capability, an
+    architecture; None where inactive): the part of a device decision a cache must key on."""
+    return _meta_capability, _presented_arch
 
 
 def cuda_capability(device: Union[str, torch.device]) -> tuple[int, int]:

@@ -51,7 +51,7 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .device_kind import cuda_capability, device_kind
+from .device_kind import cuda_capability, device_kind, presented_device
 from .gemm_kernels import emulated as _emulated
 from .gemm_kernels import kernel_bias as _kernel_bias
 from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
@@ -182,6 +182,30 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
         pairing = f"{format_name(a.data.dtype)} x {format_name(b.data.dtype)}"
         return kind, None, f"{kind} GEMM of {pairing} operands: {support.pairing_reason(a.data.dtype, b.data.dtype)}"
     return kind, support, ""
+
+
+# _plan's answers by what they depend on: the operands' blocks and dtypes, the output dtype, the
+# device (and what a meta device presents), the forced path. A training step asks three times.
+_plans: dict[tuple, tuple[str, Optional[NativeGemm], str]] = {}
+
+
+def _cached_plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> tuple[str, Optional[NativeGemm], str]:
+    # Traced code decides once anyway (a cache would be guarded on); a CPU's tensorwise choice is
+    # a measurement that tests redo (tensorwise_choice.cache_clear).
+    if torch.compiler.is_compiling() or a.data.device.type == "cpu":
+        return _plan(a, b, out_dtype)
+    key = (a.block, b.block, a.data.dtype, b.data.dtype, out_dtype, a.data.device, _forced, presented_device())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(a, b, out_dtype)
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every decision cached per device (the native support of each GEMM kind, the
+    per-call plans): for tests that present the meta device as another GPU."""
+    _plans.clear()
+    _native_gemm.cache_clear()
 
 
 def _alignment(kind: str, b: QuantizedTensor) -> tuple[int, int, int]:
@@ -458,7 +482,7 @@ def fp8_gemm(
     if out_dtype not in _KERNEL_OUT_DTYPES:
         # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
         return fp8_gemm(a, b, torch.float32, bias, use_split_accumulator).to(out_dtype)
-    kind, support, reason = _plan(a, b, out_dtype)
+    kind, support, reason = _cached_plan(a, b, out_dtype)
     if support is None:
         if reason:
             _warn_once(reason)

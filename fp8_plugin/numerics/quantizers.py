@@ -178,7 +178,9 @@ class ScalingState(nn.Module):
         self.outlier_ratio = torch.zeros(3, dtype=torch.float32, device=device)
         # The fused casts' scratch (numerics/kernels/tensorwise.py): zeros between casts, not saved.
         self.kernel_workspace = torch.zeros(3, 2, dtype=torch.int32, device=device)
-        self._kernel_rows: dict[int, tuple[tuple[int, ...], StateRows]] = {}  # kernel_rows' cache
+        self._kernel_rows: dict[int, tuple[int, StateRows]] = {}  # kernel_rows' cache, by generation
+        self._cast_plans: dict[tuple, Any] = {}  # the fused casts' launch plans (kernels/ops.py)
+        self._quantizers: dict[tuple, Any] = {}  # make_quantizer's, by recipe identity
         self._forget_initialized()
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
@@ -207,21 +209,28 @@ class ScalingState(nn.Module):
         """``role``'s rows of the state tensors, as views, made once and kept while the tensors
         are the same: a fused cast then selects nothing on the host (each select is an op, some
         microseconds of CPU per cast). A tensor replaced (a load, a reset, a move, a resized
-        history) changes the key, the data addresses, and the views are made again; the cached
-        views keep their storage alive, so a new tensor cannot take an old address."""
-        if self.scale.device.type == "meta":  # no addresses to key on
-            return StateRows(self.scale[role], self.initialized[role], self.amax_history[role],
-                             self.nonfinite_amax_count[role], self.kernel_workspace[role])
-        key = (self.scale.data_ptr(), self.initialized.data_ptr(), self.amax_history.data_ptr(),
-               self.nonfinite_amax_count.data_ptr(), self.kernel_workspace.data_ptr())
+        history: every one an attribute set, which counts :attr:`generation` up) makes them
+        again."""
+        generation = self.__dict__.get("_generation", 0)
         cache = self.__dict__.setdefault("_kernel_rows", {})  # a state unpickled from before the cache
         cached = cache.get(role)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == generation:
             return cached[1]
         rows = StateRows(self.scale[role], self.initialized[role], self.amax_history[role],
                          self.nonfinite_amax_count[role], self.kernel_workspace[role])
-        cache[role] = (key, rows)
+        cache[role] = (generation, rows)
         return rows
+
+    @property
+    def generation(self) -> int:
+        """Counts the replacements of the state tensors (any of them set anew): what the fused
+        casts' cached row views and launch plans are checked against."""
+        return self.__dict__.get("_generation", 0)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _ROW_TENSORS:
+            self.__dict__["_generation"] = self.__dict__.get("_generation", 0) + 1
+        super().__setattr__(name, value)
 
     def initialized_known(self, role: int) -> bool:
         """Whether the host knows, without asking the device, that ``role`` holds a scale
@@ -256,6 +265,8 @@ class ScalingState(nn.Module):
         # CUDA event, which cannot be copied. The copy knows nothing yet, which is always safe.
         state = dict(self.__dict__)
         state["_kernel_rows"] = {}
+        state["_cast_plans"] = {}
+        state["_quantizers"] = {}
         state["_initialized_known"] = [False, False, False]
         state["_initialized_probe"] = {}
         return state
@@ -406,6 +417,8 @@ class ScalingState(nn.Module):
 
 
 _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "outlier_count", "outlier_ratio")
+# The tensors a fused cast reads or writes through cached row views (ScalingState.kernel_rows).
+_ROW_TENSORS = frozenset(_STATE_TENSORS) | {"kernel_workspace"}
 # Format of the saved scaling state: 1 had no "version", "recipe" or outlier counters, 2 no
 # "fp8_gemms", 3 no "family" (the FP8 format family the scales were made for: "ocp" or "fnuz").
 STATE_VERSION = 4
@@ -589,11 +602,16 @@ class PerTensorQuantizer(Quantizer):
 
         if self.host:
             self.state.use_recipe(self.recipe)
-        cast = ops.cast_delayed if self.recipe.delayed() else ops.cast_current
-        with torch.no_grad():
-            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            data, data_t, scale_inv, bias = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
-                                                    transpose=columnwise, record=self.record, bias_grad=bias_grad)
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if ops.traced(x2d):
+            cast = ops.cast_delayed if self.recipe.delayed() else ops.cast_current
+            with torch.no_grad():
+                data, data_t, scale_inv, bias = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
+                                                        transpose=columnwise, record=self.record, bias_grad=bias_grad)
+        else:  # the launches record nothing for autograd: no no_grad context to enter
+            data, data_t, scale_inv, bias = ops.eager_cast(
+                "delayed" if self.recipe.delayed() else "current", x2d, self.state, self.role, self.dtype,
+                self.recipe.margin, columnwise, self.record, bias_grad)
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)
         row = QuantizedTensor(data, scale_inv)
@@ -697,7 +715,26 @@ def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:
 
 def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> Quantizer:
     """The quantizer a recipe uses for one role of one layer (``record`` and ``host`` as in
-    :class:`PerTensorQuantizer`)."""
+    :class:`PerTensorQuantizer`). Made once per (recipe object, role, flags) and kept by the
+    state while its tensors are the same (a quantizer holds nothing else): a training step asks
+    for three, and building one costs microseconds of host time. Under ``torch.compile`` made
+    anew (a cache would be guarded on)."""
+    if torch.compiler.is_compiling():
+        return _new_quantizer(recipe, role, state, record, host)
+    cache = state.__dict__.setdefault("_quantizers", {})  # a state unpickled from before the cache
+    # By the recipe's identity (hashing a recipe hashes every field), checked against the kept one.
+    key = (id(recipe), role, record, host)
+    kept = cache.get(key)
+    if kept is not None and kept[0] is recipe and kept[1] == state.generation:
+        return kept[2]
+    quantizer = _new_quantizer(recipe, role, state, record, host)
+    if len(cache) >= 32:  # recipes made anew for each step: keep the newest few
+        cache.clear()
+    cache[key] = (recipe, state.generation, quantizer)
+    return quantizer
+
+
+def _new_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool, host: bool) -> Quantizer:
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
         return BlockQuantizer(recipe, role, state, record, host=host)
     return PerTensorQuantizer(recipe, role, state, record, host=host)

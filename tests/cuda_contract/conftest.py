@@ -368,9 +368,9 @@ def cuda(request, monkeypatch):
         contract, seam = _real_gpu(request, asked), contextlib.nullcontext()
     else:
         contract, seam = _meta_gpu(asked or (9, 0), monkeypatch)
-    gemm._native_gemm.cache_clear()
+    gemm.clear_plans()
     try:
         with seam, gemm.force_path("native"), _Recorder(contract):
             yield contract
     finally:
-        gemm._native_gemm.cache_clear()
+        gemm.clear_plans()

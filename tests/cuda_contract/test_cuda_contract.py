@@ -215,7 +215,7 @@ def test_the_block_probe_reads_the_host_so_tests_force_the_native_path(cuda):
     # fixture's record shows; on a GPU it is one sync per device and process, before training,
     # and the probe's verdict there is the kernel's numerics against the emulation.
     kind = "blockwise" if cuda.capability == (9, 0) else "mxfp8"
-    gemm._native_gemm.cache_clear()
+    gemm.clear_plans()
     if cuda.real:
         with gemm.force_path("auto"):
             support = gemm.native_gemm(kind, cuda.device)

@@ -28,6 +28,7 @@ value that may be NaN (Triton's maximum need not propagate it; torch's clamp doe
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -39,6 +40,8 @@ from ..formats import fp8_max
 from ..scaling import divide
 from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 from .tensorwise import _finish, _fold_amax, _state_pointers
+from .launch import KernelLaunch
+from .rows import StateRows
 
 __all__ = ["cast_blocks", "reference_blocks", "grid_tensors"]
 
@@ -147,8 +150,8 @@ def _block_cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, scale_inv_t_ptr
 
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, mx: bool, power_2_scale: bool = False,
                 amax_epsilon: float = 0.0, transpose: bool, record: bool, scale: torch.Tensor,
-                amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int
-                ) -> tuple[torch.Tensor, ...]:
+                amax_history: torch.Tensor, nonfinite_amax_count: torch.Tensor, workspace: torch.Tensor, role: int,
+                rows: Optional[StateRows] = None) -> tuple[torch.Tensor, ...]:
     """Block-scaled cast of ``x`` and, where asked, of ``x.T``, in one pass.
 
     Args:
@@ -161,7 +164,8 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
             same shape.
         record: the tensor's amax into the state for statistics, as
             ``ScalingState.observe_current(role, amax, 1)`` does; False leaves the state.
-        scale, amax_history, nonfinite_amax_count, workspace, role: the state's tensors, as in
+        scale, amax_history, nonfinite_amax_count, workspace, role, rows: the state's tensors
+            and ``role``'s cached row views, as in
             :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`.
 
     Returns:
@@ -184,7 +188,10 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
     if tuple(block) not in valid:
         raise ValueError(f"block={tuple(block)} has no fused {'MXFP8' if mx else 'blockwise'} cast; valid: "
                          f"{', '.join(map(str, valid))}")
-    state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
+    if rows is not None:
+        state_scale, history, count, work = rows.scale, rows.amax_history, rows.nonfinite_amax_count, rows.workspace
+    else:
+        state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
     m, n = x.shape
     b = block[1]
     square = block[0] == block[1]
@@ -198,16 +205,24 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
         gemm_t = torch.empty_like(gemm) if transpose else None
     else:
         grid = (-(-max(m, 1) // b), -(-max(n, 1) // b))
-    _block_cast_kernel[grid](
-        loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), scale_inv,
+    _block_cast(b, square, mx, dtype, bool(power_2_scale), float(amax_epsilon), transpose, record)(
+        grid, loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), scale_inv,
         scale_inv if scale_inv_t is None else scale_inv_t, out.view(torch.uint8) if gemm is None else gemm,
         out.view(torch.uint8) if gemm_t is None else gemm_t, work, history, count, state_scale,
-        m, n, x.stride(0), x.stride(1), grid[0] * grid[1], B=b, SQUARE=square, MX=mx, FP8_MAX=fp8_max(dtype),
-        E4M3=dtype == torch.float8_e4m3fn, EMAX=E8M0_EMAX[dtype], POWER_2=power_2_scale, EPS=float(amax_epsilon),
-        TRANSPOSE=transpose, RECORD=record, enable_fp_fusion=False, num_warps=8 if b == 128 else 4)
+        m, n, x.stride(0), x.stride(1), grid[0] * grid[1])
     e8m0 = torch.float8_e8m0fnu
     return (out, scale_inv, out_t if transpose else None, scale_inv_t, None if gemm is None else gemm.view(e8m0),
             None if gemm_t is None else gemm_t.view(e8m0))
+
+
+@lru_cache(maxsize=None)
+def _block_cast(b: int, square: bool, mx: bool, dtype: torch.dtype, power_2_scale: bool, amax_epsilon: float,
+                transpose: bool, record: bool) -> KernelLaunch:
+    # The launcher of the block cast for these constexprs, made once.
+    return KernelLaunch(_block_cast_kernel, B=b, SQUARE=square, MX=mx, FP8_MAX=fp8_max(dtype),
+                        E4M3=dtype == torch.float8_e4m3fn, EMAX=E8M0_EMAX[dtype], POWER_2=power_2_scale,
+                        EPS=amax_epsilon, TRANSPOSE=transpose, RECORD=record, enable_fp_fusion=False,
+                        num_warps=8 if b == 128 else 4)
 
 
 def grid_tensors(m: int, n: int, block: tuple[int, int], transpose: bool, device: torch.device

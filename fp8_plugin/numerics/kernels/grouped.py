@@ -23,6 +23,7 @@ per expert): no host read. Bit for bit the torch ops (:func:`reference_groups`).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -34,6 +35,7 @@ from ..scaling import divide, quantize, scale_from_amax
 from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 from .scale_update import FIELDS
 from .tensorwise import _own_scale
+from .launch import KernelLaunch
 
 __all__ = ["cast_groups", "reference_groups"]
 
@@ -182,15 +184,22 @@ def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], table: to
     workspace = torch.zeros(experts + 1, dtype=torch.int32, device=x.device)
     grid = (-(-max(rows, 1) // _TILE_ROWS), -(-max(k, 1) // _TILE_COLS))
     source = loadable(x)
-    _group_amax_kernel[grid](source, groups, table, workspace, rows, k, per_group, *strides, DELAYED=delayed,
-                             FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS, TILE_COLS=_TILE_COLS)
-    _group_cast_kernel[grid](
-        source, groups, table, workspace, out.view(torch.uint8), scale_inv, rows, k, per_group, *strides,
-        grid[0] * grid[1], fp8_max(dtype) / 2.0**margin, E=experts, FP8_MAX=fp8_max(dtype),
-        E4M3=dtype == torch.float8_e4m3fn,
-        DELAYED=delayed, RECORD=record, FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS, TILE_COLS=_TILE_COLS,
-        enable_fp_fusion=False)
+    amax_pass, cast = _group_launches(experts, dtype, delayed, record)
+    amax_pass(grid, source, groups, table, workspace, rows, k, per_group, *strides)
+    cast(grid, source, groups, table, workspace, out.view(torch.uint8), scale_inv, rows, k, per_group, *strides,
+         grid[0] * grid[1], fp8_max(dtype) / 2.0**margin)
     return out, scale_inv
+
+
+@lru_cache(maxsize=None)
+def _group_launches(experts: int, dtype: torch.dtype, delayed: bool, record: bool
+                    ) -> tuple[KernelLaunch, KernelLaunch]:
+    # The launchers of the experts' amax pass and cast for these constexprs, made once.
+    return (KernelLaunch(_group_amax_kernel, DELAYED=delayed, FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS,
+                         TILE_COLS=_TILE_COLS),
+            KernelLaunch(_group_cast_kernel, E=experts, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
+                         DELAYED=delayed, RECORD=record, FIELDS=FIELDS, TILE_ROWS=_TILE_ROWS, TILE_COLS=_TILE_COLS,
+                         enable_fp_fusion=False))
 
 
 def reference_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], scale: torch.Tensor,

@@ -21,8 +21,9 @@ from typing import Optional
 import torch
 
 from ..._private.torch_api import in_dispatch_mode
+from .launch import recording_launches
 
-__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "OP_LAUNCHES", "OP_INPUT_READS"]
+__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "traced", "OP_LAUNCHES", "OP_INPUT_READS"]
 
 # Kernel launches per call of each op (zero fills included), for the cost model and the
 # launch-count tests, which check them against what each eager entry point launches.
@@ -169,9 +170,13 @@ torch.library.register_fake("fp8_plugin::scale_update_gather", lambda table, cur
 torch.library.register_fake("fp8_plugin::scale_update", lambda table, params, current, from_current, block: None)
 
 
-def _traced(x: torch.Tensor) -> bool:
-    # Something other than a plain eager launch will see the call: go through the dispatcher.
-    return torch.compiler.is_compiling() or in_dispatch_mode() or x.device.type == "meta"
+def traced(x: torch.Tensor) -> bool:
+    """Whether something other than a plain eager launch will see a cast of ``x`` (compiling, a
+    dispatch mode, meta tensors): it then goes through the dispatcher as a custom op."""
+    # Meta tensors do too, except while launches are only recorded (the host profile measures
+    # the eager path of a GPU on them).
+    return (torch.compiler.is_compiling() or in_dispatch_mode()
+            or (x.device.type == "meta" and not recording_launches()))
 
 
 def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,
@@ -182,8 +187,8 @@ def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: 
     results, errors); ``(data, data_t or None, scale_inv, bias_grad or None)``, the last
     ``x.sum(0)`` in float32 where ``bias_grad`` (the scale itself is not returned: nothing reads
     it, and an eager cast then makes one tensor fewer)."""
-    if not _traced(x):
-        return _direct("delayed", x, state, role, dtype, margin, transpose, record, bias_grad)
+    if not traced(x):
+        return eager_cast("delayed", x, state, role, dtype, margin, transpose, record, bias_grad)
     args = (x, state.scale, state.initialized, state.amax_history, state.nonfinite_amax_count,
             state.kernel_workspace, role, dtype, margin, transpose, record, bias_grad)
     data, data_t, _, scale_inv, bias = torch.ops.fp8_plugin.cast_delayed(*args)
@@ -195,28 +200,38 @@ def cast_current(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: 
     """Current scaling's fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
     :func:`~fp8_plugin.numerics.kernels.tensorwise.cast_transpose_current`; as
     :func:`cast_delayed`."""
-    if not _traced(x):
-        return _direct("current", x, state, role, dtype, margin, transpose, record, bias_grad)
+    if not traced(x):
+        return eager_cast("current", x, state, role, dtype, margin, transpose, record, bias_grad)
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
             margin, transpose, record, bias_grad)
     data, data_t, _, scale_inv, bias = torch.ops.fp8_plugin.cast_current(*args)
     return data, (data_t if transpose else None), scale_inv, (bias if bias_grad else None)
 
 
-def _direct(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, transpose: bool,
-            record: bool, bias_grad: bool) -> tuple[Optional[torch.Tensor], ...]:
-    # A plain eager call: the kernels with the state's cached row views, and no placeholder
-    # tensors for what was not asked (every op is some microseconds of CPU per cast).
+def eager_cast(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, transpose: bool,
+               record: bool, bias_grad: bool) -> tuple[Optional[torch.Tensor], ...]:
+    """A per-tensor cast as a plain eager call (where :func:`traced` is false): ``kind``
+    ``"delayed"`` or ``"current"``, the rest as :func:`cast_delayed`. The cast's plan for this
+    state row and input layout (:class:`~fp8_plugin.numerics.kernels.tensorwise.RecordingCast`) is
+    made on the first call and kept while the state's tensors are the same; later calls make the
+    outputs and launch, nothing else. Returns ``(data, data_t or None, scale_inv, bias_grad or None)``."""
     from . import tensorwise
 
-    bias = torch.empty(x.shape[1], dtype=torch.float32, device=x.device) if bias_grad else None
-    state_args = dict(scale=state.scale, amax_history=state.amax_history, nonfinite_amax_count=state.nonfinite_amax_count,
-                      workspace=state.kernel_workspace, role=role, rows=state.kernel_rows(role))
-    if kind == "delayed":
-        state_args.update(initialized=state.initialized, initialized_known=state.initialized_known(role))
-    data, data_t, _, scale_inv = getattr(tensorwise, f"cast_transpose_{kind}")(
-        x, dtype, margin, transpose=transpose, record=record, bias_grad_out=bias, want_scale=False, **state_args)
-    return data, data_t, scale_inv, bias
+    rows = state.kernel_rows(role)
+    key = (kind, role, x.shape, x.stride(), x.dtype, dtype, margin, transpose, record, bias_grad)
+    plans = state.__dict__.setdefault("_cast_plans", {})  # a state unpickled from before the plans
+    plan = plans.get(key)
+    if plan is None or plan.rows is not rows:
+        plan = tensorwise.RecordingCast(kind, x, dtype, margin, transpose, record, bias_grad, rows)
+        if len(plans) >= _PLANS_PER_STATE:  # shapes that keep changing: keep the newest few
+            plans.clear()
+        plans[key] = plan
+    return plan(x, kind == "delayed" and state.initialized_known(role))
+
+
+# Launch plans kept per scaling state: a layer sees a few input layouts (training, evaluation,
+# the last short batch of an epoch).
+_PLANS_PER_STATE = 16
 
 
 def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,
@@ -226,13 +241,14 @@ def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tu
     scale_inv_t, gemm_scale, gemm_scale_t)``, None for what was not made."""
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
             block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
-    if not _traced(x):
+    if not traced(x):
         from . import blockwise
 
         return blockwise.cast_blocks(
             x, dtype, block, mx=mx, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, transpose=transpose,
             record=record, scale=state.scale, amax_history=state.amax_history,
-            nonfinite_amax_count=state.nonfinite_amax_count, workspace=state.kernel_workspace, role=role)
+            nonfinite_amax_count=state.nonfinite_amax_count, workspace=state.kernel_workspace, role=role,
+            rows=state.kernel_rows(role))
     outputs = torch.ops.fp8_plugin.cast_blocks(*args)
     made = (True, True, transpose, transpose, mx, mx and transpose)
     return tuple(t if keep else None for t, keep in zip(outputs, made))
@@ -250,4 +266,4 @@ def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], states: l
 
     table = scale_update.table_for([(recipe, role, state) for state in states], x.device, tables)[0]
     args = (x, group_of_row, table, len(states), dtype, recipe.margin, recipe.delayed(), record)
-    return torch.ops.fp8_plugin.cast_groups(*args) if _traced(x) else _cast_groups_eager(*args)
+    return torch.ops.fp8_plugin.cast_groups(*args) if traced(x) else _cast_groups_eager(*args)

@@ -25,6 +25,7 @@ load, a device move, a new history length) or the pending rows change.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from ..device_kind import fp8_family
 from ..formats import fp8_dtype, fp8_max
+from .launch import KernelLaunch, recording_launches
 
 __all__ = ["bulk_update", "build_table", "Row"]
 
@@ -196,8 +198,9 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     block = triton.next_power_of_2(max(state.amax_history.shape[1] for _, _, state in rows)) if device.type != "meta" \
         else 1
     current = torch.empty(len(rows), dtype=torch.float32, device=device)
-    # Traced (meta tensors, a dispatch mode): the custom ops of .ops, which the quantizers import.
-    traced = device.type == "meta" or in_dispatch_mode()
+    # Traced (meta tensors, a dispatch mode): the custom ops of .ops, which the quantizers import;
+    # while launches are only recorded (the host profile), meta tensors run the eager path.
+    traced = (device.type == "meta" and not recording_launches()) or in_dispatch_mode()
     if reduce_amax is not None:
         (torch.ops.fp8_plugin.scale_update_gather if traced else _gather)(table, current)
         reduce_amax(current)
@@ -207,6 +210,9 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     # Rows whose state does not yet know, on the host, that it holds a scale: their flags come
     # back (once per state and role, in the first steps of a run or after a load).
     unknown = [i for i, (_, role, state) in enumerate(rows) if not state.initialized_known(role)]
+    if device.type == "meta":  # recorded launches: no flags come back; the steady state of a GPU, whose do, set
+        _publish_initialized(rows, torch.ones(len(rows), dtype=torch.int8), unknown)
+        unknown = []
     flags = torch.empty(len(rows), dtype=torch.int8, device=device) if unknown else None
     _update(table, params, current, reduce_amax is not None, block, flags)
     if unknown:
@@ -214,15 +220,23 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
 
 
 def _gather(table: torch.Tensor, current: torch.Tensor) -> None:
-    _gather_kernel[(table.shape[0],)](table, current, FIELDS=FIELDS)
+    _launch("gather")((table.shape[0],), table, current)
 
 
 def _update(table: torch.Tensor, params: torch.Tensor, current: torch.Tensor, from_current: bool, block: int,
             flags: Optional[torch.Tensor] = None) -> None:
     # ``flags``: int8 [n] receiving each row's ``initialized`` after the update, or None.
-    _update_kernel[(table.shape[0],)](table, params, current, current if flags is None else flags,
-                                      FROM_CURRENT=from_current, FIELDS=FIELDS, PARAMS=_PARAMS, BLOCK=block,
-                                      FLAGS=flags is not None, enable_fp_fusion=False)
+    _launch("update", from_current, block, flags is not None)(
+        (table.shape[0],), table, params, current, current if flags is None else flags)
+
+
+@lru_cache(maxsize=None)
+def _launch(kernel: str, from_current: bool = False, block: int = 1, flags: bool = False) -> KernelLaunch:
+    # The launcher of the gather or the update kernel for these constexprs, made once.
+    if kernel == "gather":
+        return KernelLaunch(_gather_kernel, FIELDS=FIELDS)
+    return KernelLaunch(_update_kernel, FROM_CURRENT=from_current, FIELDS=FIELDS, PARAMS=_PARAMS, BLOCK=block,
+                        FLAGS=flags, enable_fp_fusion=False)
 
 
 def _publish_initialized(rows: Sequence[Row], flags: torch.Tensor, unknown: list[int]) -> None:

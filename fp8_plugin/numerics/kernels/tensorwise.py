@@ -41,13 +41,16 @@ import torch
 import triton
 import triton.language as tl
 
+from functools import lru_cache
+
 from ..formats import fp8_max
+from .launch import KernelLaunch
 from .rows import StateRows
 from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
 from .fp8_bits import as_float32, byte_pointer, e4m3_bits, e5m2_bits, raw_pointer, saturated
 
-__all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_current", "reference_cast",
+__all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_current", "RecordingCast", "reference_cast",
            "reference_delayed", "reference_current"]
 
 _TILE = 64
@@ -219,6 +222,25 @@ def _delayed_kernel(x_ptr, out_ptr, out_t_ptr, workspace_ptr, initialized_ptr, s
                      TRANSPOSE, True, RECORD, BGRAD, False, SCALE_OUT, TILE)
 
 
+@lru_cache(maxsize=None)
+def _plain_cast(dtype: torch.dtype, transpose: bool, amax: bool) -> KernelLaunch:
+    # The launcher of cast_transpose's kernel for these constexprs, made once.
+    return KernelLaunch(_cast_transpose_kernel, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
+                        TRANSPOSE=transpose, AMAX=amax, TILE=_TILE, enable_fp_fusion=False)
+
+
+@lru_cache(maxsize=None)
+def _recording_cast(kind: str, dtype: torch.dtype, transpose: bool, record: bool, bias_grad: bool,
+                    scale_out: bool) -> tuple[KernelLaunch, KernelLaunch]:
+    # The launchers of a recording cast ("delayed" or "current"): its amax pass and its cast,
+    # for these constexprs, made once.
+    amax_pass = _amax_unless_initialized_kernel if kind == "delayed" else _amax_kernel
+    cast = _delayed_kernel if kind == "delayed" else _current_kernel
+    return (KernelLaunch(amax_pass, TILE=_TILE, enable_fp_fusion=False),
+            KernelLaunch(cast, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose,
+                         RECORD=record, BGRAD=bias_grad, SCALE_OUT=scale_out, TILE=_TILE, enable_fp_fusion=False))
+
+
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
@@ -271,10 +293,8 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     out, out_t = _outputs(x, dtype, transpose)
     if x.numel():
         amax_bits = amax_out.view(torch.int32) if amax_out is not None else out
-        _cast_transpose_kernel[_grid(x)](
-            x, out, out_t, amax_bits, scale, x.shape[0], x.shape[1],
-            x.stride(0), x.stride(1), FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn,
-            TRANSPOSE=transpose, AMAX=amax_out is not None, TILE=_TILE, enable_fp_fusion=False)
+        _plain_cast(dtype, transpose, amax_out is not None)(
+            _grid(x), x, out, out_t, amax_bits, scale, x.shape[0], x.shape[1], x.stride(0), x.stride(1))
     return out, (out_t if transpose else None)
 
 
@@ -353,13 +373,11 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
     grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    _amax_kernel[grid](x, work, *args, TILE=_TILE, enable_fp_fusion=False)
+    amax_pass, cast = _recording_cast("current", dtype, transpose, record, bias_grad_out is not None, want_scale)
+    amax_pass(grid, x, work, *args)
     partials = _partials(x, grid, bias_grad_out)
-    _current_kernel[grid](
-        x, out, out_t, work, history, count, state_scale, scale_inv if scale_out is None else scale_out, scale_inv,
-        scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin,
-        FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, RECORD=record,
-        BGRAD=partials is not None, SCALE_OUT=want_scale, TILE=_TILE, enable_fp_fusion=False)
+    cast(grid, x, out, out_t, work, history, count, state_scale, scale_inv if scale_out is None else scale_out,
+         scale_inv, scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin)
     if partials is not None:
         torch.sum(partials, 0, out=bias_grad_out)
     return out, (out_t if transpose else None), scale_out, scale_inv
@@ -413,18 +431,73 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
     grid = _grid(x)
     args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+    amax_pass, cast = _recording_cast("delayed", dtype, transpose, record, bias_grad_out is not None, want_scale)
     if not initialized_known:
-        _amax_unless_initialized_kernel[grid](x, work, ready, *args, TILE=_TILE, enable_fp_fusion=False)
+        amax_pass(grid, x, work, ready, *args)
     partials = _partials(x, grid, bias_grad_out)
-    _delayed_kernel[grid](
-        x, out, out_t, work, ready, state_scale, history, count,
-        scale_inv if scale_out is None else scale_out, scale_inv, scale_inv if partials is None else partials, *args,
-        grid[0] * grid[1],
-        fp8_max(dtype) / 2.0**margin, FP8_MAX=fp8_max(dtype), E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose,
-        RECORD=record, BGRAD=partials is not None, SCALE_OUT=want_scale, TILE=_TILE, enable_fp_fusion=False)
+    cast(grid, x, out, out_t, work, ready, state_scale, history, count, scale_inv if scale_out is None else scale_out,
+         scale_inv, scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin)
     if partials is not None:
         torch.sum(partials, 0, out=bias_grad_out)
     return out, (out_t if transpose else None), scale_out, scale_inv
+
+
+class RecordingCast:
+    """A recording cast of one scaling-state row for one input layout, resolved once: what
+    :func:`cast_transpose_delayed` and :func:`cast_transpose_current` check, select and look up
+    on every call (the launchers, the grid, the row views, the constant arguments), kept, so that
+    a steady-state cast makes its outputs and launches and does nothing else on the host.
+
+    Args:
+        kind: ``"delayed"`` or ``"current"``.
+        x: an input of the layout it will cast (``[M, N]``, its strides and dtype).
+        dtype, margin, transpose, record: as :func:`cast_transpose_delayed`.
+        bias_grad: also return ``x.sum(0)`` in float32 (``bias_grad_out``).
+        rows: the state row's views (``ScalingState.kernel_rows``), which it keeps: a plan is
+            valid while they are the state's.
+
+    Raises:
+        ValueError: as :func:`cast_transpose_delayed`.
+    """
+
+    __slots__ = ("kind", "rows", "device", "shape", "dtype", "transpose", "bias_grad", "grid", "amax_pass", "cast",
+                 "args", "tail")
+
+    def __init__(self, kind: str, x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool, record: bool,
+                 bias_grad: bool, rows: StateRows) -> None:
+        _check(x, dtype)
+        self.kind, self.rows, self.device, self.shape, self.dtype = kind, rows, x.device, tuple(x.shape), dtype
+        self.transpose, self.bias_grad, self.grid = transpose, bias_grad, _grid(x)
+        self.amax_pass, self.cast = _recording_cast(kind, dtype, transpose, record, bias_grad, False)
+        self.args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+        self.tail = (*self.args, self.grid[0] * self.grid[1], fp8_max(dtype) / 2.0**margin)
+
+    def __call__(self, x: torch.Tensor, initialized_known: bool = False
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+        """Cast ``x`` (the plan's layout): ``(data, data_t or None, scale_inv, bias_grad or None)``.
+        ``initialized_known`` as in :func:`cast_transpose_delayed` (ignored by current scaling)."""
+        m, n = self.shape
+        device, rows = self.device, self.rows
+        out = torch.empty(m, n, dtype=self.dtype, device=device)
+        out_t = torch.empty(n, m, dtype=self.dtype, device=device) if self.transpose else out
+        scale_inv = torch.empty((), dtype=torch.float32, device=device)
+        bias = partials = None
+        if self.bias_grad:
+            bias = torch.empty(n, dtype=torch.float32, device=device)
+            partials = torch.empty(self.grid[0], n, dtype=torch.float32, device=device)
+        if self.kind == "delayed":
+            if not initialized_known:
+                self.amax_pass(self.grid, x, rows.workspace, rows.initialized, *self.args)
+            self.cast(self.grid, x, out, out_t, rows.workspace, rows.initialized, rows.scale, rows.amax_history,
+                      rows.nonfinite_amax_count, scale_inv, scale_inv, scale_inv if partials is None else partials,
+                      *self.tail)
+        else:
+            self.amax_pass(self.grid, x, rows.workspace, *self.args)
+            self.cast(self.grid, x, out, out_t, rows.workspace, rows.amax_history, rows.nonfinite_amax_count,
+                      rows.scale, scale_inv, scale_inv, scale_inv if partials is None else partials, *self.tail)
+        if partials is not None:
+            torch.sum(partials, 0, out=bias)
+        return out, (out_t if self.transpose else None), scale_inv, bias
 
 
 def reference_delayed(x: torch.Tensor, state_scale: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype,

@@ -1,0 +1,280 @@
+"""Where the host time of one FP8Linear training step goes, per recipe, against nn.Linear.
+
+A training step of an ``FP8Linear`` (forward under :func:`fp8_plugin.autocast`, backward) on the
+CUDA path, against ``nn.Linear`` under BF16 on the same tensors. The shapes are small, so that
+the GPU waits for the host: the step time is the host's. Per recipe:
+
+- **host µs per step**, FP8 and BF16, and their ratio (the fastest of ``--repeats`` runs of
+  ``--steps`` steps each);
+- **launches per step**: the fused casts' Triton kernels by name, and the GEMMs;
+- **where the FP8 step's host time goes** (cProfile, each function's own time, scaled to the
+  unprofiled step): fp8-plugin's Python by module, Triton's launch path, torch's Python (autograd,
+  ``nn.Module``), torch's C++ ops (the dispatcher and kernels' host side), and, on the meta
+  proxy only, torch's Python meta kernels, which a GPU runs in C++ (``torch._scaled_mm``'s
+  checks above all);
+- the per-model share: ``ScalingGroup.update`` (one scale update per step for the whole model,
+  not per layer) is reported apart, and **per-layer host µs** leaves it and the meta kernels out.
+
+Devices:
+
+- ``--device meta`` (any machine, the default): meta tensors presented as an sm90 GPU
+  (``meta_as_cuda``), the native GEMM path, the fused casts' eager path with their launches
+  counted and not run (``record_launches``): the host work of the CUDA path without a GPU.
+  ``mxfp8`` presents an sm100 GPU (Blackwell's MXFP8 GEMM).
+- ``--device cuda``: the same on a real GPU, launches run; a step's host time is measured as the
+  wall time of ``--steps`` steps with one synchronisation at the end (the GPU work of these
+  shapes is some microseconds per kernel: the GPU waits for the host).
+
+    OMP_NUM_THREADS=1 python benchmarks/host_profile.py                       # meta, ~30 s
+    python benchmarks/host_profile.py --device cuda --shape 4096x2048x2048   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import json
+import pstats
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fp8_plugin from this checkout
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fp8_plugin  # noqa: E402
+from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
+from fp8_plugin.numerics.gemm import force_path  # noqa: E402
+from fp8_plugin.numerics.kernels import force_kernels  # noqa: E402
+from fp8_plugin.numerics.kernels.launch import record_launches  # noqa: E402
+from fp8_suite.common import RECIPES, environment, write_report  # noqa: E402  (benchmarks/)
+
+# The presented GPU per recipe on the meta proxy: MXFP8 GEMMs are Blackwell's.
+CAPABILITY = {"mxfp8": (10, 0)}
+GEMMS = ("_scaled_mm", "_scaled_mm_v2", "scaled_mm", "mm", "addmm")
+# Where a function's own time goes, by its file (first match wins).
+CATEGORIES = (
+    ("fp8_plugin/", "fp8-plugin Python"),
+    ("triton/", "Triton launch path"),
+    ("torch/_meta_registrations", "meta kernels (proxy only)"),
+    ("torch/_refs", "meta kernels (proxy only)"),
+    ("torch/_prims", "meta kernels (proxy only)"),
+    ("torch/_decomp", "meta kernels (proxy only)"),
+    ("torch/fx/experimental/symbolic_shapes", "meta kernels (proxy only)"),
+    ("torch/__init__.py", "meta kernels (proxy only)"),  # torch._check, called by the meta kernels
+    ("torch/", "torch Python (autograd, nn.Module)"),
+)
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MxKxN (tokens x in x out), e.g. 512x256x384") from None
+    return m, k, n
+
+
+@contextlib.contextmanager
+def _cuda_path(device: str, recipe: str) -> Iterator[Counter]:
+    # The CUDA path: on meta tensors presented as a GPU, launches recorded; on a GPU, as it runs.
+    with contextlib.ExitStack() as stack:
+        launches: Counter = Counter()
+        if device == "meta":
+            stack.enter_context(meta_as_cuda(CAPABILITY.get(recipe, (9, 0))))
+            stack.enter_context(force_path("native"))
+            stack.enter_context(force_kernels("triton"))
+            launches = stack.enter_context(record_launches())
+        yield launches
+
+
+def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str):
+    m, k, n = shape
+    recipe = RECIPES[recipe_name]()
+    fp8 = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16, recipe=recipe)
+    bf16 = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    x = torch.empty(m, k, device=device, dtype=torch.bfloat16).normal_().requires_grad_()
+    grad = torch.empty(m, n, device=device, dtype=torch.bfloat16).normal_()
+    if device.type == "meta":
+        x = torch.empty(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+
+    def fp8_step() -> None:
+        with fp8_plugin.autocast(recipe=recipe):
+            y = fp8(x)
+        y.backward(grad)
+        fp8.weight.grad = x.grad = None
+
+    def bf16_step() -> None:
+        y = bf16(x)
+        y.backward(grad)
+        bf16.weight.grad = x.grad = None
+
+    return fp8_step, bf16_step
+
+
+def _per_step_us(step: Callable[[], None], steps: int, repeats: int, device: torch.device) -> float:
+    for _ in range(5):
+        step()
+    runs = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        runs.append((time.perf_counter() - start) / steps * 1e6)
+    return min(runs)  # the least disturbed run: other processes only ever add time
+
+
+def _category(filename: str) -> str:
+    if filename == "~":
+        return "torch C++ ops (dispatch, kernels' host side)"
+    for fragment, name in CATEGORIES:
+        if fragment in filename.replace("\\", "/"):
+            return name
+    return "other Python"
+
+
+def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], dict[str, float], float, float]:
+    """Own time per category and per fp8-plugin function (seconds per step), the cumulative time
+    of the per-model scale update per step, and the whole profiled step."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own, cumulative, callers)}
+    categories: dict[str, float] = defaultdict(float)
+    functions: dict[str, float] = defaultdict(float)
+    update = total = 0.0
+    for (filename, line, name), (_, _, own, cumulative, _) in stats.items():
+        category = _category(filename)
+        categories[category] += own / steps
+        total += own / steps
+        if category == "fp8-plugin Python":
+            functions[f"{filename.split('fp8_plugin/')[-1]}:{name}"] += own / steps
+        if filename.endswith("scaling_group.py") and name == "update":
+            update += cumulative / steps
+    return dict(categories), dict(functions), update, total
+
+
+def _gemm_calls(step: Callable[[], None]) -> Counter:
+    # GEMM calls of one step, by aten op (a dispatch mode sees them on meta and on a GPU alike).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gemms(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.lstrip("_") in {g.lstrip("_") for g in GEMMS} or name in GEMMS:
+                self.calls[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Gemms() as mode:
+        step()
+    return mode.calls
+
+
+def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.device, steps: int, repeats: int,
+                   top: int) -> dict:
+    """The figures of one recipe (module docstring), as a dict."""
+    with _cuda_path(device.type, recipe) as launches:
+        fp8_step, bf16_step = _layers(shape, device, recipe)
+        fp8_us = _per_step_us(fp8_step, steps, repeats, device)
+        bf16_us = _per_step_us(bf16_step, steps, repeats, device)
+        launches.clear()
+        fp8_step()
+        triton = dict(launches)
+        categories, functions, update, profiled = _profile(fp8_step, steps)
+        bf16_categories, _, _, bf16_profiled = _profile(bf16_step, steps)
+        gemms = dict(_gemm_calls(fp8_step))
+    scale = fp8_us / profiled  # profiled seconds -> unprofiled µs
+    shares = {name: seconds * scale for name, seconds in sorted(categories.items(), key=lambda kv: -kv[1])}
+    meta_us = shares.get("meta kernels (proxy only)", 0.0)
+    bf16_meta_us = bf16_categories.get("meta kernels (proxy only)", 0.0) * bf16_us / bf16_profiled
+    update_us = update * scale
+    per_layer = fp8_us - meta_us - update_us
+    bf16_per_layer = bf16_us - bf16_meta_us
+    return {
+        "recipe": recipe,
+        "fp8_us": fp8_us,
+        "bf16_us": bf16_us,
+        "ratio": fp8_us / bf16_us,
+        "per_layer_fp8_us": per_layer,
+        "per_layer_bf16_us": bf16_per_layer,
+        "per_layer_ratio": per_layer / bf16_per_layer,
+        "scale_update_us": update_us,
+        "meta_kernels_us": meta_us,
+        "triton_launches": triton,
+        "gemm_calls": gemms,
+        "categories_us": shares,
+        "top_functions_us": dict(sorted(((f, s * scale) for f, s in functions.items()), key=lambda kv: -kv[1])[:top]),
+    }
+
+
+def table(data: dict) -> str:
+    """The markdown report of :func:`main`'s data."""
+    env = data["environment"]
+    m, k, n = data["shape"]
+    lines = [f"# FP8Linear host time per training step ({data['device']}, {m} x {k} -> {n}, BF16)", "",
+             f"{env['device']}; torch {env['torch']}; commit {env['commit']}; {env['date']}", "",
+             "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | scale update µs "
+             "| meta kernels µs | Triton launches | GEMMs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in data["recipes"]:
+        lines.append(f"| {r['recipe']} | {r['fp8_us']:.0f} | {r['bf16_us']:.0f} | {r['ratio']:.2f}x | "
+                     f"{r['per_layer_fp8_us']:.0f} | {r['per_layer_ratio']:.2f}x | {r['scale_update_us']:.0f} | "
+                     f"{r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
+                     f"{sum(r['gemm_calls'].values())} |")
+    lines += ["", "Per-layer: the step less the per-model scale update and (meta proxy) torch's Python meta "
+              "kernels, which a GPU runs in C++; nn.Linear's less its own meta kernels.", ""]
+    for r in data["recipes"]:
+        lines.append(f"## {r['recipe']}: where the FP8 step's host time goes (µs)")
+        lines.append("")
+        lines += [f"- {name}: {us:.0f}" for name, us in r["categories_us"].items()]
+        lines.append(f"- Triton launches: {', '.join(f'{k} x{v}' for k, v in r['triton_launches'].items()) or 'none'}")
+        lines.append("")
+        lines.append("| fp8-plugin function | own µs |")
+        lines.append("| --- | ---: |")
+        lines += [f"| `{name}` | {us:.1f} |" for name, us in r["top_functions_us"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("meta", "cuda"), default="meta")
+    parser.add_argument("--shape", type=_shape, default=(512, 256, 384), help="tokens x in x out (default 512x256x384)")
+    parser.add_argument("--recipes", default="delayed,current,blockwise,mxfp8",
+                        help=f"comma-separated, of {', '.join(RECIPES)}")
+    parser.add_argument("--steps", type=int, default=200, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the fastest is kept)")
+    parser.add_argument("--top", type=int, default=12, help="fp8-plugin functions listed per recipe")
+    parser.add_argument("--output", type=Path, default=Path("runs/benchmarks/host_profile.json"))
+    args = parser.parse_args(argv)
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        parser.error(f"--recipes {','.join(unknown)}: not a recipe; valid: {', '.join(RECIPES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU; valid here: --device meta")
+    device = torch.device(args.device)
+    data = {"device": args.device, "shape": list(args.shape), "steps": args.steps, "repeats": args.repeats,
+            "environment": environment(torch.device("cuda" if args.device == "cuda" else "cpu")),
+            "recipes": [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top) for r in recipes]}
+    write_report(args.output, data, table(data))
+    return data
+
+
+if __name__ == "__main__":
+    main()

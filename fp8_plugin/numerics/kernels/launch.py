@@ -1,0 +1,147 @@
+"""Triton launches at a few microseconds of CPU each: each compiled kernel's own launcher, kept.
+
+``kernel[grid](...)`` binds and specializes every argument and looks the compiled kernel up on
+each call (``JITFunction.run``: about 12 µs of CPU per launch, tritonbench); a training step of
+an FP8 layer makes four to six launches, so on the models people fine-tune that host time, not
+the GPU, sets the speed. :class:`KernelLaunch` fixes a kernel's constexprs and options once and
+keeps, per launch key, the launcher of the kernel the first ``kernel[grid]`` call compiled
+(:func:`fp8_plugin._private.triton_api.compiled_runner`): later launches call it directly.
+
+The launch key holds what Triton specializes a kernel on, or more: each tensor argument's dtype
+and whether its address is a multiple of 16 bytes, every other argument's value, the grid and
+the first argument's device (a tensor in every kernel here).
+A key seen before launches the kernel Triton compiled for it; a new one goes through
+``kernel[grid]`` once. Where no launcher can be kept (Triton's interpreter on CPU, an unknown
+Triton), every launch goes through ``kernel[grid]``, as before.
+
+:func:`record_launches` is the host profile's seam (``benchmarks/host_profile.py``): inside it
+launches are counted, not run, and the fused casts take their eager path on meta tensors
+presented as a GPU, so that a CPU measures the host work of the CUDA path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+__all__ = ["KernelLaunch", "record_launches", "recording_launches", "launch_path", "ENV_VAR"]
+
+# FP8_PLUGIN_TRITON_LAUNCH=jit sends every launch through kernel[grid] (a comparison, or a Triton
+# whose launchers misbehave).
+ENV_VAR = "FP8_PLUGIN_TRITON_LAUNCH"
+_MAX_KEYS = 64  # launch keys kept per kernel: the steady state repeats a few shapes per layer
+_recorder: Optional[Counter] = None
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[Counter]:
+    """Count every Triton launch of the fused kernels by kernel name instead of running it.
+
+    For measuring the host work of the CUDA path on a machine without a GPU (meta tensors
+    presented as one, :func:`~fp8_plugin.numerics.device_kind.meta_as_cuda`): the casts then
+    take their eager path (not the custom ops that meta tensors otherwise go through), whose
+    outputs are allocated and whose kernels are counted. Nothing is written to any tensor, so
+    the values a step computes inside are meaningless.
+
+    Yields:
+        a ``collections.Counter`` of launches by kernel name, filled as launches happen.
+    """
+    global _recorder
+    previous, _recorder = _recorder, Counter()
+    try:
+        yield _recorder
+    finally:
+        _recorder = previous
+
+
+def recording_launches() -> bool:
+    """Whether :func:`record_launches` is active (the casts then run eagerly on meta tensors)."""
+    return _recorder is not None
+
+
+def _argument_key(arg: Any) -> Any:
+    # What Triton specializes an argument on, or finer: a tensor's dtype and 16-byte alignment
+    # (it specializes pointers on the latter), any other argument's value.
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    return arg
+
+
+class KernelLaunch:
+    """One Triton kernel with its constexprs and compile options fixed, launched through the
+    compiled kernel's own launcher once a launch key has been seen.
+
+    Args:
+        kernel: a ``triton.jit`` function whose constexpr parameters all come after its runtime
+            ones (every kernel of this package).
+        **fixed: every constexpr parameter by name, and Triton options (``num_warps``,
+            ``enable_fp_fusion``...).
+
+    Raises:
+        ValueError: a constexpr parameter before a runtime one, or one missing from ``fixed``.
+    """
+
+    def __init__(self, kernel: Any, **fixed: Any) -> None:
+        self.kernel = kernel
+        self.name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+        params = list(getattr(kernel, "params", []))
+        constexprs = [p.name for p in params if p.is_constexpr]
+        runtime = [p.name for p in params if not p.is_constexpr]
+        if params and [p.name for p in params] != runtime + constexprs:
+            raise ValueError(f"KernelLaunch({self.name}): constexpr parameters must follow the runtime ones")
+        missing = [name for name in constexprs if name not in fixed]
+        if missing:
+            raise ValueError(f"KernelLaunch({self.name}) needs the constexprs {', '.join(missing)}")
+        self.fixed = fixed
+        self._constexpr_values = tuple(fixed[name] for name in constexprs)
+        self._runners: dict[tuple, Callable[..., None]] = {}
+
+    def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
+        """Launch on ``grid`` (1 to 3 ints) with the runtime arguments ``args``, in order."""
+        if _recorder is not None:
+            _recorder[self.name] += 1
+            return
+        grid = (tuple(grid) + (1, 1))[:3]
+        # The first argument's device: a launcher runs the module loaded on one device.
+        key = (grid, args[0].get_device(), *[_argument_key(a) for a in args])
+        runner = self._runners.get(key)
+        if runner is not None:
+            runner(*args, *self._constexpr_values)
+            return
+        compiled = self.kernel[grid](*args, **self.fixed)
+        runner = self._runner(compiled, grid)
+        if runner is not None:
+            if len(self._runners) >= _MAX_KEYS:
+                self._runners.clear()
+            self._runners[key] = runner
+
+    def _runner(self, compiled: Any, grid: tuple[int, int, int]) -> Optional[Callable[..., None]]:
+        # The compiled kernel's launcher, taking this call's arguments as kernel[grid] took them.
+        if launch_path() == "jit":
+            return None
+        from ..._private.triton_api import compiled_runner, launch_convention
+
+        runner = compiled_runner(compiled, grid)
+        if runner is None:
+            return None
+        if launch_convention() == "runtime":  # launchers that take the runtime arguments only
+            tail = len(self._constexpr_values)
+            return lambda *values: runner(*values[: len(values) - tail])
+        return runner
+
+
+def launch_path() -> str:
+    """``"cached"`` (the default: compiled kernels' own launchers) or ``"jit"`` (every launch
+    through ``kernel[grid]``), from ``FP8_PLUGIN_TRITON_LAUNCH``.
+
+    Raises:
+        ValueError: another value of ``FP8_PLUGIN_TRITON_LAUNCH``.
+    """
+    path = os.environ.get(ENV_VAR, "cached")
+    if path not in ("cached", "jit"):
+        raise ValueError(f"{ENV_VAR}={path!r} is not a launch path; valid: cached, jit")
+    return path
