@@ -49,6 +49,7 @@ from .freezing import (
     take_over_transformers_fp8,
 )  # fmt: skip
 from .scaling_group import ScalingGroup
+from .speed_rule import size_rule, too_small_for_fp8
 
 # convert_model's frozen_weights choices.
 FROZEN_WEIGHTS = ("fp8", "keep")
@@ -298,26 +299,6 @@ def _skip_reason(name: str, module: nn.Module, in_f: int, out_f: int, heads: set
     return ""
 
 
-# Below these sizes an FP8 linear layer's forward and backward are slower than BF16 on an H100:
-# the casts cost more than the faster GEMMs save. torchao's measurements on H100 (the tables of
-# torchao/float8/README.md, "Performance", behind its _auto_filter_for_recipe): with one scale
-# per tensor FP8 loses when K <= 4096 and N <= 1024; with finer scales (rowwise there; MXFP8 and
-# 128-blockwise here, whose casts cost at least as much) when N <= 2048, K <= 1024, or
-# N <= 4096 and K <= 2048. benchmarks/suite.py measures this project's layers on the GPU at hand.
-def too_small_for_fp8(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
-    """Whether a linear layer of ``in_features`` (K) x ``out_features`` (N) is too small for FP8
-    to beat BF16 on an H100-class GPU under ``recipe`` (default ``DelayedScaling()``).
-
-    Source: torchao's H100 measurements (see the comment above this function in
-    ``fp8_plugin/modules/convert.py``). Token count is not a criterion: it varies per batch, and the
-    layers of a model keep one precision.
-    """
-    k, n = in_features, out_features
-    if recipe is None or recipe_gemm_kind(recipe) == "tensorwise":
-        return k <= 4096 and n <= 1024
-    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
-
-
 def _check_family(recipe: Optional[Recipe], target: torch.device) -> None:
     # At start-up: a block-scaled recipe cannot run where the FP8 formats are FNUZ (AMD MI300).
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)) and fp8_family(target) == "fnuz":
@@ -325,19 +306,6 @@ def _check_family(recipe: Optional[Recipe], target: torch.device) -> None:
             f"convert_model: recipe {type(recipe).__name__} cannot run on {target} (an AMD MI300: FNUZ FP8 "
             "formats, no block-scaled FP8 GEMMs); valid there: DelayedScaling, Float8CurrentScaling, or "
             "\"auto\" (which picks DelayedScaling)")
-
-
-def _size_rule(skip_small: Any, recipe: Recipe, target: torch.device) -> Optional[Callable[[int, int], bool]]:
-    if callable(skip_small):
-        return skip_small
-    if isinstance(skip_small, bool) or skip_small == "auto":
-        if skip_small is False or (skip_small == "auto" and device_kind(target) == "cpu"):
-            return None
-        return lambda k, n: too_small_for_fp8(k, n, recipe)
-    raise TypeError(
-        f"convert_model: skip_small={skip_small!r} is not valid; valid: 'auto', True, False, or a callable "
-        "(in_features, out_features) -> bool"
-    )
 
 
 def convert_model(
@@ -349,8 +317,9 @@ def convert_model(
     backend: str = "native",
     device: Union[str, torch.device, None] = None,
     allow_subclasses: bool = False,
-    skip_small: Union[str, bool, Callable[[int, int], bool]] = "auto",
+    skip_small: Union[str, bool, Callable[[int, int], Union[bool, str]]] = "auto",
     frozen_weights: str = "fp8",
+    tokens_per_step: Optional[int] = None,
 ) -> ConversionReport:
     """Replace the model's ``nn.Linear`` / ``Conv1D`` layers with FP8 layers, in place.
 
@@ -379,12 +348,17 @@ def convert_model(
             path chosen (once, here: a GEMM probe on GPUs); None means the model's device if it
             is not the CPU, else the current CUDA device if CUDA is available, else the CPU
             (Lightning and Accelerate convert before they move the model).
-        skip_small: layers whose GEMM is too small for FP8 to be faster stay high precision.
-            ``"auto"`` (default): by :func:`too_small_for_fp8` when ``device`` is a GPU, none on a
-            CPU (no FP8 hardware: FP8 runs there for its numerics, at any size); True: by
-            :func:`too_small_for_fp8` on any device; False: none; a callable
-            ``(in_features, out_features) -> bool``: True keeps that layer high precision. A
-            layer named by an ``include`` pattern is swapped whatever its size.
+        skip_small: layers FP8 would not make faster stay high precision. ``"auto"``
+            (default): on a CUDA GPU, those whose projected GEMM time saved per step is less
+            than the host time an FP8 layer step adds there, measured once per process
+            (:class:`~fp8_plugin.modules.speed_rule.SpeedRule`; the report gives both figures
+            per layer); by :func:`too_small_for_fp8` on a GPU the rule has no figures for (and
+            on meta tensors presented as one); none on a CPU (no FP8 hardware: FP8 runs there
+            for its numerics, at any size). True: by :func:`too_small_for_fp8` on any device;
+            False: none; a callable ``(in_features, out_features)`` returning True (or a
+            non-empty reason) keeps that layer high precision, such as a ``SpeedRule`` with
+            ``host_overhead_us=0`` for layers that will run in CUDA graphs. A layer named by an
+            ``include`` pattern is swapped whatever its size.
         frozen_weights: what becomes of the weight of a swapped layer that does not require grad
             (a LoRA base layer, a frozen encoder). ``"fp8"`` (default): it is kept only in FP8,
             cast once with ``recipe`` (:meth:`FP8Linear.freeze_weight
@@ -392,6 +366,9 @@ def convert_model(
             high-precision copy; GPT-2 ``Conv1D`` layers excepted); ``"keep"``: it stays in high
             precision, cast at each forward as a trained weight is. Freeze the weights before
             converting (``requires_grad_(False)``, or PEFT's ``get_peft_model``).
+        tokens_per_step: the tokens of one training step's micro-batch (batch x sequence
+            length) that ``skip_small="auto"`` judges the layers at; None: 8192
+            (:data:`~fp8_plugin.modules.speed_rule.DEFAULT_TOKENS`).
 
     Returns:
         A :class:`ConversionReport`; ``print()`` it for a table.
@@ -399,6 +376,7 @@ def convert_model(
     Raises:
         TypeError: ``recipe`` is not a Recipe, bad pattern types, ``allow_subclasses`` is
             not a bool, or ``skip_small`` is none of "auto", a bool, a callable.
+        ValueError: ``tokens_per_step`` is not None or a positive int.
         ValueError: unknown backend, an ``include`` / ``exclude`` pattern that matches no
             candidate layer, or an unknown ``frozen_weights`` (checked before any layer is swapped).
         RuntimeError: a candidate layer is already sharded by FSDP2 (convert before
@@ -417,7 +395,7 @@ def convert_model(
     target = _target_device(model, device)
     recipe = resolve_recipe(recipe, target)
     _check_family(recipe, target)
-    too_small = _size_rule(skip_small, recipe or DelayedScaling(), target)
+    too_small = size_rule(skip_small, recipe or DelayedScaling(), target, tokens_per_step)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude")
     heads, tied = output_embedding_ids(model), tied_weight_ids(model)
 
@@ -465,8 +443,8 @@ def convert_model(
         if not reason:
             reason = ("" if explicit else experts.router_reason(module)) or _skip_reason(
                 name, module, in_f, out_f, heads, tied, explicit)
-            if not reason and not explicit and too_small is not None and too_small(in_f, out_f):
-                reason = f"too small for FP8 to be faster on {target.type} (skip_small)"
+            if not reason and not explicit and too_small is not None:
+                reason = too_small(in_f, out_f)
         if not reason and id(module) not in replacements:
             replacements[id(module)] = chosen.make_linear(module, recipe)
         report.layers.append(LayerDecision(name, kind, in_f, out_f, not reason, reason))
