@@ -19,9 +19,11 @@ from typing import Any
 from .lightning.import_hook import install as _install_lightning_hook
 from .modules.autocast import autocast, is_fp8_enabled, update_pending_scales
 from .modules.convert import ConversionReport, convert_model, split_fp8_state, too_small_for_fp8
+from .modules.cuda_graphs import make_graphed_callables
 from .modules.freezing import dequantize_frozen_weights
 from .modules.fsdp_fp8 import enable_fp8_all_gather
 from .modules.linear import FP8Linear
+from .modules.speed_rule import SpeedRule
 from .numerics.device import DeviceReport, auto_recipe, describe_device
 from .numerics.formats import Format
 from .tools.export import export
@@ -68,6 +70,8 @@ __all__ = [
     "from_pretrained",
     "fp8_checkpoint_recipe",
     "too_small_for_fp8",
+    "make_graphed_callables",
+    "SpeedRule",
     "FaultPolicy",
     "FP8Statistics",
     "FP8NonFiniteError",

@@ -24,6 +24,7 @@ from torch import nn
 from .._private.torch_api import in_backward_pass
 from ..numerics.device_kind import device_kind
 from ..numerics.gemm import fp8_gemm
+from ..numerics.kernels.launch import capturing
 from .autocast import current_context, note_fp8_forward
 from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
 from ..numerics.quantizers import (
@@ -468,7 +469,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             return rowwise, (rowwise.t() if columnwise else None)
         w = self.weight.t() if self.weight_transposed else self.weight
         quantizer = make_quantizer(recipe, WEIGHT, self.fp8_state, record)
-        if not self.cache_fp8_weights or torch.compiler.is_compiling():
+        if not self.cache_fp8_weights or torch.compiler.is_compiling() or capturing():
+            # Compiled or captured into a CUDA graph: the cast is part of the graph, run every time.
             return quantizer.quantize_pair(w, columnwise=columnwise)
         key = self._weight_cache_key(recipe, record)
         cached = self._weight_cache

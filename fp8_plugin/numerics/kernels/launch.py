@@ -22,19 +22,22 @@ presented as a GPU, so that a CPU measures the host work of the CUDA path.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections import Counter
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["KernelLaunch", "record_launches", "recording_launches", "launch_path", "ENV_VAR"]
+__all__ = ["KernelLaunch", "record_launches", "recording_launches", "graph_capture", "capturing", "launch_path",
+           "ENV_VAR"]
 
 # FP8_PLUGIN_TRITON_LAUNCH=jit sends every launch through kernel[grid] (a comparison, or a Triton
 # whose launchers misbehave).
 ENV_VAR = "FP8_PLUGIN_TRITON_LAUNCH"
 _MAX_KEYS = 64  # launch keys kept per kernel: the steady state repeats a few shapes per layer
 _recorder: Optional[Counter] = None
+_capturing = False
 
 
 @contextlib.contextmanager
@@ -63,6 +66,26 @@ def recording_launches() -> bool:
     return _recorder is not None
 
 
+@contextlib.contextmanager
+def graph_capture() -> Iterator[None]:
+    """Mark the FP8 work inside as captured into a CUDA graph (``fp8_plugin.make_graphed_callables``
+    enters it around its warm-up and capture): what the host decides from its own knowledge must
+    then hold for every replay, so the casts take the path that is right in any state (a delayed
+    cast keeps its amax pass, masked off on the device once the state holds a scale) and weights
+    are cast anew, never taken from a cache."""
+    global _capturing
+    previous, _capturing = _capturing, True
+    try:
+        yield
+    finally:
+        _capturing = previous
+
+
+def capturing() -> bool:
+    """Whether :func:`graph_capture` is active."""
+    return _capturing
+
+
 def _argument_key(arg: Any) -> Any:
     # What Triton specializes an argument on, or finer: a tensor's dtype and 16-byte alignment
     # (it specializes pointers on the latter), any other argument's value.
@@ -87,11 +110,13 @@ class KernelLaunch:
 
     def __init__(self, kernel: Any, **fixed: Any) -> None:
         self.kernel = kernel
-        self.name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
-        params = list(getattr(kernel, "params", []))
-        constexprs = [p.name for p in params if p.is_constexpr]
-        runtime = [p.name for p in params if not p.is_constexpr]
-        if params and [p.name for p in params] != runtime + constexprs:
+        fn = getattr(kernel, "fn", kernel)  # the Python function (a JIT or an interpreted kernel)
+        self.name = fn.__name__
+        # Parameters annotated tl.constexpr (a string under postponed annotations) are constexprs.
+        params = list(inspect.signature(fn).parameters.values())
+        constexprs = [p.name for p in params if "constexpr" in str(p.annotation)]
+        runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
+        if [p.name for p in params] != runtime + constexprs:
             raise ValueError(f"KernelLaunch({self.name}): constexpr parameters must follow the runtime ones")
         missing = [name for name in constexprs if name not in fixed]
         if missing:

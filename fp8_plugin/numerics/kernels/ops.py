@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ..._private.torch_api import in_dispatch_mode
-from .launch import recording_launches
+from .launch import capturing, recording_launches
 
 __all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "traced", "OP_LAUNCHES", "OP_INPUT_READS"]
 
@@ -226,7 +226,8 @@ def eager_cast(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype,
         if len(plans) >= _PLANS_PER_STATE:  # shapes that keep changing: keep the newest few
             plans.clear()
         plans[key] = plan
-    return plan(x, kind == "delayed" and state.initialized_known(role))
+    # In a CUDA graph the amax pass stays: a replay must be right whatever the state holds then.
+    return plan(x, kind == "delayed" and not capturing() and state.initialized_known(role))
 
 
 # Launch plans kept per scaling state: a layer sees a few input layouts (training, evaluation,

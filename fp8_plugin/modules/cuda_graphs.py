@@ -1,0 +1,269 @@
+"""``fp8_plugin.make_graphed_callables``: FP8 modules run as CUDA graphs, the host's work per step near zero.
+
+An eager FP8 layer step costs the host more than a BF16 one (launches, Python); on the models
+people fine-tune the GPU then waits for the host. A CUDA graph replays the whole forward (and the
+whole backward) of a module with one launch each, as Transformer Engine's and torch's
+``make_graphed_callables`` do; this one is torch's
+(:func:`torch.cuda.make_graphed_callables`: warm-up on a side stream, capture, replay through
+static input and output buffers) with the FP8 work around it:
+
+- **warm-up and capture** run inside :func:`fp8_plugin.autocast` (``fp8_recipe``) as one training
+  step, and leave no trace: every FP8 layer's scaling state (amax histories, scales, counters,
+  pending updates) is as it was before, the cached weight casts are dropped, and the capture
+  holds every cast (weights included: the optimizer changes them in place between replays) and
+  each delayed cast's amax pass (masked off on the device once a scale is held);
+- **each replay** is a training forward: the first of a training step (a new step id of the
+  enclosing :func:`fp8_plugin.autocast`) first turns the previous step's amaxes into scales, as an
+  eager forward does, outside the graph (one update and one amax reduction per step for the
+  whole model); after the replay, the amaxes it recorded on the device are marked pending on the
+  host, as the eager forward marks them. Scales and amaxes stay on the device: a replay reads
+  the scales the update wrote in place.
+
+So a graphed module trains as its eager self does, bit for bit: same kernels, same scales, same
+order. Gradient accumulation works (each replay's parameter gradients are accumulated by
+autograd); activation checkpointing inside the module is captured with its recompute.
+
+Differences from Transformer Engine's function of the same name: FP8 modules only (a callable
+that is not an ``nn.Module`` has no FP8 state to keep); positional tensor arguments only (no
+``sample_kwargs``); no ``fp8_weight_caching`` (every replay casts its weights); the amax
+reduction is the enclosing autocast's ``reduce_amax`` (no ``fp8_group``); MoE experts are refused
+(their routing sizes are data-dependent).
+
+``torch.compile(mode="reduce-overhead")`` is the other way to CUDA graphs; see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..numerics.kernels.launch import graph_capture
+from ..numerics.quantizers import ScalingState, mark_recorded
+from ..numerics.recipes import Recipe, check_recipe
+from .autocast import autocast, current_context, new_step_id, note_fp8_forward
+from .scaling_group import ScalingGroup
+
+__all__ = ["make_graphed_callables", "StaticSignature", "check_graphable"]
+
+
+@dataclass(frozen=True)
+class StaticSignature:
+    """The inputs a graph was captured for: per positional argument ``(shape, dtype, device,
+    requires_grad)``. A replay copies its inputs into the captured buffers, which a tensor of
+    another shape would silently broadcast into (or a tensor of another dtype be converted
+    into): :meth:`check` refuses them first."""
+
+    args: tuple[tuple[tuple[int, ...], torch.dtype, torch.device, bool], ...]
+
+    @classmethod
+    def of(cls, args: Sequence[Any], name: str) -> "StaticSignature":
+        """The signature of sample arguments (tensors only).
+
+        Raises:
+            TypeError: an argument is not a tensor.
+        """
+        bad = [f"#{i}: {type(a).__name__}" for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+        if bad:
+            raise TypeError(f"make_graphed_callables: sample_args of {name} must be tensors (a graph holds tensors "
+                            f"only), got {', '.join(bad)}")
+        return cls(tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) for a in args))
+
+    def check(self, args: Sequence[Any], name: str) -> None:
+        """Raise unless ``args`` match the captured ones in number, shape, dtype, device and
+        ``requires_grad``.
+
+        Raises:
+            ValueError: naming the first argument that differs, what was captured and what came.
+        """
+        if len(args) != len(self.args):
+            raise ValueError(f"{name} was graphed for {len(self.args)} positional tensors, called with {len(args)}")
+        for i, (arg, (shape, dtype, device, grad)) in enumerate(zip(args, self.args)):
+            if not isinstance(arg, torch.Tensor):
+                raise ValueError(f"{name}: argument #{i} is a {type(arg).__name__}; the graph holds a tensor there")
+            got = (tuple(arg.shape), arg.dtype, arg.device, arg.requires_grad)
+            if got != (shape, dtype, device, grad):
+                raise ValueError(
+                    f"{name}: argument #{i} is {_describe(*got)}, but the graph was captured for {_describe(shape, dtype, device, grad)}; "
+                    "a CUDA graph replays static shapes: pad the batch to the captured shape (a fixed batch size and "
+                    "sequence length, drop_last=True), capture one graph per shape, or run this module eagerly")
+
+
+def _describe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, grad: bool) -> str:
+    return f"{list(shape)} {dtype} on {device}{' requiring grad' if grad else ''}"
+
+
+def check_graphable(module: nn.Module, name: str = "module") -> list[ScalingState]:
+    """The FP8 scaling states of ``module``, after checking that a CUDA graph can hold it.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: it or a submodule has forward or backward hooks (a graph replays none: the
+            hook would silently stop running), it holds FP8 MoE experts (data-dependent routing
+            sizes), or it has no FP8 layer (convert it first; a BF16 module needs
+            ``torch.cuda.make_graphed_callables``).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"make_graphed_callables: {name} is a {type(module).__name__}; valid: an nn.Module holding "
+                        "FP8 layers (fp8_plugin.convert_model), for a plain callable torch.cuda.make_graphed_callables")
+    hooked = [sub or "(the module itself)" for sub, m in module.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+    if hooked:
+        raise ValueError(f"make_graphed_callables: {name} has module hooks on {', '.join(hooked[:5])}; a CUDA graph "
+                         "replays kernels, not Python, so the hooks would stop running. Remove them before graphing "
+                         "(hooks added afterwards run around the replay)")
+    experts = [sub for sub, m in module.named_modules() if hasattr(m, "fp8_experts")]
+    if experts:
+        raise ValueError(f"make_graphed_callables: {name} holds FP8 MoE experts ({experts[0]}); their token counts "
+                         "per expert change every step, which a CUDA graph cannot hold: graph the attention "
+                         "blocks only, or run the model eagerly")
+    states = [m for m in module.modules() if isinstance(m, ScalingState)]
+    if not states:
+        raise ValueError(f"make_graphed_callables: {name} has no FP8 layer; convert it first "
+                         "(fp8_plugin.convert_model), or graph it with torch.cuda.make_graphed_callables")
+    return states
+
+
+class _GraphedFP8:
+    """The FP8 bookkeeping around one graphed module's replays (module docstring)."""
+
+    def __init__(self, module: nn.Module, name: str, signature: StaticSignature, states: list[ScalingState],
+                 marks: list[tuple[ScalingState, int, Recipe]], eager_forward: Any, graphed_forward: Any) -> None:
+        self.module, self.name, self.signature = module, name, signature
+        self.marks, self.eager_forward, self.graphed_forward = marks, eager_forward, graphed_forward
+        self.groups = list({id(layer.scaling_group): layer.scaling_group for layer in module.modules()
+                            if isinstance(getattr(layer, "scaling_group", None), ScalingGroup)}.values())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(f"{self.name} was graphed with positional tensors only, called with {sorted(kwargs)}")
+        if not torch.is_grad_enabled() or not self.module.training:
+            # Evaluation records nothing and updates nothing: the eager forward (the graph records amaxes).
+            return self.eager_forward(*args)
+        context = current_context()
+        if not context.enabled or not context.training:
+            raise RuntimeError(f"{self.name} was graphed as an FP8 training step: call it inside "
+                               "fp8_plugin.autocast() with grad enabled (the integrations' forward contexts are)")
+        self.signature.check(args, self.name)
+        for group in self.groups:
+            if group.step != context.step:  # the first forward of a training step: last step's amaxes become scales
+                group.step = context.step
+                group.update(context.reduce_amax, context.recipe)
+        out = self.graphed_forward(*args)
+        for state, role, recipe in self.marks:  # what the eager forward marks on the host
+            mark_recorded(state, recipe, role)
+        note_fp8_forward()
+        return out
+
+
+def make_graphed_callables(
+    modules: Union[nn.Module, tuple[nn.Module, ...]],
+    sample_args: Union[tuple[torch.Tensor, ...], tuple[tuple[torch.Tensor, ...], ...]],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    *,
+    fp8_enabled: bool = True,
+    fp8_recipe: Optional[Recipe] = None,
+    pool: Optional[Any] = None,
+) -> Union[nn.Module, tuple[nn.Module, ...]]:
+    """FP8 modules whose training forward and backward replay CUDA graphs (Transformer Engine's
+    name and arguments; module docstring for what differs).
+
+    Args:
+        modules: one converted ``nn.Module`` (holding FP8 layers) or a tuple of them, on one CUDA
+            device, in training mode; each is changed in place (its ``forward`` replays the
+            graph while it is in training mode and grad is enabled, else runs eagerly) and
+            returned.
+        sample_args: the positional tensor arguments of one training forward (a tuple; a tuple
+            of such tuples for a tuple of modules): their shapes, dtypes and ``requires_grad``
+            are the only ones the graph takes.
+        num_warmup_iters: forward-backward runs before the capture (torch's default 3).
+        allow_unused_input: as :func:`torch.cuda.make_graphed_callables`.
+        fp8_enabled: False graphs the modules' high-precision forward (``fp8_plugin.autocast(enabled=False)``).
+        fp8_recipe: the recipe of the capture (None: the layers' own), as ``fp8_plugin.autocast(recipe=...)``.
+        pool: a CUDA graph memory pool to share (``torch.cuda.graph_pool_handle()``).
+
+    Returns:
+        The module, or the tuple of modules, graphed.
+
+    Raises:
+        RuntimeError: no CUDA GPU, or a sample tensor not on one; called inside a CUDA graph
+            capture.
+        TypeError, ValueError: a module that cannot be graphed (:func:`check_graphable`), sample
+            args that are not tensors, or a count of them that differs from the modules'.
+
+    The graphed forward raises ``ValueError`` for inputs of another shape, dtype, device or
+    ``requires_grad`` than the sample's (:class:`StaticSignature`), and ``RuntimeError`` when
+    called for training outside :func:`fp8_plugin.autocast`.
+    """
+    single = not isinstance(modules, tuple)
+    mods = (modules,) if single else modules
+    all_args = (sample_args,) if single else sample_args
+    check_recipe(fp8_recipe, "make_graphed_callables")
+    if not isinstance(all_args, tuple) or len(all_args) != len(mods):
+        raise ValueError(f"make_graphed_callables: {len(mods)} module(s) need as many tuples of sample_args")
+    names = [f"{type(m).__name__}#{i}" if not single else type(m).__name__ for i, m in enumerate(mods)]
+    states_of = [check_graphable(m, n) for m, n in zip(mods, names)]
+    signatures = [StaticSignature.of(a, n) for a, n in zip(all_args, names)]
+    devices = {a.device for args in all_args for a in args} | {p.device for m in mods for p in m.parameters()}
+    _check_cuda(devices)
+    eager = [m.forward for m in mods]
+    all_states = [s for states in states_of for s in states]
+    saved = _snapshot(all_states)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(graph_capture())
+        stack.enter_context(autocast(enabled=fp8_enabled, recipe=fp8_recipe, step=new_step_id()))
+        _clear_weight_caches(mods)
+        # One step id for warm-up and capture: the capture itself holds no scale update.
+        for state in all_states:
+            state.pending = {}
+        _capture(tuple(mods), tuple(all_args), num_warmup_iters=num_warmup_iters,
+                 allow_unused_input=allow_unused_input, pool=pool)
+        marks = [[(s, role, recipe) for s in states for role, recipe in sorted(s.pending.items())]
+                 for states in states_of]
+    _restore(all_states, saved)
+    _clear_weight_caches(mods)
+    for module, name, signature, states, mark, forward in zip(mods, names, signatures, states_of, marks, eager):
+        module.forward = _GraphedFP8(module, name, signature, states, [(s, r, rc) for s, r, rc in mark if rc],
+                                     forward, module.forward)
+    return mods[0] if single else mods
+
+
+def _check_cuda(devices: set[torch.device]) -> None:
+    # At start-up, before any warm-up: CUDA graphs need a GPU and no capture already under way.
+    if not torch.cuda.is_available() or any(d.type != "cuda" for d in devices):
+        raise RuntimeError(f"make_graphed_callables: CUDA graphs run on a CUDA GPU; the modules and sample_args are "
+                           f"on {', '.join(sorted(map(str, devices)))}")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("make_graphed_callables: called inside a CUDA graph capture")
+
+
+# Warm-up and capture: torch's (each module's forward replaced by one that replays its graphs
+# while the module is in the training mode it was captured in).
+_capture = torch.cuda.make_graphed_callables
+
+
+def _snapshot(states: list[ScalingState]) -> list[tuple[dict[str, torch.Tensor], dict]]:
+    # Each state's tensors (copies) and pending updates, to undo what warm-up recorded.
+    return [({name: t.detach().clone() for name, t in s.tensors().items()}, dict(s.pending)) for s in states]
+
+
+def _restore(states: list[ScalingState], saved: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
+    # In place: the graph holds these tensors' addresses.
+    with torch.no_grad():
+        for state, (tensors, pending) in zip(states, saved):
+            for name, t in state.tensors().items():
+                t.copy_(tensors[name])
+            state.kernel_workspace.zero_()
+            state.pending = pending
+
+
+def _clear_weight_caches(modules: Sequence[nn.Module]) -> None:
+    for module in modules:
+        for layer in module.modules():
+            clear = getattr(layer, "clear_weight_cache", None)
+            if clear is not None:
+                clear()

@@ -1,0 +1,173 @@
+"""fp8_plugin.make_graphed_callables (modules/cuda_graphs.py): what needs no capture, tested on CPU.
+
+The capture itself needs a GPU (tests/cuda_contract/test_cuda_graphs_gpu.py runs it there, graphed
+against eager bit for bit). Here: the guards (static shapes, dtypes, devices, hooks, modules with
+no FP8 layer), the refusal without a GPU, and the FP8 bookkeeping around warm-up, capture and
+replays, with torch's capture replaced by its observable behaviour on CPU: warm-up runs, a capture
+run whose Python runs as a real capture's does, and replays that run the kernels again and do
+nothing on the host.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_plugin as fp
+from fp8_plugin.modules import cuda_graphs
+from fp8_plugin.modules.cuda_graphs import StaticSignature, check_graphable
+from fp8_plugin.numerics.quantizers import ScalingState
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def converted(recipe):
+    torch.manual_seed(0)
+    model = MLP()
+    fp.convert_model(model, recipe, skip_small=False, device="cpu")
+    return model
+
+
+def emulated_capture(callables, sample_args, num_warmup_iters=3, allow_unused_input=False, pool=None):
+    # torch.cuda.make_graphed_callables as the FP8 code sees it: warm-up forward-backward runs,
+    # one capture run (its Python runs; on a GPU its kernels are recorded), then a forward that
+    # replays: the captured kernels again, no Python of the module, so no host-side FP8 record.
+    for module, args in zip(callables, sample_args):
+        params = tuple(p for p in module.parameters() if p.requires_grad)
+        inputs = tuple(a for a in args if a.requires_grad) + params
+        for _ in range(num_warmup_iters + 1):  # the warm-up runs, then the capture run
+            out = module(*args)
+            torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=allow_unused_input)
+        eager = module.forward
+        states = [m for m in module.modules() if isinstance(m, ScalingState)]
+
+        def replay(*user_args, eager=eager, states=states):
+            pending = [dict(s.pending) for s in states]
+            out = eager(*user_args)
+            for s, p in zip(states, pending):
+                s.pending = p
+            return out
+
+        module.forward = replay
+    return callables
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "_capture", emulated_capture)
+    monkeypatch.setattr(cuda_graphs, "_check_cuda", lambda devices: None)
+
+
+def train(model, steps, micro_batches, recipe):
+    gen = torch.Generator().manual_seed(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = []
+    for _ in range(steps):
+        step = fp.modules.autocast.new_step_id()
+        for _ in range(micro_batches):  # gradient accumulation: one step id, one scale update
+            x = torch.randn(8, 32, generator=gen).requires_grad_()
+            with fp.autocast(recipe=recipe, step=step):
+                y = model(x)
+            y.square().mean().backward()
+            record.append((y.detach(), x.grad))
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(amax_history_len=4), fp.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_a_graphed_module_trains_as_its_eager_self(emulated, recipe):
+    eager_model = converted(recipe)
+    graphed_model = copy.deepcopy(eager_model)
+    fp.make_graphed_callables(graphed_model, (torch.randn(8, 32).requires_grad_(),), fp8_recipe=recipe)
+    assert isinstance(graphed_model.forward, cuda_graphs._GraphedFP8)
+    eager = train(eager_model, 3, 2, recipe)
+    graphed = train(graphed_model, 3, 2, recipe)
+    for (y1, g1), (y2, g2) in zip(eager, graphed):
+        assert torch.equal(y1, y2) and torch.equal(g1, g2)
+    for (name, a), b in zip(eager_model.state_dict().items(), graphed_model.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+    for layer, twin in zip((eager_model.up, eager_model.down), (graphed_model.up, graphed_model.down)):
+        for name, t in layer.fp8_state.tensors().items():
+            assert torch.equal(t, twin.fp8_state.tensors()[name]), name
+    if recipe.delayed():  # the scales moved: the replays' amaxes were marked and updated
+        assert graphed_model.up.fp8_state.initialized.all()
+
+
+def test_warm_up_and_capture_leave_the_fp8_state_as_it_was(emulated):
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    model = converted(recipe)
+    train(model, 1, 1, recipe)  # a pending update and a filled history
+    before = {name: t.clone() for name, t in model.up.fp8_state.tensors().items()}
+    pending = dict(model.up.fp8_state.pending)
+    fp.make_graphed_callables(model, (torch.randn(8, 32) * 100,), fp8_recipe=recipe)
+    assert all(torch.equal(t, before[name]) for name, t in model.up.fp8_state.tensors().items())
+    assert model.up.fp8_state.pending == pending and pending
+
+
+def test_a_replay_refuses_inputs_the_graph_was_not_captured_for(emulated):
+    model = converted(fp.DelayedScaling())
+    fp.make_graphed_callables(model, (torch.randn(8, 32).requires_grad_(),))
+    with fp.autocast():
+        with pytest.raises(ValueError, match=r"argument #0 is \[4, 32\] torch.float32 on cpu requiring grad, but the "
+                                             r"graph was captured for \[8, 32\] torch.float32 on cpu requiring grad; "
+                                             r"a CUDA graph replays static shapes"):
+            model(torch.randn(4, 32).requires_grad_())  # a short last batch would broadcast into the buffer
+        with pytest.raises(ValueError, match=r"torch.bfloat16"):
+            model(torch.randn(8, 32, dtype=torch.bfloat16).requires_grad_())
+        with pytest.raises(ValueError, match=r"graphed for 1 positional tensors, called with 2"):
+            model(torch.randn(8, 32), torch.randn(8, 32))
+        with pytest.raises(TypeError, match=r"positional tensors only, called with \['x'\]"):
+            model(x=torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match=r"call it inside fp8_plugin.autocast\(\) with grad enabled"):
+        model(torch.randn(8, 32).requires_grad_())
+
+
+def test_evaluation_runs_the_eager_forward(emulated):
+    recipe = fp.DelayedScaling()
+    model = converted(recipe)
+    fp.make_graphed_callables(model, (torch.randn(8, 32).requires_grad_(),))
+    model.eval()
+    with torch.no_grad(), fp.autocast():
+        out = model(torch.randn(3, 32))  # another shape: evaluation is not graphed
+    assert out.shape == (3, 16)
+
+
+def test_modules_a_graph_cannot_hold_are_refused_before_any_capture():
+    model = converted(fp.DelayedScaling())
+    handle = model.down.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"has module hooks on down; a CUDA graph replays kernels, not Python"):
+        check_graphable(model)
+    handle.remove()
+    with pytest.raises(ValueError, match=r"has no FP8 layer; convert it first"):
+        check_graphable(MLP())
+    with pytest.raises(TypeError, match=r"is a function; valid: an nn.Module holding FP8 layers"):
+        fp.make_graphed_callables(lambda x: x, (torch.randn(2),))
+    with pytest.raises(TypeError, match=r"sample_args of MLP must be tensors"):
+        fp.make_graphed_callables(model, (torch.randn(2), 3))
+
+
+def test_without_a_gpu_the_capture_is_refused_at_start_up():
+    model = converted(fp.DelayedScaling())
+    with pytest.raises(RuntimeError, match=r"CUDA graphs run on a CUDA GPU; the modules and sample_args are on cpu"):
+        fp.make_graphed_callables(model, (torch.randn(8, 32),))
+    assert not isinstance(model.forward, cuda_graphs._GraphedFP8)
+
+
+def test_a_static_signature_names_what_differs():
+    sig = StaticSignature.of((torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64)), "block")
+    sig.check((torch.ones(2, 3), torch.ones(4, dtype=torch.int64)), "block")
+    with pytest.raises(ValueError, match=r"argument #1 is \[4\] torch.int32 on cpu, but the graph was captured for "
+                                         r"\[4\] torch.int64 on cpu"):
+        sig.check((torch.ones(2, 3), torch.ones(4, dtype=torch.int32)), "block")
