@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# The first command to run on a GPU: at most 5.5 minutes, the most valuable answers first, every
+# The first command to run on a GPU: at most 9 min 20 s, the most valuable answers first, every
 # step under its own time limit, all results in one archive (benchmarks/README.md, "GPU protocol").
 #
 #   benchmarks/gpu_run.sh [OUTPUT_DIR] [--device cuda|cpu]
 #
 #   1. device.txt     date, commit, torch / CUDA / Triton versions, the GPU as torch reports it,
 #                     describe_device() (which recipes run natively), nvidia-smi;
-#   2. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
-#                     against the emulation, one line each (crash-isolated);
-#   3. contract.txt   the CUDA contract suite on the GPU itself (FP8_CONTRACT_DEVICE=cuda);
+#   2. contract.txt   the CUDA contract suite on the GPU itself (FP8_CONTRACT_DEVICE=cuda);
+#   3. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
+#                     time goes, per recipe, against nn.Linear (HOST_RECIPES narrows the recipes);
 #   4. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
 #   5. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
-#   6. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling);
-#   7. contract_meta.log  the contract suite on meta tensors against this machine's torch, with the
+#   6. models.md/json the model table (benchmarks/model_table.py): 125M, 1B and an 8B-shaped block at
+#                     sequence 2048, bf16-mixed / fp8-hybrid / torchao, eager, CUDA graphs and
+#                     compiled, each run a process of its own; torchao's wheel is installed for
+#                     this step alone where one was carried in (TORCHAO_WHEEL_DIR, default wheels/);
+#   7. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
+#                     against the emulation, one line each (crash-isolated);
+#   8. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling);
+#   9. contract_meta.log  the contract suite on meta tensors against this machine's torch, with the
 #                     time left (GPU run only).
+#
+# What each step costs on an H100, its cap in brackets: device a few seconds [45]; contract about
+# 100 s [120] (the first H100 runs); host [45]; layer [70]; model [60]; models [240, its runs stop
+# 10 s before]; probe about 60 s [90]; compiled [100] and contract_meta [120] get what is left,
+# usually little or nothing.
 #
 # OUTPUT_DIR (default runs/benchmarks/gpu-<UTC time>) receives two files: gpu_run.tar.gz (all of the
 # above, and each step's log) and summary.txt (one line per step: passed / failed / timed out, and
@@ -22,25 +33,30 @@
 # --device cpu rehearses the same command on a CPU (tests/test_gpu_run.py runs it): the probe on
 # CPU, the contract suite on meta tensors in step 3, the layer and model steps at CPU sizes.
 #
-# PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 330);
-# CONTRACT_TESTS the contract suite's tests (default tests/cuda_contract), LAYER_SHAPES the layer
-# shapes of steps 4 and 6 (MxKxN,...; the last one is compiled) and COMPILE_VARIANTS the layers
-# compiled in step 6 (default bf16,delayed,current): the test suite's rehearsal narrows them.
+# PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 560,
+# under the device machine's 600 s per command); CONTRACT_TESTS the contract suite's tests (default
+# tests/cuda_contract), LAYER_SHAPES the layer shapes of steps 4 and 7 (MxKxN,...; the last one is
+# compiled), COMPILE_VARIANTS the layers compiled in step 7 (default bf16,delayed,current) and
+# MODEL_RUNS the model table's runs (precision:mode,...; default all): the test suite's rehearsal
+# narrows them.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-330}
+BUDGET_S=${BUDGET_S:-560}
 CONTRACT_TESTS=${CONTRACT_TESTS:-tests/cuda_contract}
 COMPILE_VARIANTS=${COMPILE_VARIANTS:-bf16,delayed,current}
 LAYER_SHAPES=${LAYER_SHAPES:-}
+MODEL_RUNS=${MODEL_RUNS:-}
+HOST_RECIPES=${HOST_RECIPES:-delayed,current,blockwise,mxfp8}
+TORCHAO_WHEEL_DIR=${TORCHAO_WHEEL_DIR:-wheels}
 DEVICE=cuda
 OUTPUT=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=${2:-}; shift 2 ;;
         --device=*) DEVICE=${1#--device=}; shift ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
         -*) echo "gpu_run.sh: unknown option $1; valid: --device cuda|cpu" >&2; exit 2 ;;
         *) OUTPUT=$1; shift ;;
     esac
@@ -52,7 +68,8 @@ esac
 OUTPUT=${OUTPUT:-runs/benchmarks/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUTPUT"
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+TORCHAO_SITE=$(mktemp -d)  # torchao's carried-in wheel, on PYTHONPATH for the models step alone
+trap 'rm -rf "$WORK" "$TORCHAO_SITE"' EXIT
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 START=$(date +%s)
 : > "$OUTPUT/summary.txt"
@@ -71,8 +88,9 @@ step() {
     fi
     echo "== $name (at most ${limit} s)"
     local began=$(date +%s)
-    # bash -c: a step may be one of this script's functions (exported below).
-    timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$WORK/$name.log"
+    # bash -c: a step may be one of this script's functions (exported below); STEP_LIMIT_S tells
+    # a step that keeps its own budget (the model table) how long it has.
+    STEP_LIMIT_S=$limit timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$WORK/$name.log"
     local status=${PIPESTATUS[0]}
     local took=$(( $(date +%s) - began ))
     local verdict
@@ -115,8 +133,38 @@ contract() {
         --junitxml "$WORK/contract_$1.xml" $CONTRACT_TESTS
 }
 
-export -f device_report contract
-export PYTHON WORK CONTRACT_TESTS
+# The model table, torchao from the carried-in wheel where there is one and torchao is not installed.
+models() {
+    local wheel
+    wheel=$(ls "$TORCHAO_WHEEL_DIR"/torchao-0.18.0-*.whl 2>/dev/null | head -n 1)
+    if [ -n "$wheel" ] && ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchao') is None)"; then
+        if "$PYTHON" -m pip install --quiet --no-deps --target "$TORCHAO_SITE" "$wheel"; then
+            export PYTHONPATH="$TORCHAO_SITE${PYTHONPATH:+:$PYTHONPATH}"
+            echo "torchao: installed from $wheel for this step"
+        else
+            echo "torchao: installing $wheel failed; its runs are recorded as not installed"
+        fi
+    fi
+    "$PYTHON" benchmarks/model_table.py --device "$DEVICE" --budget $((STEP_LIMIT_S - 10)) \
+        ${MODEL_RUNS:+--runs "$MODEL_RUNS"} --output "$WORK/models.json"
+}
+
+# The host profile of an FP8Linear step (benchmarks/host_profile.py): on the GPU at a shape where
+# it waits for the host, and at 4096 x 2048 x 2048; on the CPU rehearsal, on meta tensors.
+host_profiles() {
+    if [ "$DEVICE" = cuda ]; then
+        "$PYTHON" benchmarks/host_profile.py --device cuda --recipes "$HOST_RECIPES" --steps 100 --repeats 3 \
+            --output "$WORK/host.json" &&
+        "$PYTHON" benchmarks/host_profile.py --device cuda --recipes "$HOST_RECIPES" --shape 4096x2048x2048 \
+            --steps 50 --repeats 3 --output "$WORK/host_4096.json"
+    else
+        "$PYTHON" benchmarks/host_profile.py --device meta --recipes "$HOST_RECIPES" --steps 20 --repeats 2 \
+            --output "$WORK/host.json"
+    fi
+}
+
+export -f device_report contract models host_profiles
+export PYTHON WORK CONTRACT_TESTS DEVICE MODEL_RUNS TORCHAO_WHEEL_DIR TORCHAO_SITE HOST_RECIPES
 
 if [ "$DEVICE" = cuda ]; then
     SHAPES=4096x2048x2048,16384x8192x8192; BIG=16384x8192x8192; MODEL="--models 125m --batch-size 4 --seq-len 1024"
@@ -126,16 +174,20 @@ else
 fi
 if [ -n "$LAYER_SHAPES" ]; then SHAPES=$LAYER_SHAPES; BIG=${LAYER_SHAPES##*,}; fi
 
+# Most valuable first: the contract suite on the GPU holds the newest GPU-only tests (cached
+# launches, CUDA graphs against eager); the probe's GEMM variants all passed on three GPU runs.
 step device 45 device_report
 cp "$WORK/device.log" "$WORK/device.txt"
-step probe 90 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
 step contract 120 contract "$CONTRACT"
 cp "$WORK/contract.log" "$WORK/contract.txt"
+step host 45 host_profiles
 step layer 70 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
     --steps 5 --warmup 2 --output "$WORK/layer.json"
 # shellcheck disable=SC2086  # MODEL holds several arguments
 step model 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections model $MODEL \
     --steps 3 --warmup 1 --output "$WORK/model.json"
+step models 240 models
+step probe 90 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
 step compiled 100 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$BIG" \
     --steps 5 --warmup 2 --compile --compile-variants "$COMPILE_VARIANTS" --output "$WORK/compiled.json"
 if [ "$DEVICE" = cuda ]; then

@@ -5,8 +5,10 @@ the same script with ``--device cpu`` (the probe on CPU, the contract suite on m
 layer and model benchmarks at CPU sizes), its budget running out, and the probe surviving a
 variant that kills its process or hangs. The whole rehearsal, every contract test and every
 compiled layer included, is ``benchmarks/gpu_run.sh --device cpu`` (77 s on a 2-core AMD EPYC);
-here the contract suite is narrowed to one file, the layer shapes to one and the compiled variants
-to BF16's (the FP8 layer's compilation is tests/test_compile.py's).
+here the contract suite is narrowed to one file, the layer shapes to one, the compiled variants
+to BF16's (the FP8 layer's compilation is tests/test_compile.py's) and the model table to its
+fp8-hybrid eager run, in a process of its own as on a GPU (tests/test_model_table.py runs the
+rest of it in one process).
 """
 
 import os
@@ -22,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
 PROBE = ROOT / "benchmarks" / "gpu_probe.py"
-STEPS = ("device", "probe", "contract", "layer", "model", "compiled")
+STEPS = ("device", "contract", "host", "layer", "model", "models", "probe", "compiled")
 
 
 def run_script(tmp_path, *args, **env):
@@ -35,7 +37,8 @@ def run_script(tmp_path, *args, **env):
 
 def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
     proc = run_script(tmp_path, "--device", "cpu", CONTRACT_TESTS="tests/cuda_contract/test_block_pairings.py",
-                      LAYER_SHAPES="64x64x64", COMPILE_VARIANTS="bf16")
+                      LAYER_SHAPES="64x64x64", COMPILE_VARIANTS="bf16", MODEL_RUNS="fp8-hybrid:eager",
+                      HOST_RECIPES="delayed")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["gpu_run.tar.gz", "summary.txt"]  # 8 files come back at most
@@ -46,9 +49,10 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
     with tarfile.open(out / "gpu_run.tar.gz") as archive:
         names = {Path(n).name for n in archive.getnames()}
         read = lambda name: archive.extractfile(f"./{name}").read().decode()  # noqa: E731
-        assert {"device.txt", "probe.txt", "contract.txt", "layer.md", "model.md", "compiled.md", "summary.txt"} <= names
+        assert {"device.txt", "probe.txt", "contract.txt", "host.md", "host.json", "layer.md", "model.md",
+                "models.json", "models.md", "compiled.md", "summary.txt"} <= names
         device, probe, layer = read("device.txt"), read("probe.txt"), read("compiled.md")
-        contract = read("contract.txt")
+        contract, models, host = read("contract.txt"), read("models.md"), read("host.md")
     assert "torch " in device and "cuda available: False" in device and "commit: " in device
     assert 'recipe "auto"' in device and "per-tensor FP8 casts: torch ops" in device
     lines = probe.splitlines()
@@ -56,6 +60,8 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
     assert any(line.startswith("PASS     tensorwise E5M2 x E4M3 -> bfloat16 +bias") for line in lines)
     assert "passed" in contract.splitlines()[-1]
     assert "compiled" in layer and "bf16" in layer and "64" in layer
+    assert "| tiny | eager | fp8-hybrid |" in models and "28/29 layers FP8" in models
+    assert "| delayed |" in host and "_delayed_kernel" in host  # the host profile, launches recorded on meta
 
 
 def test_a_spent_budget_skips_the_remaining_steps_and_still_writes_the_archive(tmp_path):
@@ -63,7 +69,7 @@ def test_a_spent_budget_skips_the_remaining_steps_and_still_writes_the_archive(t
     assert proc.returncode == 1
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert summary[:-1] == [f"{name}: not run (budget of 4 s spent)" for name in STEPS]
-    assert "6 step(s) not passed" in summary[-1]
+    assert f"{len(STEPS)} step(s) not passed" in summary[-1]
     assert (tmp_path / "out" / "gpu_run.tar.gz").stat().st_size > 0
 
 
