@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode as _is_in_torch_dispatch_mode
 
 __all__ = ["in_backward_pass", "has_tensor_hooks", "in_dispatch_mode"]
 
@@ -43,6 +44,4 @@ def in_dispatch_mode() -> bool:
     plain eager calls skip it (it costs CPU time per call). torch's public API has no such
     query; ``torch.utils._python_dispatch.is_in_torch_dispatch_mode`` answers it.
     """
-    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
-    return is_in_torch_dispatch_mode()
+    return _is_in_torch_dispatch_mode()

@@ -243,6 +243,8 @@ def pad_to_alignment(a: QuantizedTensor, b: QuantizedTensor, multiples: tuple[in
     """
     (m, k), n = a.data.shape, b.data.shape[0]
     mm, mk, mn = multiples
+    if not (m % mm or k % mk or n % mn):  # aligned already (the common case): nothing to build
+        return a, b
     up = lambda d, mult: -(-d // mult) * mult  # noqa: E731
     k2 = up(k, mk)
     return _pad_rows_cols(a, up(m, mm), k2), _pad_rows_cols(b, up(n, mn), k2)
