@@ -126,10 +126,8 @@ def test_a_replay_refuses_inputs_the_graph_was_not_captured_for(emulated):
             model(torch.randn(4, 32).requires_grad_())  # a short last batch would broadcast into the buffer
         with pytest.raises(ValueError, match=r"torch.bfloat16"):
             model(torch.randn(8, 32, dtype=torch.bfloat16).requires_grad_())
-        with pytest.raises(ValueError, match=r"graphed for 1 positional tensors, called with 2"):
+        with pytest.raises(ValueError, match=r"MLP was graphed for a call of structure"):
             model(torch.randn(8, 32), torch.randn(8, 32))
-        with pytest.raises(TypeError, match=r"positional tensors only, called with \['x'\]"):
-            model(x=torch.randn(8, 32))
     with pytest.raises(RuntimeError, match=r"call it inside fp8_plugin.autocast\(\) with grad enabled"):
         model(torch.randn(8, 32).requires_grad_())
 
@@ -154,8 +152,8 @@ def test_modules_a_graph_cannot_hold_are_refused_before_any_capture():
         check_graphable(MLP())
     with pytest.raises(TypeError, match=r"is a function; valid: an nn.Module holding FP8 layers"):
         fp.make_graphed_callables(lambda x: x, (torch.randn(2),))
-    with pytest.raises(TypeError, match=r"sample_args of MLP must be tensors"):
-        fp.make_graphed_callables(model, (torch.randn(2), 3))
+    with pytest.raises(TypeError, match=r"the sample arguments of MLP hold no tensor"):
+        fp.make_graphed_callables(model, (None, 3))
 
 
 def test_without_a_gpu_the_capture_is_refused_at_start_up():
@@ -166,8 +164,60 @@ def test_without_a_gpu_the_capture_is_refused_at_start_up():
 
 
 def test_a_static_signature_names_what_differs():
-    sig = StaticSignature.of((torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64)), "block")
-    sig.check((torch.ones(2, 3), torch.ones(4, dtype=torch.int64)), "block")
-    with pytest.raises(ValueError, match=r"argument #1 is \[4\] torch.int32 on cpu, but the graph was captured for "
-                                         r"\[4\] torch.int64 on cpu"):
-        sig.check((torch.ones(2, 3), torch.ones(4, dtype=torch.int32)), "block")
+    sig = StaticSignature.of((torch.zeros(2, 3),), dict(mask=None, rope=(torch.zeros(4), torch.zeros(4)), cache=False),
+                             "block")
+    assert sig.names == ("#0", "mask", "rope[0]", "rope[1]", "cache")
+    sig.check((torch.ones(2, 3),), dict(mask=None, rope=(torch.ones(4), torch.ones(4)), cache=False), "block")
+    with pytest.raises(ValueError, match=r"argument rope\[1\] is \[4\] torch.int32 on cpu, but the graph was captured "
+                                         r"for \[4\] torch.float32 on cpu"):
+        sig.check((torch.ones(2, 3),), dict(mask=None, rope=(torch.ones(4), torch.ones(4, dtype=torch.int32)),
+                                            cache=False), "block")
+    with pytest.raises(ValueError, match=r"argument cache is True, but the graph was captured with False, which it "
+                                         r"holds as a constant"):
+        sig.check((torch.ones(2, 3),), dict(mask=None, rope=(torch.ones(4), torch.ones(4)), cache=True), "block")
+    with pytest.raises(ValueError, match=r"argument mask is \[2\] torch.float32 on cpu, but the graph was captured "
+                                         r"with None"):
+        sig.check((torch.ones(2, 3),), dict(mask=torch.ones(2), rope=(torch.ones(4), torch.ones(4)), cache=False),
+                  "block")
+    with pytest.raises(ValueError, match=r"graphed for a call of structure"):
+        sig.check((torch.ones(2, 3),), dict(mask=None, rope=(torch.ones(4),), cache=False), "block")
+    with pytest.raises(TypeError, match=r"the sample arguments of block hold no tensor"):
+        StaticSignature.of((None,), {}, "block")
+
+
+class Block(nn.Module):
+    """A transformers-style block: hidden states, keyword tensors (a tuple among them) and flags."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, hidden, attention_mask=None, position_embeddings=None, use_cache=False):
+        cos, sin = position_embeddings
+        out = self.mlp(hidden * cos + sin)
+        return out if attention_mask is None else out * attention_mask
+
+
+def test_keyword_arguments_are_graphed_tensors_and_constants(emulated):
+    recipe = fp.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    eager = Block()
+    fp.convert_model(eager, recipe, skip_small=False, device="cpu")
+    graphed = copy.deepcopy(eager)
+    rope = (torch.randn(8, 32), torch.randn(8, 32))
+    fp.make_graphed_callables(graphed, (torch.randn(8, 32).requires_grad_(),),
+                              sample_kwargs=dict(attention_mask=None, position_embeddings=rope, use_cache=False),
+                              fp8_recipe=recipe)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, rope = torch.randn(8, 32, generator=gen), (torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen))
+        outs = []
+        for model in (eager, graphed):
+            xi = x.clone().requires_grad_()
+            with fp.autocast(recipe=recipe):
+                y = model(xi, attention_mask=None, position_embeddings=rope, use_cache=False)
+            y.square().mean().backward()
+            outs.append((y.detach(), xi.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    with fp.autocast(recipe=recipe), pytest.raises(ValueError, match=r"argument use_cache is True"):
+        graphed(x.requires_grad_(), attention_mask=None, position_embeddings=rope, use_cache=True)

@@ -61,6 +61,7 @@ from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns
 from ..training.deepspeed_engine import attach_to_engine
+from ..training.graphing import check_cuda_graphs
 from ..training.reference import METRIC_PREFIX, ReferenceCheck, output_loss
 from ..training.reference_report import with_written
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
@@ -117,6 +118,9 @@ class Accelerator(_AccelerateAccelerator):
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             logged to the trackers (``accelerator.log``) as ``fp8_stats/...`` after each
             sampled step. None: off.
+        fp8_cuda_graphs: module-name glob patterns (``"*.layers.*"``: a transformers model's
+            decoder layers) of the blocks to run as CUDA graphs from the second training step on,
+            with the first step's shapes (:mod:`fp8_plugin.training.graphing`). None: off.
         kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
             Accelerate's ``TERecipeKwargs`` or ``FP8RecipeKwargs`` (mapped field by field).
 
@@ -152,6 +156,7 @@ class Accelerator(_AccelerateAccelerator):
         fp8_nonfinite: Optional[str] = None,
         fp8_max_consecutive_skips: Optional[int] = None,
         fp8_statistics: Union[FP8Statistics, int, None] = None,
+        fp8_cuda_graphs: Patterns = None,
         kwargs_handlers: Optional[list] = None,
         **kwargs: Any,
     ) -> None:
@@ -165,10 +170,12 @@ class Accelerator(_AccelerateAccelerator):
             ("fp8_recipe", fp8_recipe), ("fp8_include", fp8_include), ("fp8_exclude", fp8_exclude),
             ("fp8_compute_dtype", fp8_compute_dtype), ("fp8_reference_every", fp8_reference_every),
             ("fp8_reference_check", fp8_reference_check), ("fp8_nonfinite", fp8_nonfinite),
-            ("fp8_max_consecutive_skips", fp8_max_consecutive_skips), ("fp8_statistics", fp8_statistics))
+            ("fp8_max_consecutive_skips", fp8_max_consecutive_skips), ("fp8_statistics", fp8_statistics),
+            ("fp8_cuda_graphs", fp8_cuda_graphs))
             if value is not None}
         self.fp8_settings: Optional[FP8Settings] = None
         self._fp8_statistics = statistics_config(fp8_statistics, "Accelerator", "fp8_statistics")
+        self._fp8_cuda_graphs = check_cuda_graphs(fp8_cuda_graphs, "Accelerator", "fp8_cuda_graphs")
         if str(requested).lower() == "fp8":
             self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
                                                  fp8_handlers, os.environ, fp8_reference_every, fp8_reference_check,
@@ -389,7 +396,8 @@ class Accelerator(_AccelerateAccelerator):
             _check_not_sharded(settings, obj)
         run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype,
                           reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)),
-                          fault_policy=settings.fault_policy, statistics=self._fp8_statistics)
+                          fault_policy=settings.fault_policy, statistics=self._fp8_statistics,
+                          cuda_graphs=self._fp8_cuda_graphs)
         run.convert(obj)
         for prepared in self._optimizers:  # optimizers prepared before this model
             run.release_replaced_weights(prepared.optimizer)

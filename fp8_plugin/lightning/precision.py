@@ -31,6 +31,7 @@ from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
 from ..training.faults import FaultPolicy, resolve_fault_policy
+from ..training.graphing import check_cuda_graphs
 from ..training.reference import ReferenceCheck, resolve_reference_check
 from ..training.statistics import FP8Statistics, statistics_config
 from .reference_capture import _attach_reference_capture, summarise_once
@@ -55,9 +56,10 @@ class _FP8Behaviour:
                   amax_reduction_group: Optional["dist.ProcessGroup"], precision: str,
                   reference_check: Optional[ReferenceCheck] = None,
                   fault_policy: Optional[FaultPolicy] = None,
-                  statistics: Optional[FP8Statistics] = None) -> None:
+                  statistics: Optional[FP8Statistics] = None,
+                  cuda_graphs: Patterns = None) -> None:
         self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference_check,
-                               fault_policy, statistics)
+                               fault_policy, statistics, cuda_graphs)
         self._take_step = True
         self._summarised_steps = 0
         self.precision = precision  # type: ignore[assignment]
@@ -269,10 +271,13 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             logged to the Trainer's loggers as ``fp8_stats/...``. None: off.
+        cuda_graphs: module-name glob patterns (``"*.layers.*"``: a transformers model's decoder
+            layers) of the blocks to run as CUDA graphs from the second training step on, with
+            the first step's shapes (:mod:`fp8_plugin.training.graphing`). None (default): off.
 
     Raises:
-        TypeError: ``recipe`` is not a Recipe, ``reference_check`` not a ReferenceCheck, or
-            ``statistics`` none of the valid types.
+        TypeError: ``recipe`` is not a Recipe, ``reference_check`` not a ReferenceCheck,
+            ``statistics`` or ``cuda_graphs`` none of the valid types.
         ValueError: ``compute_dtype`` is not one of the valid ones, ``loss_scaling=False``
             with ``scaler``, ``reference_every`` negative or contradicting ``reference_check``,
             an unknown ``nonfinite`` or a negative ``max_consecutive_skips``.
@@ -301,8 +306,10 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         nonfinite: Optional[str] = None,
         max_consecutive_skips: Optional[int] = None,
         statistics: Union[FP8Statistics, int, None] = None,
+        cuda_graphs: Patterns = None,
     ) -> None:
         recipe = check_arguments("FP8Precision", recipe, compute_dtype)
+        check_cuda_graphs(cuda_graphs, "FP8Precision")
         stats = statistics_config(statistics, "FP8Precision")
         reference = resolve_reference_check(reference_every, reference_check, "FP8Precision")
         faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
@@ -314,7 +321,7 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         # Lightning's MixedPrecision runs the scaler ("16-mixed") or nothing ("bf16-mixed").
         super().__init__("16-mixed" if scaler is not None else "bf16-mixed", device=device, scaler=scaler)
         self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference, faults,
-                       stats)
+                       stats, cuda_graphs)
 
     @override
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:

@@ -24,10 +24,10 @@ order. Gradient accumulation works (each replay's parameter gradients are accumu
 autograd); activation checkpointing inside the module is captured with its recompute.
 
 Differences from Transformer Engine's function of the same name: FP8 modules only (a callable
-that is not an ``nn.Module`` has no FP8 state to keep); positional tensor arguments only (no
-``sample_kwargs``); no ``fp8_weight_caching`` (every replay casts its weights); the amax
-reduction is the enclosing autocast's ``reduce_amax`` (no ``fp8_group``); MoE experts are refused
-(their routing sizes are data-dependent).
+that is not an ``nn.Module`` has no FP8 state to keep), and ``fp8_enabled`` defaults to True; no
+``fp8_weight_caching`` (every replay casts its weights); the amax reduction is the enclosing
+autocast's ``reduce_amax`` (no ``fp8_group``); MoE experts are refused (their routing sizes are
+data-dependent). Arguments that are not tensors (``None``, flags) are constants of the graph.
 
 ``torch.compile(mode="reduce-overhead")`` is the other way to CUDA graphs; see docs/performance.md.
 """
@@ -40,11 +40,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..numerics.kernels.launch import graph_capture
 from ..numerics.quantizers import ScalingState, mark_recorded
 from ..numerics.recipes import Recipe, check_recipe
-from .autocast import autocast, current_context, new_step_id, note_fp8_forward
+from .autocast import autocast, current_context, in_replay, new_step_id, note_fp8_forward
 from .scaling_group import ScalingGroup
 
 __all__ = ["make_graphed_callables", "StaticSignature", "check_graphable"]
@@ -52,44 +53,83 @@ __all__ = ["make_graphed_callables", "StaticSignature", "check_graphable"]
 
 @dataclass(frozen=True)
 class StaticSignature:
-    """The inputs a graph was captured for: per positional argument ``(shape, dtype, device,
-    requires_grad)``. A replay copies its inputs into the captured buffers, which a tensor of
-    another shape would silently broadcast into (or a tensor of another dtype be converted
-    into): :meth:`check` refuses them first."""
+    """The call a graph was captured for: the structure of its positional and keyword arguments
+    (a pytree spec), each tensor's ``(shape, dtype, device, requires_grad)`` and every other
+    argument's value (``None``, flags: constants of the graph). A replay copies its tensors into
+    the captured buffers, which a tensor of another shape would silently broadcast into (or a
+    tensor of another dtype be converted into), and cannot see another constant: :meth:`check`
+    refuses both first."""
 
-    args: tuple[tuple[tuple[int, ...], torch.dtype, torch.device, bool], ...]
+    spec: Any
+    tensors: tuple[tuple[int, tuple[tuple[int, ...], torch.dtype, torch.device, bool]], ...]
+    constants: tuple[tuple[int, Any], ...]
+    names: tuple[str, ...]
 
     @classmethod
-    def of(cls, args: Sequence[Any], name: str) -> "StaticSignature":
-        """The signature of sample arguments (tensors only).
+    def of(cls, args: Sequence[Any], kwargs: Optional[dict[str, Any]], name: str) -> "StaticSignature":
+        """The signature of a sample call.
 
         Raises:
-            TypeError: an argument is not a tensor.
+            TypeError: no tensor among the arguments.
         """
-        bad = [f"#{i}: {type(a).__name__}" for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
-        if bad:
-            raise TypeError(f"make_graphed_callables: sample_args of {name} must be tensors (a graph holds tensors "
-                            f"only), got {', '.join(bad)}")
-        return cls(tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) for a in args))
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs or {})))
+        tensors = tuple((i, _facts(leaf)) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        if not tensors:
+            raise TypeError(f"make_graphed_callables: the sample arguments of {name} hold no tensor")
+        constants = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
+        return cls(spec, tensors, constants, _leaf_names(args, kwargs or {}))
 
-    def check(self, args: Sequence[Any], name: str) -> None:
-        """Raise unless ``args`` match the captured ones in number, shape, dtype, device and
-        ``requires_grad``.
+    def flat_tensors(self, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> list[torch.Tensor]:
+        """The tensors of a call, in the graph's order, after :meth:`check`."""
+        leaves = self.check(args, kwargs, name)
+        return [leaves[i] for i, _ in self.tensors]
+
+    def check(self, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> list[Any]:
+        """The call's leaves, unless it differs from the captured one.
 
         Raises:
             ValueError: naming the first argument that differs, what was captured and what came.
         """
-        if len(args) != len(self.args):
-            raise ValueError(f"{name} was graphed for {len(self.args)} positional tensors, called with {len(args)}")
-        for i, (arg, (shape, dtype, device, grad)) in enumerate(zip(args, self.args)):
-            if not isinstance(arg, torch.Tensor):
-                raise ValueError(f"{name}: argument #{i} is a {type(arg).__name__}; the graph holds a tensor there")
-            got = (tuple(arg.shape), arg.dtype, arg.device, arg.requires_grad)
-            if got != (shape, dtype, device, grad):
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.spec:
+            raise ValueError(f"{name} was graphed for a call of structure {self.spec}, called with {spec}; a CUDA "
+                             "graph replays one call structure: pass the same arguments every step")
+        for i, facts in self.tensors:
+            got = leaves[i]
+            if not isinstance(got, torch.Tensor) or _facts(got) != facts:
+                shown = _describe(*_facts(got)) if isinstance(got, torch.Tensor) else type(got).__name__
                 raise ValueError(
-                    f"{name}: argument #{i} is {_describe(*got)}, but the graph was captured for {_describe(shape, dtype, device, grad)}; "
+                    f"{name}: argument {self.names[i]} is {shown}, but the graph was captured for {_describe(*facts)}; "
                     "a CUDA graph replays static shapes: pad the batch to the captured shape (a fixed batch size and "
                     "sequence length, drop_last=True), capture one graph per shape, or run this module eagerly")
+        for i, value in self.constants:
+            if not _same_constant(leaves[i], value):
+                got = _describe(*_facts(leaves[i])) if isinstance(leaves[i], torch.Tensor) else repr(leaves[i])
+                raise ValueError(f"{name}: argument {self.names[i]} is {got}, but the graph was captured with "
+                                 f"{value!r}, which it holds as a constant; pass the same value every step (a model's "
+                                 "cache: model.config.use_cache = False for training)")
+        return leaves
+
+
+def _facts(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device, bool]:
+    return tuple(t.shape), t.dtype, t.device, t.requires_grad
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
+        return False  # an object (a cache) is the same only as itself
+    return a == b
+
+
+def _leaf_names(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
+    # A name per flattened leaf, for messages: "#0", "position_embeddings[1]".
+    names: list[str] = []
+    for label, value in [(f"#{i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]:
+        count = len(tree_flatten(value)[0])
+        names += [label] if count == 1 else [f"{label}[{j}]" for j in range(count)]
+    return tuple(names)
 
 
 def _describe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, grad: bool) -> str:
@@ -127,32 +167,48 @@ def check_graphable(module: nn.Module, name: str = "module") -> list[ScalingStat
     return states
 
 
+class _FlatCall(nn.Module):
+    """``module``'s own forward called with the captured call's tensors as positional arguments
+    (what a capture takes) and its other arguments as the captured constants."""
+
+    def __init__(self, module: nn.Module, forward: Any, signature: StaticSignature, leaves: list[Any]) -> None:
+        super().__init__()
+        self.inner = module  # a submodule: its parameters are the graph's static inputs too
+        self._forward, self._signature, self._leaves = forward, signature, leaves
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        leaves = list(self._leaves)
+        for (i, _), t in zip(self._signature.tensors, tensors):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self._signature.spec)
+        return self._forward(*args, **kwargs)
+
+
 class _GraphedFP8:
     """The FP8 bookkeeping around one graphed module's replays (module docstring)."""
 
-    def __init__(self, module: nn.Module, name: str, signature: StaticSignature, states: list[ScalingState],
-                 marks: list[tuple[ScalingState, int, Recipe]], eager_forward: Any, graphed_forward: Any) -> None:
+    def __init__(self, module: nn.Module, name: str, signature: StaticSignature,
+                 marks: list[tuple[ScalingState, int, Recipe]], eager_forward: Any, graphed: nn.Module) -> None:
         self.module, self.name, self.signature = module, name, signature
-        self.marks, self.eager_forward, self.graphed_forward = marks, eager_forward, graphed_forward
+        self.marks, self.eager_forward, self.graphed = marks, eager_forward, graphed
         self.groups = list({id(layer.scaling_group): layer.scaling_group for layer in module.modules()
                             if isinstance(getattr(layer, "scaling_group", None), ScalingGroup)}.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise TypeError(f"{self.name} was graphed with positional tensors only, called with {sorted(kwargs)}")
-        if not torch.is_grad_enabled() or not self.module.training:
-            # Evaluation records nothing and updates nothing: the eager forward (the graph records amaxes).
-            return self.eager_forward(*args)
+        if not torch.is_grad_enabled() or not self.module.training or in_replay():
+            # Evaluation and a reference check's replays record nothing and update nothing: the
+            # eager forward (the graph records amaxes).
+            return self.eager_forward(*args, **kwargs)
         context = current_context()
         if not context.enabled or not context.training:
             raise RuntimeError(f"{self.name} was graphed as an FP8 training step: call it inside "
                                "fp8_plugin.autocast() with grad enabled (the integrations' forward contexts are)")
-        self.signature.check(args, self.name)
+        tensors = self.signature.flat_tensors(args, kwargs, self.name)
         for group in self.groups:
             if group.step != context.step:  # the first forward of a training step: last step's amaxes become scales
                 group.step = context.step
                 group.update(context.reduce_amax, context.recipe)
-        out = self.graphed_forward(*args)
+        out = self.graphed(*tensors)
         for state, role, recipe in self.marks:  # what the eager forward marks on the host
             mark_recorded(state, recipe, role)
         note_fp8_forward()
@@ -161,9 +217,10 @@ class _GraphedFP8:
 
 def make_graphed_callables(
     modules: Union[nn.Module, tuple[nn.Module, ...]],
-    sample_args: Union[tuple[torch.Tensor, ...], tuple[tuple[torch.Tensor, ...], ...]],
+    sample_args: Union[tuple[Any, ...], tuple[tuple[Any, ...], ...]],
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
+    sample_kwargs: Optional[Union[dict[str, Any], tuple[dict[str, Any], ...]]] = None,
     *,
     fp8_enabled: bool = True,
     fp8_recipe: Optional[Recipe] = None,
@@ -176,13 +233,19 @@ def make_graphed_callables(
         modules: one converted ``nn.Module`` (holding FP8 layers) or a tuple of them, on one CUDA
             device, in training mode; each is changed in place (its ``forward`` replays the
             graph while it is in training mode and grad is enabled, else runs eagerly) and
-            returned.
-        sample_args: the positional tensor arguments of one training forward (a tuple; a tuple
-            of such tuples for a tuple of modules): their shapes, dtypes and ``requires_grad``
-            are the only ones the graph takes.
+            returned. A tuple's modules are replayed in the order given, their backwards in the
+            reverse order, as a model's layers are (torch's rule).
+        sample_args: the positional arguments of one training forward (a tuple; a tuple of such
+            tuples for a tuple of modules). Tensors (also inside tuples and lists) are the graph's
+            inputs: their shapes, dtypes and ``requires_grad`` are the only ones it takes; any
+            other value (``None``, a flag) is a constant of the graph.
         num_warmup_iters: forward-backward runs before the capture (torch's default 3).
         allow_unused_input: as :func:`torch.cuda.make_graphed_callables`.
-        fp8_enabled: False graphs the modules' high-precision forward (``fp8_plugin.autocast(enabled=False)``).
+        sample_kwargs: the keyword arguments of that forward (a dict, or a tuple of dicts), as
+            ``sample_args``: a transformers decoder layer's ``attention_mask``,
+            ``position_embeddings``, ``position_ids``.
+        fp8_enabled: False graphs the modules' high-precision forward (``fp8_plugin.autocast(
+            enabled=False)``). Default True, unlike Transformer Engine's: these are FP8 modules.
         fp8_recipe: the recipe of the capture (None: the layers' own), as ``fp8_plugin.autocast(recipe=...)``.
         pool: a CUDA graph memory pool to share (``torch.cuda.graph_pool_handle()``).
 
@@ -193,42 +256,52 @@ def make_graphed_callables(
         RuntimeError: no CUDA GPU, or a sample tensor not on one; called inside a CUDA graph
             capture.
         TypeError, ValueError: a module that cannot be graphed (:func:`check_graphable`), sample
-            args that are not tensors, or a count of them that differs from the modules'.
+            arguments without a tensor, or counts of them that differ from the modules'.
 
-    The graphed forward raises ``ValueError`` for inputs of another shape, dtype, device or
-    ``requires_grad`` than the sample's (:class:`StaticSignature`), and ``RuntimeError`` when
-    called for training outside :func:`fp8_plugin.autocast`.
+    The graphed forward raises ``ValueError`` for a call of another structure, tensors of another
+    shape, dtype, device or ``requires_grad``, or other constants than the sample's
+    (:class:`StaticSignature`), and ``RuntimeError`` when called for training outside
+    :func:`fp8_plugin.autocast`. Call it under torch autocast with ``cache_enabled=False``
+    where the training forward runs under torch autocast (torch's rule for captures).
     """
     single = not isinstance(modules, tuple)
     mods = (modules,) if single else modules
     all_args = (sample_args,) if single else sample_args
+    all_kwargs = (sample_kwargs,) if single else (sample_kwargs or tuple({} for _ in mods))
     check_recipe(fp8_recipe, "make_graphed_callables")
-    if not isinstance(all_args, tuple) or len(all_args) != len(mods):
-        raise ValueError(f"make_graphed_callables: {len(mods)} module(s) need as many tuples of sample_args")
+    if not isinstance(all_args, tuple) or len(all_args) != len(mods) or len(all_kwargs) != len(mods):
+        raise ValueError(f"make_graphed_callables: {len(mods)} module(s) need as many tuples of sample_args "
+                         "(and dicts of sample_kwargs)")
     names = [f"{type(m).__name__}#{i}" if not single else type(m).__name__ for i, m in enumerate(mods)]
     states_of = [check_graphable(m, n) for m, n in zip(mods, names)]
-    signatures = [StaticSignature.of(a, n) for a, n in zip(all_args, names)]
-    devices = {a.device for args in all_args for a in args} | {p.device for m in mods for p in m.parameters()}
+    signatures = [StaticSignature.of(a, k, n) for a, k, n in zip(all_args, all_kwargs, names)]
+    devices = ({t.device for args, kwargs in zip(all_args, all_kwargs) for t in tree_flatten((args, kwargs or {}))[0]
+                if isinstance(t, torch.Tensor)} | {p.device for m in mods for p in m.parameters()})
     _check_cuda(devices)
     eager = [m.forward for m in mods]
+    # The captured call's constants; its tensors come from each replay (not kept: memory).
+    flat = [_FlatCall(m, forward, sig, [None if isinstance(leaf, torch.Tensor) else leaf
+                                        for leaf in tree_flatten((tuple(a), dict(k or {})))[0]])
+            for m, forward, sig, a, k in zip(mods, eager, signatures, all_args, all_kwargs)]
+    flat_args = tuple(tuple(sig.flat_tensors(a, dict(k or {}), n)) for sig, a, k, n in
+                      zip(signatures, all_args, all_kwargs, names))
     all_states = [s for states in states_of for s in states]
     saved = _snapshot(all_states)
     with contextlib.ExitStack() as stack:
         stack.enter_context(graph_capture())
+        # One step id for warm-up and capture: the capture itself holds no scale update.
         stack.enter_context(autocast(enabled=fp8_enabled, recipe=fp8_recipe, step=new_step_id()))
         _clear_weight_caches(mods)
-        # One step id for warm-up and capture: the capture itself holds no scale update.
         for state in all_states:
             state.pending = {}
-        _capture(tuple(mods), tuple(all_args), num_warmup_iters=num_warmup_iters,
-                 allow_unused_input=allow_unused_input, pool=pool)
-        marks = [[(s, role, recipe) for s in states for role, recipe in sorted(s.pending.items())]
+        _capture(tuple(flat), flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
+                 pool=pool)
+        marks = [[(s, role, recipe) for s in states for role, recipe in sorted(s.pending.items()) if recipe]
                  for states in states_of]
     _restore(all_states, saved)
     _clear_weight_caches(mods)
-    for module, name, signature, states, mark, forward in zip(mods, names, signatures, states_of, marks, eager):
-        module.forward = _GraphedFP8(module, name, signature, states, [(s, r, rc) for s, r, rc in mark if rc],
-                                     forward, module.forward)
+    for module, name, signature, mark, forward, graphed in zip(mods, names, signatures, marks, eager, flat):
+        module.forward = _GraphedFP8(module, name, signature, mark, forward, graphed)
     return mods[0] if single else mods
 
 

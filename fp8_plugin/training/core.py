@@ -27,6 +27,7 @@ from ..numerics.quantizers import check_saved_state, is_scaling_state_key
 from ..numerics.recipes import AutoRecipe, Recipe, check_recipe
 from .distributed import amax_reducer
 from .faults import FaultMonitor, FaultPolicy
+from .graphing import GraphedBlocks, check_cuda_graphs
 from .reference import ReferenceCheck, ReferenceChecker, reference_gemm_dtype
 from .statistics import FP8Statistics, StatisticsCollector
 
@@ -66,6 +67,8 @@ class FP8Training:
             in a row stop the run (None: ``FaultPolicy()``, skip with a warning, at most 25).
         statistics: the per-layer FP8 statistics to sample (:mod:`fp8_plugin.training.statistics`;
             None: off).
+        cuda_graphs: module-name glob patterns of the blocks to run as CUDA graphs from the second
+            training step on (:mod:`fp8_plugin.training.graphing`; None: off).
 
     Attributes:
         module: the converted model (None before :meth:`convert`).
@@ -80,7 +83,8 @@ class FP8Training:
                  amax_reduction_group: Optional["dist.ProcessGroup"] = None,
                  reference_check: Optional[ReferenceCheck] = None,
                  fault_policy: Optional[FaultPolicy] = None,
-                 statistics: Optional[FP8Statistics] = None) -> None:
+                 statistics: Optional[FP8Statistics] = None,
+                 cuda_graphs: Patterns = None) -> None:
         self.recipe = recipe
         self.include = include
         self.exclude = exclude
@@ -102,6 +106,8 @@ class FP8Training:
         self.statistics = StatisticsCollector(statistics) if statistics is not None else None
         self.optimizer_steps = 0  # optimizer steps attempted, skipped ones included
         self._high_precision: Optional[tuple[Optional[torch.dtype]]] = None  # (dtype,) once decided
+        patterns = check_cuda_graphs(cuda_graphs, "FP8Training")
+        self.graphs = GraphedBlocks(patterns, "cuda_graphs") if patterns is not None else None
 
     def convert(self, module: nn.Module) -> bool:
         """Swap ``module``'s linear layers for FP8 ones, once. Returns False if already done."""
@@ -109,6 +115,8 @@ class FP8Training:
             return False
         self.report = convert_model(module, self.recipe, include=self.include, exclude=self.exclude)
         self.module = module
+        if self.graphs is not None:
+            self.graphs.select(module)
         return True
 
     def release_replaced_weights(self, optimizer: torch.optim.Optimizer) -> int:
@@ -159,16 +167,20 @@ class FP8Training:
             self._high_precision = (reference_gemm_dtype(self.compute_dtype, device_type or self._device_type()),)
         if torch.is_grad_enabled() and self.statistics is not None and self.module is not None:
             self.statistics.start_step(self.module, self.optimizer_steps + 1)
+        if torch.is_grad_enabled() and self.graphs is not None and not self.graphs.captured:
+            self.graphs.record(self._device())  # the first step's calls: the capture's samples
         return self._contexts(device_type, self._step)
 
     @contextlib.contextmanager
-    def _contexts(self, device_type: Optional[str], step: Optional[int]) -> Iterator[None]:
+    def _contexts(self, device_type: Optional[str], step: Optional[int], cache: bool = True) -> Iterator[None]:
         # Plain ``with`` statements, not an ExitStack: torch.compile traces these (a forward
         # wrapped in this context, as Accelerate wraps it, then compiles without a graph break).
+        # ``cache``: torch autocast's cast cache (a CUDA graph capture refuses it).
         if self.compute_dtype == torch.float32:
             torch_autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
         else:
-            torch_autocast = torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype)
+            torch_autocast = torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype,
+                                            cache_enabled=cache)
         # The GEMMs FP8 layers run in high precision (a reference check's fallback, override_linear_
         # precision) in the dtype the reference checks compute in: what a check verifies is what runs.
         high_precision = self._high_precision[0] if self._high_precision is not None else None
@@ -252,6 +264,9 @@ class FP8Training:
             self.faults.scaler_step(scaler_skipped)
         if self.module is not None:
             update_pending_scales(self.module, self.amax_reducer())
+            if self.graphs is not None and not self.graphs.captured:
+                # After the first step: its calls are the samples; the next step replays.
+                self.graphs.capture(self._contexts(None, None, cache=False))
         if self.reference is not None:
             self.reference.end_step()
         if self.statistics is not None:
