@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .block_scaling import block_amax, blockwise_scale, dequantize_blocks, mx_scale_inv, quantize_blocks
-from .device_kind import fp8_family
+from .device_kind import fp8_family, presented_device
 from .formats import FAMILIES, fp8_dtype, fp8_max
 from .recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
 from .kernels import fusable, fused_casts
@@ -722,8 +722,9 @@ def make_quantizer(recipe: Recipe, role: int, state: ScalingState, record: bool 
     if torch.compiler.is_compiling():
         return _new_quantizer(recipe, role, state, record, host)
     cache = state.__dict__.setdefault("_quantizers", {})  # a state unpickled from before the cache
-    # By the recipe's identity (hashing a recipe hashes every field), checked against the kept one.
-    key = (id(recipe), role, record, host)
+    # By the recipe's identity (hashing a recipe hashes every field), checked against the kept one;
+    # and by what a meta or CPU device presents (a quantizer's formats follow the device's family).
+    key = (id(recipe), role, record, host, presented_device())
     kept = cache.get(key)
     if kept is not None and kept[0] is recipe and kept[1] == state.generation:
         return kept[2]
