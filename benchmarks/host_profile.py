@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import json
 import pstats
 import sys
 import time

@@ -5,8 +5,6 @@ Without a GPU the capture is the CPU stand-in of tests/test_cuda_graphs.py (torc
 the FP8 code sees it); the real one runs in the contract suite on a GPU.
 """
 
-import copy
-
 import lightning as L
 import pytest
 import torch
