@@ -47,6 +47,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from fp8_plugin.tools.quiet import quiet_foreign_output  # noqa: E402
+
+quiet_foreign_output()  # before transformers and Lightning: only lines a user can act on
+
 import accelerate  # noqa: E402
 import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402

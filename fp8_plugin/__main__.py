@@ -8,10 +8,12 @@ takes here. ``--json`` prints one JSON object; ``--help`` prints the usage.
 import typer
 
 from .tools.cli import devices
+from .tools.quiet import quiet_foreign_output
 
 
 def main() -> None:
     """Run :func:`fp8_plugin.tools.cli.devices` as a command of its own."""
+    quiet_foreign_output()
     app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
     app.command()(devices)
     app(prog_name="python -m fp8_plugin")

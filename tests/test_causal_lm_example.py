@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from foreign_lines import foreign_lines
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def test_accelerate_launch_runs_the_causal_lm_example_with_its_config_file(smoll
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    assert foreign_lines(proc.stdout + proc.stderr) == []  # a quiet run (fp8_plugin/tools/quiet.py)
     # The config file's fp8_config reached the FP8 run: amax history 16, "max".
     assert "210 of 211 linear layers in FP8" in out
     assert "amax_history_len=16, amax_compute_algo='max'" in out

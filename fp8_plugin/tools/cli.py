@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 import typer
 
 from ..training.precision_strings import PRECISION_STRINGS
+from .quiet import quiet_foreign_output
 
 __all__ = ["app", "main", "RECIPE_NAMES"]
 
@@ -91,6 +92,7 @@ DeviceOption = typer.Option(None, "--device", help="Device the model is converte
 
 def main() -> None:
     """Entry point of the ``fp8-plugin`` console script."""
+    quiet_foreign_output()  # before transformers is imported: only lines a user can act on
     app()
 
 
