@@ -4,6 +4,8 @@
     python benchmarks/results.py collect runs/benchmarks/gpu/gpu_run.tar.gz --commit 7ba7e64
     # the tables for docs/benchmarks.md
     python benchmarks/results.py render benchmarks/results/2026-11-27-h100.json
+    # the README's table, from every file in benchmarks/results/
+    python benchmarks/results.py readme
 
 ``collect`` reads the archive's ``layer.json`` and ``compiled.json`` (``suite.py --sections
 layer``) and ``models.json`` (``benchmarks/model_table.py``); the rows and their fields are
@@ -34,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     collect.add_argument("--output", type=Path, help=f"default {RESULTS_DIR.name}/<date>-<device>.json")
     render = commands.add_parser("render", help="a results file -> markdown tables on stdout")
     render.add_argument("results", type=Path)
+    readme = commands.add_parser("readme", help="every results file -> the README's table of GPU results")
+    readme.add_argument("--readme", type=Path, default=RESULTS_DIR.parents[1] / "README.md")
     return p.parse_args(argv)
 
 
@@ -41,6 +45,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "render":
         print(results.render_markdown(json.loads(args.results.read_text())), end="")
+        return 0
+    if args.command == "readme":
+        runs = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
+        args.readme.write_text(results.with_readme_table(args.readme.read_text(), results.readme_markdown(runs)))
+        print(f"written: the GPU results table of {args.readme} ({len(runs)} run(s))")
         return 0
     if not args.source.exists():
         print(f"results.py collect: {args.source} does not exist", file=sys.stderr)

@@ -149,3 +149,45 @@ def render_markdown(rows: list[Row]) -> str:
         lines += [f"| {r['layer']} | {r['mode']} | {r['recipe']} | {cell(r['ms'], '.3f')} | "
                   f"{cell(r['speedup'], '.2f', 'x')} | {cell(r['peak_mib'], ',.0f')} | {note(r)} |" for r in layers]
     return "\n".join(lines) + "\n"
+
+
+README_START, README_END = "<!-- gpu-results:start -->", "<!-- gpu-results:end -->"
+
+
+def readme_markdown(runs: list[list[Row]]) -> str:
+    """The README's compact table of GPU results: per results file (a GPU run, newest first), a
+    line naming the device, torch, commit and date, then each FP8 row that has a speed-up (its
+    workload, mode, recipe, speed-up and memory against BF16 in the same loop or layer shape)."""
+    lines: list[str] = []
+    for rows in sorted(runs, key=lambda rs: rs[0]["date"] if rs else "", reverse=True):
+        if not rows:
+            continue
+        first = rows[0]
+        lines += [f"{first['device']}, torch {first['torch']}, commit `{first['commit']}`, {first['date']}:", "",
+                  "| workload | mode | FP8 recipe | speed-up vs BF16 | peak memory vs BF16 |",
+                  "| --- | --- | --- | ---: | ---: |"]
+        for r in rows:
+            if r.get("speedup") is None:
+                continue
+            workload = f"{r['model']} model" if r.get("model") else f"FP8Linear {r['layer'].replace('x', ' x ')}"
+            memory = r.get("memory_ratio")
+            if memory is None and r.get("layer") and r.get("peak_mib"):
+                base = next((b for b in rows if b.get("layer") == r["layer"] and b["mode"] == r["mode"]
+                             and b.get("speedup") is None and b.get("peak_mib")), None)
+                memory = r["peak_mib"] / base["peak_mib"] if base else None
+            lines.append(f"| {workload} | {r['mode']} | {r['recipe']} | {r['speedup']:.2f}x | "
+                         f"{'—' if memory is None else f'{memory:.2f}x'} |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    """``readme`` with the text between its results markers replaced by ``table``.
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    if README_START not in readme or README_END not in readme:
+        raise ValueError(f"README lacks the markers {README_START} ... {README_END}")
+    head, rest = readme.split(README_START, 1)
+    return f"{head}{README_START}\n{table}{README_END}{rest.split(README_END, 1)[1]}"
