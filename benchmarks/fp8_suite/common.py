@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -113,3 +113,17 @@ def environment(device: torch.device) -> dict:
         "bf16_matmul_fast": bf16_fast,
         "bf16_matmul": bf16_why,
     }
+
+
+def set_ratios(results: list, baseline_key: Callable[[Any], Any], is_baseline: Callable[[Any], bool]) -> None:
+    """Each result's ``speedup`` (tokens/s) and ``memory_ratio`` (peak bytes) against the baseline
+    result of its ``baseline_key`` (results of the model table and of the suite's model section)."""
+    base = {baseline_key(r): r for r in results if is_baseline(r)}
+    for r in results:
+        b = base.get(baseline_key(r))
+        if b is None or r is b:
+            continue
+        if r.tokens_per_s and b.tokens_per_s:
+            r.speedup = r.tokens_per_s / b.tokens_per_s
+        if r.peak_bytes and b.peak_bytes:
+            r.memory_ratio = r.peak_bytes / b.peak_bytes

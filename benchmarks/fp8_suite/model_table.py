@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .common import ROOT
+from .common import ROOT, set_ratios
 from .training_runs import BASELINE, KINDS, RunResult, RunSpec
 
 SCRIPT = ROOT / "benchmarks" / "model_table.py"
@@ -134,15 +134,7 @@ def run_isolated(spec: RunSpec, limit_s: float) -> RunResult:
 
 def add_ratios(results: list[RunResult]) -> None:
     """Speed-up and memory ratio of each run against its model's bf16-mixed eager run."""
-    base = {r.model: r for r in results if (r.precision, r.mode) == BASELINE and r.status == "ran"}
-    for r in results:
-        b = base.get(r.model)
-        if b is None or r is b:
-            continue
-        if r.tokens_per_s and b.tokens_per_s:
-            r.speedup = r.tokens_per_s / b.tokens_per_s
-        if r.peak_bytes and b.peak_bytes:
-            r.memory_ratio = r.peak_bytes / b.peak_bytes
+    set_ratios(results, lambda r: r.model, lambda r: (r.precision, r.mode) == BASELINE and r.status == "ran")
 
 
 def run_table(specs: list[RunSpec], budget_s: Optional[float], isolate: bool, log: Callable[[str], None],

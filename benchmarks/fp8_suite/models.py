@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .common import peak_memory_bytes, release_memory, synchronize
+from .common import peak_memory_bytes, release_memory, set_ratios, synchronize
 
 # name -> LlamaConfig fields
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -70,10 +70,11 @@ class ModelResult:
     error: Optional[str] = None
 
 
-def build_model(size: str, device: torch.device, seq_len: int) -> LlamaForCausalLM:
-    """A randomly initialised Llama of ``MODEL_SIZES[size]``, FP32, on ``device``, in training mode."""
+def build_model(size: str, device: torch.device, seq_len: int,
+                sizes: Optional[dict[str, dict[str, int]]] = None) -> LlamaForCausalLM:
+    """A randomly initialised Llama of ``(sizes or MODEL_SIZES)[size]``, FP32, on ``device``, in training mode."""
     torch.manual_seed(0)
-    config = LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=max(2048, seq_len))
+    config = LlamaConfig(**(sizes or MODEL_SIZES)[size], max_position_embeddings=max(2048, seq_len))
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.train()
@@ -213,15 +214,7 @@ def measure(size: str, loop: str, precision: str, batch_size: int, seq_len: int,
 
 
 def _ratios(results: list[ModelResult]) -> None:
-    base = {(r.model, r.loop): r for r in results if r.precision == BASELINES[r.loop]}
-    for r in results:
-        b = base.get((r.model, r.loop))
-        if b is None or r is b:
-            continue
-        if r.tokens_per_s and b.tokens_per_s:
-            r.speedup = r.tokens_per_s / b.tokens_per_s
-        if r.peak_bytes and b.peak_bytes:
-            r.memory_ratio = r.peak_bytes / b.peak_bytes
+    set_ratios(results, lambda r: (r.model, r.loop), lambda r: r.precision == BASELINES[r.loop])
 
 
 def run(sizes: list[str], batch_size: int, seq_len: int, steps: int, warmup: int, device: torch.device,

@@ -31,13 +31,14 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import fp8_plugin
 from fp8_plugin.modules.speed_rule import gpu_rates
 
 from . import cuda_graphs
 from .common import RECIPES, peak_memory_bytes, release_memory, synchronize, timed
+from . import models
 from .models import LR, MODEL_SIZES, random_batch
 
 # name -> LlamaConfig fields: the suite's sizes and one block of an 8B model (Llama 3 8B's
@@ -104,11 +105,7 @@ class RunResult:
 
 def build_model(size: str, device: torch.device, seq_len: int) -> LlamaForCausalLM:
     """A randomly initialised Llama of ``SIZES[size]``, FP32, on ``device``, in training mode."""
-    torch.manual_seed(0)
-    config = LlamaConfig(**SIZES[size], max_position_embeddings=max(2048, seq_len))
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    return model.train()
+    return models.build_model(size, device, seq_len, SIZES)
 
 
 def recipe_name(recipe: fp8_plugin.Recipe) -> str:

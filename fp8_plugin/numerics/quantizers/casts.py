@@ -21,7 +21,13 @@ from .tensor import GRAD_OUTPUT, QuantizedTensor, Quantizer
 
 __all__ = ["PerTensorQuantizer", "BlockQuantizer", "make_quantizer", "mark_recorded"]
 
-class PerTensorQuantizer(Quantizer):
+class _LayerQuantizer(Quantizer):
+    # What every cast of one role of one layer holds (the arguments of both quantizers below).
+    def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool, host: bool) -> None:
+        self.recipe, self.role, self.state, self.record, self.host = recipe, role, state, record, host
+
+
+class PerTensorQuantizer(_LayerQuantizer):
     """One scale for the whole tensor, from the recipe: delayed (history) or current (this tensor).
 
     Args:
@@ -40,11 +46,7 @@ class PerTensorQuantizer(Quantizer):
     """
 
     def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> None:
-        self.recipe = recipe
-        self.role = role
-        self.state = state
-        self.record = record
-        self.host = host
+        super().__init__(recipe, role, state, record, host)
         # The device's format family: FNUZ on an AMD MI300 (numerics/formats.py).
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=fp8_family(state.device))
         self.max = fp8_max(self.dtype)
@@ -111,7 +113,7 @@ class PerTensorQuantizer(Quantizer):
         return (row, col, bias) if bias_grad else (row, col)
 
 
-class BlockQuantizer(Quantizer):
+class BlockQuantizer(_LayerQuantizer):
     """Block-scaled casts: MXFP8 (1x32, E8M0 scales) or 128-blockwise (1x128 / 128x128, FP32).
 
     The tensor's overall amax and non-finite events still go to ``state`` for statistics.
@@ -125,11 +127,7 @@ class BlockQuantizer(Quantizer):
     """
 
     def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool = True, *, host: bool = True) -> None:
-        self.recipe = recipe
-        self.role = role
-        self.state = state
-        self.record = record
-        self.host = host
+        super().__init__(recipe, role, state, record, host)
         family = fp8_family(state.device)
         if family == "fnuz":
             raise ValueError(
