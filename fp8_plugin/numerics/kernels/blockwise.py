@@ -43,7 +43,7 @@ from .tensorwise import _finish, _fold_amax, _state_pointers
 from .launch import KernelLaunch
 from .rows import StateRows
 
-__all__ = ["cast_blocks", "reference_blocks", "grid_tensors"]
+__all__ = ["cast_blocks", "BlockCast", "reference_blocks", "grid_tensors"]
 
 
 
@@ -180,14 +180,7 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
         ValueError: ``x`` not 2-D or of another dtype; ``dtype`` not FP8; a block shape other
             than these; ``workspace`` of another shape or dtype.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"x.dtype={x.dtype} has no fused cast; valid: float32, bfloat16, float16")
-    valid = ((1, 32),) if mx else ((1, 128), (128, 128))
-    if tuple(block) not in valid:
-        raise ValueError(f"block={tuple(block)} has no fused {'MXFP8' if mx else 'blockwise'} cast; valid: "
-                         f"{', '.join(map(str, valid))}")
+    _check_block_cast(x, block, mx)
     if rows is not None:
         state_scale, history, count, work = rows.scale, rows.amax_history, rows.nonfinite_amax_count, rows.workspace
     else:
@@ -223,6 +216,68 @@ def _block_cast(b: int, square: bool, mx: bool, dtype: torch.dtype, power_2_scal
                         E4M3=dtype == torch.float8_e4m3fn, EMAX=E8M0_EMAX[dtype], POWER_2=power_2_scale,
                         EPS=amax_epsilon, TRANSPOSE=transpose, RECORD=record, enable_fp_fusion=False,
                         num_warps=8 if b == 128 else 4)
+
+
+class BlockCast:
+    """A block-scaled cast of one scaling-state row for one input layout, resolved once: what
+    :func:`cast_blocks` checks and computes on every call (the launcher, the grid, the scale grids'
+    shapes, the row views, the constant arguments), kept, so that a steady-state cast makes its
+    outputs and launches and does nothing else on the host.
+
+    Args:
+        x: an input of the layout it will cast (``[M, N]``, its strides and dtype).
+        dtype, block, mx, power_2_scale, amax_epsilon, transpose, record: as :func:`cast_blocks`.
+        rows: the state row's views (``ScalingState.kernel_rows``), which it keeps: a plan is
+            valid while they are the state's.
+
+    Raises:
+        ValueError: as :func:`cast_blocks`.
+    """
+
+    __slots__ = ("rows", "device", "shape", "dtype", "block", "transpose", "mx", "grid", "launch", "tail",
+                 "gemm_bytes")
+
+    def __init__(self, x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], mx: bool, power_2_scale: bool,
+                 amax_epsilon: float, transpose: bool, record: bool, rows: StateRows) -> None:
+        _check_block_cast(x, block, mx)
+        m, n = x.shape
+        self.rows, self.device, self.shape, self.dtype, self.block = rows, x.device, (m, n), dtype, tuple(block)
+        self.transpose, self.mx = transpose, mx
+        b = block[1]
+        if mx:  # the grid also covers the padding of the swizzled layout: 128 rows x 4 blocks per tile
+            self.grid = (4 * -(-max(m, 1) // 128), 4 * -(-max(n, 1) // 128))
+        else:
+            self.grid = (-(-max(m, 1) // b), -(-max(n, 1) // b))
+        self.gemm_bytes = self.grid[0] * self.grid[1] * 32 if mx else 0
+        self.launch = _block_cast(b, block[0] == block[1], mx, dtype, bool(power_2_scale), float(amax_epsilon),
+                                  transpose, record)
+        self.tail = (m, n, x.stride(0), x.stride(1), self.grid[0] * self.grid[1])
+
+    def __call__(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        """Cast ``x`` (the plan's layout): as :func:`cast_blocks` returns."""
+        m, n = self.shape
+        device, rows = self.device, self.rows
+        out = torch.empty(m, n, dtype=torch.uint8, device=device)
+        out_t = torch.empty(n, m, dtype=torch.uint8, device=device) if self.transpose else out
+        scale_inv, scale_inv_t = grid_tensors(m, n, self.block, self.transpose, device)
+        gemm = torch.empty(self.gemm_bytes, dtype=torch.uint8, device=device) if self.mx else out
+        gemm_t = torch.empty(self.gemm_bytes, dtype=torch.uint8, device=device) if self.mx and self.transpose else out
+        self.launch(self.grid, loadable(x), out, out_t, scale_inv, scale_inv if scale_inv_t is None else scale_inv_t,
+                    gemm, gemm_t, rows.workspace, rows.amax_history, rows.nonfinite_amax_count, rows.scale, *self.tail)
+        e8m0 = torch.float8_e8m0fnu
+        return (out.view(self.dtype), scale_inv, out_t.view(self.dtype) if self.transpose else None, scale_inv_t,
+                gemm.view(e8m0) if self.mx else None, gemm_t.view(e8m0) if self.mx and self.transpose else None)
+
+
+def _check_block_cast(x: torch.Tensor, block: tuple[int, int], mx: bool) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, cols], got shape {list(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x.dtype={x.dtype} has no fused cast; valid: float32, bfloat16, float16")
+    valid = ((1, 32),) if mx else ((1, 128), (128, 128))
+    if tuple(block) not in valid:
+        raise ValueError(f"block={tuple(block)} has no fused {'MXFP8' if mx else 'blockwise'} cast; valid: "
+                         f"{', '.join(map(str, valid))}")
 
 
 def grid_tensors(m: int, n: int, block: tuple[int, int], transpose: bool, device: torch.device

@@ -240,16 +240,23 @@ def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tu
     """The block-scaled fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
     :func:`~fp8_plugin.numerics.kernels.blockwise.cast_blocks`; ``(data, scale_inv, data_t,
     scale_inv_t, gemm_scale, gemm_scale_t)``, None for what was not made."""
-    args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
-            block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
     if not traced(x):
+        # A plain eager call: the cast's plan for this row and input layout, as eager_cast keeps.
         from . import blockwise
 
-        return blockwise.cast_blocks(
-            x, dtype, block, mx=mx, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, transpose=transpose,
-            record=record, scale=state.scale, amax_history=state.amax_history,
-            nonfinite_amax_count=state.nonfinite_amax_count, workspace=state.kernel_workspace, role=role,
-            rows=state.kernel_rows(role))
+        rows = state.kernel_rows(role)
+        key = ("blocks", role, x.shape, x.stride(), x.dtype, dtype, block, mx, power_2_scale, amax_epsilon,
+               transpose, record)
+        plans = state.__dict__.setdefault("_cast_plans", {})
+        plan = plans.get(key)
+        if plan is None or plan.rows is not rows:
+            plan = blockwise.BlockCast(x, dtype, block, mx, power_2_scale, amax_epsilon, transpose, record, rows)
+            if len(plans) >= _PLANS_PER_STATE:
+                plans.clear()
+            plans[key] = plan
+        return plan(x)
+    args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
+            block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
     outputs = torch.ops.fp8_plugin.cast_blocks(*args)
     made = (True, True, transpose, transpose, mx, mx and transpose)
     return tuple(t if keep else None for t, keep in zip(outputs, made))
