@@ -68,3 +68,40 @@ def test_graphed_training_equals_eager_bit_for_bit(recipe, checkpointed):
     for layer, twin in ((eager.up, graphed.up), (eager.down, graphed.down)):
         for name, t in layer.fp8_state.tensors().items():
             assert torch.equal(t, twin.fp8_state.tensors()[name]), name
+
+
+@pytest.mark.parametrize("recipe", [fp.DelayedScaling(amax_history_len=4), fp.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_reduce_overhead_compiles_and_trains_an_fp8_block(recipe):
+    # torch.compile's own CUDA graphs (cudagraph trees): the compiled FP8 block trains, and its
+    # FP8 state follows the steps (update_pending_scales after each optimizer step, as the
+    # integrations call it): the first layer's input and weight amaxes of the first step are the
+    # eager block's exactly (a max of absolute values of the same tensors).
+    torch.manual_seed(0)
+    eager = Block().cuda()
+    fp.convert_model(eager, recipe, skip_small=False)
+    compiled_block = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_block, mode="reduce-overhead")
+    opt = torch.optim.AdamW(compiled_block.parameters(), lr=1e-3)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for step in range(4):
+        x = torch.randn(128, 256, device="cuda", generator=gen).requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16), fp.autocast(recipe=recipe):
+            y = compiled(x)
+            if step == 0:
+                y_eager = eager(x.detach())
+        loss = y.float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        fp.update_pending_scales(compiled_block)
+        losses.append(loss.item())
+        if step == 0:
+            assert y.shape == y_eager.shape
+            # (after the scale update, the delayed history has moved the step's amaxes to column 1)
+            assert torch.equal(compiled_block.up.fp8_state.amax_history[:2, 1 if recipe.delayed() else 0],
+                               eager.up.fp8_state.amax_history[:2, 0])
+    assert all(torch.isfinite(torch.tensor(losses)))
+    if recipe.delayed():
+        assert compiled_block.up.fp8_state.initialized.all()
