@@ -54,7 +54,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _interpret_triton_without_a_gpu() -> None:
-    # The fused cast kernels' tests (tests/test_kernels_tensorwise.py) run Triton's interpreter on
+    # The fused cast kernels' tests (tests/numerics/test_kernels_tensorwise.py) run Triton's interpreter on
     # CPU tensors. It must be on before triton is first imported in the process: triton decorates
     # its standard library (tl.max, ...) at import, and another test's torch.compile may import it
     # first. On a machine with a GPU it stays off: the kernels run compiled there.

@@ -30,7 +30,7 @@
 # above, and each step's log) and summary.txt (one line per step: passed / failed / timed out, and
 # seconds). The device machine returns at most 8 files: these two leave room.
 #
-# --device cpu rehearses the same command on a CPU (tests/test_gpu_run.py runs it): the probe on
+# --device cpu rehearses the same command on a CPU (tests/benchmarks/test_gpu_run.py runs it): the probe on
 # CPU, the contract suite on meta tensors in step 3, the layer and model steps at CPU sizes.
 #
 # PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 560,

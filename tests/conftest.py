@@ -1,4 +1,19 @@
+"""Fixtures every test folder shares. The folders follow the package's layers (numerics, modules,
+training, one per loop adapter, tools, examples, benchmarks, the private shims, the project's
+own checks; the CUDA contract has its own conftest); ``support/`` holds the helpers several
+folders use. Every folder is put on ``sys.path`` and on ``PYTHONPATH`` (which the worker processes
+the tests launch inherit), so that helpers and workers import each other by module name wherever
+they sit."""
+
 import os
+import sys
+from pathlib import Path
+
+_FOLDERS = [str(p) for p in sorted(Path(__file__).resolve().parent.iterdir()) if p.is_dir() and p.name[0] not in "._"]
+for _folder in reversed(_FOLDERS):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
+os.environ["PYTHONPATH"] = os.pathsep.join(_FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 # Tiny models: one thread is faster than two fighting, and nothing may touch the network.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -48,7 +63,7 @@ def smollm2_path(tmp_path_factory):
     return path
 
 
-# The two-rank scenarios of tests/distributed_worker.py, all in one launch (a launch's start,
+# The two-rank scenarios of tests/training/distributed_worker.py, all in one launch (a launch's start,
 # imports and process group, is most of such a small run's time): FSDP2 after the DDP ones.
 DISTRIBUTED_SCENARIOS = ("ddp", "ddp-local", "fp16", "reference", "fabric-ddp", "statistics", "experts-ddp",
                          "fsdp2", "reference-fsdp2", "statistics-fsdp2", "experts-fsdp2", "fsdp-fp8-current")

@@ -5,7 +5,7 @@ decoder layer ``model.model.layers[i]``'s forward and backward, called through a
 arguments are tensors only (the hidden states and the rotary tables: a capture takes positional
 tensors), with no attention mask (causal attention) and no cache. The embedding, the rotary
 tables, the final norm, ``lm_head`` and the loss run eagerly around them, as the model's own
-forward runs them (``tests/test_model_table.py`` checks that the two compute the same loss).
+forward runs them (``tests/benchmarks/test_model_table.py`` checks that the two compute the same loss).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 accessor. Under the three multiprocessing start methods the model the user holds after ``fit``
 is the main process's copy, into which Lightning loads the trained weights only, so the FP8
 precision plugin warns at start-up that the FP8 state stays with the workers and the checkpoints.
-tests/test_lightning_private.py checks the attribute: a Lightning release that renames it fails
+tests/private/test_lightning_private.py checks the attribute: a Lightning release that renames it fails
 there, not silently.
 """
 

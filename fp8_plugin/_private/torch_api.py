@@ -1,6 +1,6 @@
 """The private torch APIs this package relies on, kept here so that a change shows in one place.
 
-``tests/test_torch_private.py`` fails loudly if its behaviour changes.
+``tests/private/test_torch_private.py`` fails loudly if its behaviour changes.
 """
 
 from __future__ import annotations

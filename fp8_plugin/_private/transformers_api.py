@@ -5,7 +5,7 @@
 (imported there from ``accelerate``); transformers offers no public way to choose the class.
 :func:`trainer_accelerator_class` makes that name point at another class while the Trainer
 builds its Accelerator. It refuses to run when the name no longer holds Accelerate's class, and
-tests/test_hf_trainer.py checks that the Trainer ends up with the class given: a transformers
+tests/hf_trainer/test_hf_trainer.py checks that the Trainer ends up with the class given: a transformers
 release that changes this fails loudly, not silently without FP8.
 
 ``save_pretrained`` writes a model's weights through the reverse of its weight conversions
@@ -13,7 +13,7 @@ release that changes this fails loudly, not silently without FP8.
 conversion mapping), and transformers offers no public way to add the per-expert scale
 converters its FP8 quantizer adds at load time. :func:`set_save_conversions_with_scales` does
 that, as ``HfQuantizer.update_weight_conversions`` does (the converters' original patterns,
-``WeightConverter.copy``). tests/test_export.py checks the keys, dtypes and shapes written and
+``WeightConverter.copy``). tests/tools/test_export.py checks the keys, dtypes and shapes written and
 loads them back with transformers: a release that changes this fails loudly.
 :func:`saved_tensors` asks transformers which checkpoint tensors ``save_pretrained`` would write
 for some of a model's tensors (``core_model_loading.revert_weight_conversion``, the function

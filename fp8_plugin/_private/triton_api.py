@@ -6,7 +6,7 @@ launch (tritonbench), several times the launch itself. The compiled kernel that 
 has a launcher of its own, ``CompiledKernel[grid](*args)``, which skips all of that; Triton
 documents neither it nor the arguments it takes. :func:`compiled_runner` reads how this Triton
 passes them (from ``JITFunction.run``'s own launch), and answers None where it cannot tell: the
-callers then keep ``kernel[grid]``. ``tests/test_triton_private.py`` fails loudly when Triton
+callers then keep ``kernel[grid]``. ``tests/private/test_triton_private.py`` fails loudly when Triton
 changes either.
 
 May import: Triton (only when a kernel launches); nothing of fp8_plugin.

@@ -9,7 +9,7 @@ otherwise from a post-import hook (a ``sys.meta_path`` finder for those two modu
 else of Lightning is touched, and the plugin classes are imported only when a Trainer or Fabric
 is given an ``"fp8-*"`` string.
 
-This module imports nothing from Lightning. ``tests/test_lightning_import.py`` fails loudly if
+This module imports nothing from Lightning. ``tests/lightning/test_lightning_import.py`` fails loudly if
 the wrapped method's name or parameters change.
 """
 
@@ -88,7 +88,7 @@ def register(connector: ModuleType) -> bool:
                 stacklevel=2,
             )
             return False
-        # The one private Lightning API used here (tests/test_lightning_import.py pins it).
+        # The one private Lightning API used here (tests/lightning/test_lightning_import.py pins it).
         expected = WRAPPED_PARAMETERS[:-1] if fabric else WRAPPED_PARAMETERS
         original = getattr(cls, WRAPPED_METHOD, None)
         if original is None or tuple(inspect.signature(original).parameters) != expected:

@@ -3,7 +3,7 @@ what ``nn.Linear`` computes, so that ``convert_model`` may swap them like ``nn.L
 
 A subclass that overrides ``forward`` is in general not swapped: the FP8 layer would compute
 ``nn.Linear``'s function instead of the subclass's. A class listed here is the exception: its
-forward was read, and ``tests/test_equivalent_subclasses.py`` checks it against ``nn.Linear``
+forward was read, and ``tests/modules/test_equivalent_subclasses.py`` checks it against ``nn.Linear``
 bit for bit on the installed library (outputs and both gradients; float32, bfloat16, float16,
 float64; 2-D to 4-D inputs, contiguous or not; with and without bias), so a library update that
 changes it fails there. An entry covers the exact class only, never its subclasses, and may

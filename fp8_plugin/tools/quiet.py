@@ -16,7 +16,7 @@ import warnings
 
 __all__ = ["quiet_foreign_output", "FOREIGN_LINES"]
 
-# What each filter drops, as it appears in the output (tests/test_quiet_output.py counts them).
+# What each filter drops, as it appears in the output (tests/tools/test_quiet_output.py counts them).
 FOREIGN_LINES = (
     r"Failed to load .*torchao/_C",
     r"Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1",

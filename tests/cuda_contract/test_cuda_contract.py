@@ -55,7 +55,7 @@ FSDP's padded size, the statistics of a training gather, the empty shard; the po
 wrap (``out=None``) and the in-place reuse (``out`` given); the gathered weight as the GEMM's
 FP8 operand, plain and transposed (GPT-2's Conv1D layout), in forward, dgrad and wgrad. The amax
 all-reduce across ranks (world size > 1) needs a process group of two ranks: the two-rank gloo
-test (tests/test_fsdp_fp8.py) covers it.
+test (tests/modules/test_fsdp_fp8.py) covers it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """fp8_plugin.make_graphed_callables on a GPU: graphed training is eager training, bit for bit.
 
 Runs where torch sees a CUDA GPU (the GPU run's contract step); the CPU tests of the same module
-(tests/test_cuda_graphs.py) cover what needs no capture.
+(tests/modules/test_cuda_graphs.py) cover what needs no capture.
 """
 
 import copy
