@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode as _is_in_torch_dispatch_mode
+# torch's pytree (flatten nested tuples, lists and dicts to leaves and back) has no public module;
+# the CUDA graphs' call signatures use it as torch's own make_graphed_callables does. ``None`` is
+# a leaf, dict keys keep their order, and two specs of one structure compare equal.
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401
 
-__all__ = ["in_backward_pass", "has_tensor_hooks", "in_dispatch_mode"]
+__all__ = ["in_backward_pass", "has_tensor_hooks", "in_dispatch_mode", "tree_flatten", "tree_unflatten", "tree_map"]
 
 
 def in_backward_pass() -> bool:

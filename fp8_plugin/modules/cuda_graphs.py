@@ -40,8 +40,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._private.torch_api import tree_flatten, tree_unflatten
 from ..numerics.kernels.launch import graph_capture
 from ..numerics.quantizers import ScalingState, mark_recorded
 from ..numerics.recipes import Recipe, check_recipe

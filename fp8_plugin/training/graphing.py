@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .._private.torch_api import tree_map
 from ..modules.cuda_graphs import make_graphed_callables
 
 __all__ = ["GraphedBlocks", "check_cuda_graphs"]
@@ -98,8 +99,7 @@ class GraphedBlocks:
         if id(module) in self.samples:
             return
         sample = lambda v: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v  # noqa: E731
-        self.samples[id(module)] = (tuple(torch.utils._pytree.tree_map(sample, list(args))),
-                                    torch.utils._pytree.tree_map(sample, dict(kwargs)))
+        self.samples[id(module)] = (tuple(tree_map(sample, list(args))), tree_map(sample, dict(kwargs)))
 
     def capture(self, context: Any) -> None:
         """Capture every selected module with its recorded arguments, once (after the first

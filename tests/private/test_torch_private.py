@@ -46,3 +46,17 @@ def test_in_dispatch_mode_sees_fake_tensor_mode_and_a_dispatch_mode():
     with Passthrough():
         assert in_dispatch_mode()
     assert not in_dispatch_mode()
+
+
+def test_pytree_flattens_calls_to_leaves_with_none_a_leaf_and_specs_that_compare():
+    # What the CUDA graphs' call signatures rely on (modules/cuda_graphs.py, training/graphing.py).
+    from fp8_plugin._private.torch_api import tree_flatten, tree_map, tree_unflatten
+
+    a, b = torch.zeros(2), torch.ones(3)
+    call = ((a,), {"mask": None, "rope": (a, b), "flag": False})
+    leaves, spec = tree_flatten(call)
+    assert len(leaves) == 5 and leaves[0] is a and leaves[1] is None and leaves[4] is False
+    assert tree_unflatten(leaves, spec) == call
+    same, other = tree_flatten(((b,), {"mask": None, "rope": (b, a), "flag": True}))[1], tree_flatten(((a,), {}))[1]
+    assert same == spec and other != spec
+    assert tree_map(lambda x: x * 2 if isinstance(x, torch.Tensor) else x, call)[1]["rope"][1].tolist() == [2, 2, 2]
