@@ -146,7 +146,9 @@ def measured_host_overhead_us(device: torch.device, recipe: Optional[Recipe] = N
         _measured[key] = _measure(device, recipe)
     overhead = _measured[key]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        figure = torch.tensor([overhead], device=device)
+        # On the device for NCCL, on the host for the CPU backends (gloo).
+        on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        figure = torch.tensor([overhead], device=on)
         torch.distributed.all_reduce(figure, op=torch.distributed.ReduceOp.MAX)
         overhead = float(figure.item())
     return overhead
