@@ -188,8 +188,9 @@ class _GraphedFP8:
     """The FP8 bookkeeping around one graphed module's replays (module docstring)."""
 
     def __init__(self, module: nn.Module, name: str, signature: StaticSignature,
-                 marks: list[tuple[ScalingState, int, Recipe]], eager_forward: Any, graphed: nn.Module) -> None:
-        self.module, self.name, self.signature = module, name, signature
+                 marks: list[tuple[ScalingState, int, Recipe]], eager_forward: Any, graphed: nn.Module,
+                 fp8: bool = True) -> None:
+        self.module, self.name, self.signature, self.fp8 = module, name, signature, fp8
         self.marks, self.eager_forward, self.graphed = marks, eager_forward, graphed
         self.groups = list({id(layer.scaling_group): layer.scaling_group for layer in module.modules()
                             if isinstance(getattr(layer, "scaling_group", None), ScalingGroup)}.values())
@@ -199,11 +200,13 @@ class _GraphedFP8:
             # Evaluation and a reference check's replays record nothing and update nothing: the
             # eager forward (the graph records amaxes).
             return self.eager_forward(*args, **kwargs)
+        tensors = self.signature.flat_tensors(args, kwargs, self.name)
+        if not self.fp8:  # captured in high precision (fp8_enabled=False): no FP8 state to keep
+            return self.graphed(*tensors)
         context = current_context()
         if not context.enabled or not context.training:
             raise RuntimeError(f"{self.name} was graphed as an FP8 training step: call it inside "
                                "fp8_plugin.autocast() with grad enabled (the integrations' forward contexts are)")
-        tensors = self.signature.flat_tensors(args, kwargs, self.name)
         for group in self.groups:
             if group.step != context.step:  # the first forward of a training step: last step's amaxes become scales
                 group.step = context.step
@@ -301,7 +304,7 @@ def make_graphed_callables(
     _restore(all_states, saved)
     _clear_weight_caches(mods)
     for module, name, signature, mark, forward, graphed in zip(mods, names, signatures, marks, eager, flat):
-        module.forward = _GraphedFP8(module, name, signature, mark, forward, graphed)
+        module.forward = _GraphedFP8(module, name, signature, mark, forward, graphed, fp8_enabled)
     return mods[0] if single else mods
 
 

@@ -221,3 +221,14 @@ def test_keyword_arguments_are_graphed_tensors_and_constants(emulated):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     with fp.autocast(recipe=recipe), pytest.raises(ValueError, match=r"argument use_cache is True"):
         graphed(x.requires_grad_(), attention_mask=None, position_embeddings=rope, use_cache=True)
+
+
+def test_a_module_graphed_without_fp8_replays_outside_the_fp8_autocast(emulated):
+    model = converted(fp.DelayedScaling())
+    fp.make_graphed_callables(model, (torch.randn(8, 32).requires_grad_(),), fp8_enabled=False)
+    x = torch.randn(8, 32)
+    out = model(x.clone().requires_grad_())  # no fp8_plugin.autocast: as captured, in high precision
+    with torch.no_grad():
+        want = model.down(torch.nn.functional.gelu(model.up(x)))  # the eager layers outside the autocast
+    assert torch.equal(out.detach(), want)
+    assert not model.up.fp8_state.pending and not model.up.fp8_state.initialized.any()
