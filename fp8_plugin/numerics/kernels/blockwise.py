@@ -181,31 +181,10 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], *, 
             than these; ``workspace`` of another shape or dtype.
     """
     _check_block_cast(x, block, mx)
-    if rows is not None:
-        state_scale, history, count, work = rows.scale, rows.amax_history, rows.nonfinite_amax_count, rows.workspace
-    else:
+    if rows is None:
         state_scale, history, count, work = _state_pointers(role, scale, amax_history, nonfinite_amax_count, workspace)
-    m, n = x.shape
-    b = block[1]
-    square = block[0] == block[1]
-    out = torch.empty(m, n, dtype=dtype, device=x.device)
-    out_t = torch.empty(n, m, dtype=dtype, device=x.device) if transpose else out
-    scale_inv, scale_inv_t = grid_tensors(m, n, block, transpose, x.device)
-    gemm = gemm_t = None
-    if mx:  # the grid also covers the padding of the swizzled layout: 128 rows x 4 blocks per tile
-        grid = (4 * -(-max(m, 1) // 128), 4 * -(-max(n, 1) // 128))
-        gemm = torch.empty(grid[0] * grid[1] * 32, dtype=torch.uint8, device=x.device)
-        gemm_t = torch.empty_like(gemm) if transpose else None
-    else:
-        grid = (-(-max(m, 1) // b), -(-max(n, 1) // b))
-    _block_cast(b, square, mx, dtype, bool(power_2_scale), float(amax_epsilon), transpose, record)(
-        grid, loadable(x), out.view(torch.uint8), out_t.view(torch.uint8), scale_inv,
-        scale_inv if scale_inv_t is None else scale_inv_t, out.view(torch.uint8) if gemm is None else gemm,
-        out.view(torch.uint8) if gemm_t is None else gemm_t, work, history, count, state_scale,
-        m, n, x.stride(0), x.stride(1), grid[0] * grid[1])
-    e8m0 = torch.float8_e8m0fnu
-    return (out, scale_inv, out_t if transpose else None, scale_inv_t, None if gemm is None else gemm.view(e8m0),
-            None if gemm_t is None else gemm_t.view(e8m0))
+        rows = StateRows(state_scale, None, history, count, work)
+    return BlockCast(x, dtype, block, mx, power_2_scale, amax_epsilon, transpose, record, rows)(x)
 
 
 @lru_cache(maxsize=None)
@@ -219,10 +198,10 @@ def _block_cast(b: int, square: bool, mx: bool, dtype: torch.dtype, power_2_scal
 
 
 class BlockCast:
-    """A block-scaled cast of one scaling-state row for one input layout, resolved once: what
-    :func:`cast_blocks` checks and computes on every call (the launcher, the grid, the scale grids'
-    shapes, the row views, the constant arguments), kept, so that a steady-state cast makes its
-    outputs and launches and does nothing else on the host.
+    """A block-scaled cast of one scaling-state row for one input layout, resolved once: its
+    launcher, grid, scale grids' shapes, row views and constant arguments, so that a cast kept for
+    a layer's steady state makes its outputs and launches and does nothing else on the host. It
+    is also what :func:`cast_blocks` runs, made for one call.
 
     Args:
         x: an input of the layout it will cast (``[M, N]``, its strides and dtype).

@@ -219,15 +219,24 @@ def eager_cast(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype,
 
     rows = state.kernel_rows(role)
     key = (kind, role, x.shape, x.stride(), x.dtype, dtype, margin, transpose, record, bias_grad)
+    plan = _kept_plan(state, rows, key, lambda: tensorwise.RecordingCast(kind, x, dtype, margin, transpose, record,
+                                                                           bias_grad, rows))
+    # In a CUDA graph the amax pass stays: a replay must be right whatever the state holds then.
+    data, data_t, _, scale_inv, bias = plan(x, kind == "delayed" and not capturing() and state.initialized_known(role))
+    return data, data_t, scale_inv, bias
+
+
+def _kept_plan(state, rows, key: tuple, make):
+    # The cast plan ``state`` keeps under ``key``: made by ``make()`` on the first call, and again
+    # once the state's row views are new (a load, a move, a reset).
     plans = state.__dict__.setdefault("_cast_plans", {})  # a state unpickled from before the plans
     plan = plans.get(key)
     if plan is None or plan.rows is not rows:
-        plan = tensorwise.RecordingCast(kind, x, dtype, margin, transpose, record, bias_grad, rows)
+        plan = make()
         if len(plans) >= _PLANS_PER_STATE:  # shapes that keep changing: keep the newest few
             plans.clear()
         plans[key] = plan
-    # In a CUDA graph the amax pass stays: a replay must be right whatever the state holds then.
-    return plan(x, kind == "delayed" and not capturing() and state.initialized_known(role))
+    return plan
 
 
 # Launch plans kept per scaling state: a layer sees a few input layouts (training, evaluation,
@@ -247,14 +256,8 @@ def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tu
         rows = state.kernel_rows(role)
         key = ("blocks", role, x.shape, x.stride(), x.dtype, dtype, block, mx, power_2_scale, amax_epsilon,
                transpose, record)
-        plans = state.__dict__.setdefault("_cast_plans", {})
-        plan = plans.get(key)
-        if plan is None or plan.rows is not rows:
-            plan = blockwise.BlockCast(x, dtype, block, mx, power_2_scale, amax_epsilon, transpose, record, rows)
-            if len(plans) >= _PLANS_PER_STATE:
-                plans.clear()
-            plans[key] = plan
-        return plan(x)
+        return _kept_plan(state, rows, key, lambda: blockwise.BlockCast(
+            x, dtype, block, mx, power_2_scale, amax_epsilon, transpose, record, rows))(x)
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
             block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
     outputs = torch.ops.fp8_plugin.cast_blocks(*args)

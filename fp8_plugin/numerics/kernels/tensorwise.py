@@ -365,22 +365,11 @@ def cast_transpose_current(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     Raises:
         ValueError: as :func:`cast_transpose`; ``workspace`` of another shape or dtype.
     """
-    _check(x, dtype)
-    state_scale, _, history, count, work = _role_rows(role, scale, None, amax_history, nonfinite_amax_count, workspace,
-                                                      rows)
-    out, out_t = _outputs(x, dtype, transpose)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
-    grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
-    args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    amax_pass, cast = _recording_cast("current", dtype, transpose, record, bias_grad_out is not None, want_scale)
-    amax_pass(grid, x, work, *args)
-    partials = _partials(x, grid, bias_grad_out)
-    cast(grid, x, out, out_t, work, history, count, state_scale, scale_inv if scale_out is None else scale_out,
-         scale_inv, scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin)
-    if partials is not None:
-        torch.sum(partials, 0, out=bias_grad_out)
-    return out, (out_t if transpose else None), scale_out, scale_inv
+    _check(x, dtype)  # before the state's tensors, as the messages have always come
+    rows = StateRows(*_role_rows(role, scale, None, amax_history, nonfinite_amax_count, workspace, rows))
+    plan = RecordingCast("current", x, dtype, margin, transpose, record, bias_grad_out is not None, rows, want_scale)
+    data, data_t, scale_out, scale_inv, _ = plan(x, bias_grad_out=bias_grad_out)
+    return data, data_t, scale_out, scale_inv
 
 
 def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, transpose: bool, record: bool,
@@ -423,30 +412,18 @@ def cast_transpose_delayed(x: torch.Tensor, dtype: torch.dtype, margin: int, *, 
     Raises:
         ValueError: as :func:`cast_transpose_current`.
     """
-    _check(x, dtype)
-    state_scale, ready, history, count, work = _role_rows(role, scale, initialized, amax_history, nonfinite_amax_count,
-                                                          workspace, rows)
-    out, out_t = _outputs(x, dtype, transpose)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    scale_out = torch.empty((), dtype=torch.float32, device=x.device) if want_scale else None
-    grid = _grid(x)
-    args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    amax_pass, cast = _recording_cast("delayed", dtype, transpose, record, bias_grad_out is not None, want_scale)
-    if not initialized_known:
-        amax_pass(grid, x, work, ready, *args)
-    partials = _partials(x, grid, bias_grad_out)
-    cast(grid, x, out, out_t, work, ready, state_scale, history, count, scale_inv if scale_out is None else scale_out,
-         scale_inv, scale_inv if partials is None else partials, *args, grid[0] * grid[1], fp8_max(dtype) / 2.0**margin)
-    if partials is not None:
-        torch.sum(partials, 0, out=bias_grad_out)
-    return out, (out_t if transpose else None), scale_out, scale_inv
+    _check(x, dtype)  # before the state's tensors, as the messages have always come
+    rows = StateRows(*_role_rows(role, scale, initialized, amax_history, nonfinite_amax_count, workspace, rows))
+    plan = RecordingCast("delayed", x, dtype, margin, transpose, record, bias_grad_out is not None, rows, want_scale)
+    data, data_t, scale_out, scale_inv, _ = plan(x, initialized_known, bias_grad_out)
+    return data, data_t, scale_out, scale_inv
 
 
 class RecordingCast:
-    """A recording cast of one scaling-state row for one input layout, resolved once: what
-    :func:`cast_transpose_delayed` and :func:`cast_transpose_current` check, select and look up
-    on every call (the launchers, the grid, the row views, the constant arguments), kept, so that
-    a steady-state cast makes its outputs and launches and does nothing else on the host.
+    """A recording cast of one scaling-state row for one input layout, resolved once: its
+    launchers, grid, row views and constant arguments, so that a cast kept for a layer's steady
+    state makes its outputs and launches and does nothing else on the host. It is also what
+    :func:`cast_transpose_delayed` and :func:`cast_transpose_current` run, made for one call.
 
     Args:
         kind: ``"delayed"`` or ``"current"``.
@@ -455,49 +432,56 @@ class RecordingCast:
         bias_grad: also return ``x.sum(0)`` in float32 (``bias_grad_out``).
         rows: the state row's views (``ScalingState.kernel_rows``), which it keeps: a plan is
             valid while they are the state's.
+        scale_out: also return the scale (``want_scale``).
 
     Raises:
         ValueError: as :func:`cast_transpose_delayed`.
     """
 
-    __slots__ = ("kind", "rows", "device", "shape", "dtype", "transpose", "bias_grad", "grid", "amax_pass", "cast",
-                 "args", "tail")
+    __slots__ = ("kind", "rows", "device", "shape", "dtype", "transpose", "bias_grad", "scale_out", "grid",
+                 "amax_pass", "cast", "args", "tail")
 
     def __init__(self, kind: str, x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool, record: bool,
-                 bias_grad: bool, rows: StateRows) -> None:
+                 bias_grad: bool, rows: StateRows, scale_out: bool = False) -> None:
         _check(x, dtype)
         self.kind, self.rows, self.device, self.shape, self.dtype = kind, rows, x.device, tuple(x.shape), dtype
-        self.transpose, self.bias_grad, self.grid = transpose, bias_grad, _grid(x)
-        self.amax_pass, self.cast = _recording_cast(kind, dtype, transpose, record, bias_grad, False)
+        self.transpose, self.bias_grad, self.scale_out = transpose, bias_grad, scale_out
+        self.grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
+        self.amax_pass, self.cast = _recording_cast(kind, dtype, transpose, record, bias_grad, scale_out)
         self.args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
         self.tail = (*self.args, self.grid[0] * self.grid[1], fp8_max(dtype) / 2.0**margin)
 
-    def __call__(self, x: torch.Tensor, initialized_known: bool = False
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
-        """Cast ``x`` (the plan's layout): ``(data, data_t or None, scale_inv, bias_grad or None)``.
-        ``initialized_known`` as in :func:`cast_transpose_delayed` (ignored by current scaling)."""
+    def __call__(self, x: torch.Tensor, initialized_known: bool = False,
+                 bias_grad_out: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
+        """Cast ``x`` (the plan's layout): ``(data, data_t or None, scale or None, scale_inv,
+        bias_grad or None)``; ``initialized_known`` as in :func:`cast_transpose_delayed` (current
+        scaling ignores it), ``bias_grad_out`` the caller's buffer for the bias gradient (None:
+        one is made)."""
         m, n = self.shape
         device, rows = self.device, self.rows
         out = torch.empty(m, n, dtype=self.dtype, device=device)
         out_t = torch.empty(n, m, dtype=self.dtype, device=device) if self.transpose else out
         scale_inv = torch.empty((), dtype=torch.float32, device=device)
+        scale = torch.empty((), dtype=torch.float32, device=device) if self.scale_out else None
         bias = partials = None
-        if self.bias_grad:
+        if self.bias_grad and bias_grad_out is None:
             bias = torch.empty(n, dtype=torch.float32, device=device)
             partials = torch.empty(self.grid[0], n, dtype=torch.float32, device=device)
+        elif self.bias_grad:
+            bias, partials = bias_grad_out, _partials(x, self.grid, bias_grad_out)  # the caller's buffer, checked
+        outputs = (scale_inv if scale is None else scale, scale_inv, scale_inv if partials is None else partials)
         if self.kind == "delayed":
             if not initialized_known:
                 self.amax_pass(self.grid, x, rows.workspace, rows.initialized, *self.args)
             self.cast(self.grid, x, out, out_t, rows.workspace, rows.initialized, rows.scale, rows.amax_history,
-                      rows.nonfinite_amax_count, scale_inv, scale_inv, scale_inv if partials is None else partials,
-                      *self.tail)
+                      rows.nonfinite_amax_count, *outputs, *self.tail)
         else:
             self.amax_pass(self.grid, x, rows.workspace, *self.args)
             self.cast(self.grid, x, out, out_t, rows.workspace, rows.amax_history, rows.nonfinite_amax_count,
-                      rows.scale, scale_inv, scale_inv, scale_inv if partials is None else partials, *self.tail)
+                      rows.scale, *outputs, *self.tail)
         if partials is not None:
             torch.sum(partials, 0, out=bias)
-        return out, (out_t if self.transpose else None), scale_inv, bias
+        return out, (out_t if self.transpose else None), scale, scale_inv, bias
 
 
 def reference_delayed(x: torch.Tensor, state_scale: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype,
