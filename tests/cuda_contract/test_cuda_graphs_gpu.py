@@ -13,6 +13,7 @@ from torch import nn
 
 import fp8_plugin as fp
 from fp8_plugin.modules.autocast import new_step_id
+from reference import count_fp8_gemms
 
 CONTRACT_DEVICES = ("meta", "cuda")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a CUDA GPU")
@@ -60,7 +61,10 @@ def test_graphed_training_equals_eager_bit_for_bit(recipe, checkpointed):
     sample = torch.randn(128, 256, device="cuda").requires_grad_()
     with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
         fp.make_graphed_callables(graphed, (sample,), fp8_recipe=recipe)
-    for (y1, g1), (y2, g2) in zip(train(eager, recipe), train(graphed, recipe)):
+    with count_fp8_gemms() as gemms:
+        eager_run = train(eager, recipe)
+    assert gemms.count == 3 * 2 * 2 * 3  # 3 steps x 2 micro-batches x 2 layers x 3 GEMMs: FP8 ran
+    for (y1, g1), (y2, g2) in zip(eager_run, train(graphed, recipe)):
         assert torch.equal(y1, y2) and torch.equal(g1, g2)
     for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
         if isinstance(a, torch.Tensor):

@@ -18,6 +18,7 @@ import fp8_plugin as fp
 from fp8_plugin.modules import cuda_graphs
 from fp8_plugin.modules.cuda_graphs import StaticSignature, check_graphable
 from fp8_plugin.numerics.quantizers import ScalingState
+from reference import count_fp8_gemms
 
 
 class MLP(nn.Module):
@@ -91,8 +92,12 @@ def test_a_graphed_module_trains_as_its_eager_self(emulated, recipe):
     graphed_model = copy.deepcopy(eager_model)
     fp.make_graphed_callables(graphed_model, (torch.randn(8, 32).requires_grad_(),), fp8_recipe=recipe)
     assert isinstance(graphed_model.forward, cuda_graphs._GraphedFP8)
-    eager = train(eager_model, 3, 2, recipe)
-    graphed = train(graphed_model, 3, 2, recipe)
+    with count_fp8_gemms() as gemms:
+        eager = train(eager_model, 3, 2, recipe)
+    with count_fp8_gemms() as graphed_gemms:
+        graphed = train(graphed_model, 3, 2, recipe)
+    # 3 steps x 2 micro-batches x 2 layers x (fprop, dgrad, wgrad): FP8 ran, eagerly and replayed.
+    assert gemms.count == graphed_gemms.count == 36
     for (y1, g1), (y2, g2) in zip(eager, graphed):
         assert torch.equal(y1, y2) and torch.equal(g1, g2)
     for (name, a), b in zip(eager_model.state_dict().items(), graphed_model.state_dict().values()):

@@ -15,6 +15,7 @@ import fp8_plugin as fp
 from fp8_plugin.lightning import FP8Precision
 from fp8_plugin.modules import cuda_graphs
 from fp8_plugin.training import graphing
+from reference import count_fp8_gemms
 from test_cuda_graphs import emulated_capture
 
 
@@ -68,8 +69,13 @@ def emulated(monkeypatch):
 
 
 def test_lightning_graphs_the_named_blocks_after_the_first_step_and_trains_as_eager(emulated):
-    eager = fit(Tiny())
-    graphed = fit(Tiny(), cuda_graphs="blocks.*")
+    with count_fp8_gemms() as gemms:
+        eager = fit(Tiny())
+    with count_fp8_gemms() as graphed_gemms:
+        graphed = fit(Tiny(), cuda_graphs="blocks.*")
+    # 4 steps x 2 micro-batches x (2 blocks x 2 layers x (fprop, dgrad, wgrad), less the first
+    # layer's dgrad: the batch needs no gradient); the graphed run also warms up and captures.
+    assert gemms.count == 4 * 2 * 11 and graphed_gemms.count >= gemms.count
     assert all(isinstance(b.forward, cuda_graphs._GraphedFP8) for b in graphed.blocks)
     assert len(eager.outputs) == len(graphed.outputs) == 8
     for a, b in zip(eager.outputs, graphed.outputs):
@@ -135,8 +141,11 @@ def accelerate_run(**fp8):
 
 
 def test_accelerate_graphs_the_named_blocks_and_trains_as_eager(emulated):
-    eager, eager_outputs = accelerate_run()
-    graphed, graphed_outputs = accelerate_run(fp8_cuda_graphs=["blocks.*"])
+    with count_fp8_gemms() as gemms:
+        eager, eager_outputs = accelerate_run()
+    with count_fp8_gemms() as graphed_gemms:
+        graphed, graphed_outputs = accelerate_run(fp8_cuda_graphs=["blocks.*"])
+    assert gemms.count == 4 * 11 and graphed_gemms.count >= gemms.count  # 4 steps, as in the Lightning test
     assert all(isinstance(b.forward, cuda_graphs._GraphedFP8) for b in graphed.blocks)
     for a, b in zip(eager_outputs, graphed_outputs):
         assert torch.equal(a, b)
