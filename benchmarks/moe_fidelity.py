@@ -29,6 +29,7 @@ Then, per model (``--sections``):
 
     python benchmarks/moe_fidelity.py [--model-path DIR] [--seq-len 128] [--batch-size 4]
     python benchmarks/moe_fidelity.py --sections eval,blocks,steps --steps 4
+    python benchmarks/moe_fidelity.py --sections steps --steps 4 --calibrate 4
 
 Prints tables and writes nothing; docs/moe.md records what it found.
 """
@@ -136,10 +137,17 @@ def gemm_group(name: str) -> str:
     return "MLP " + name.rpartition(".")[2]  # gate_proj / up_proj / down_proj
 
 
-def first_steps(model, train_blocks, batch_size: int, steps: int, lr: float) -> list[dict]:
+def first_steps(model, train_blocks, batch_size: int, steps: int, lr: float, calibrate: int = 0) -> list[dict]:
     """FP8 training steps (delayed scaling) with a reference check before each optimizer step;
-    per step and per GEMM group, the median and minimum SQNR of fprop, dgrad and wgrad."""
+    per step and per GEMM group, the median and minimum SQNR of fprop, dgrad and wgrad. With
+    ``calibrate`` > 0, ``fp8_plugin.calibrate`` first runs that many batches of other training
+    blocks (the last ones) in high precision."""
     fp.convert_model(model, fp.DelayedScaling())
+    if calibrate:
+        held = train_blocks[-calibrate * batch_size:]
+        report = fp.calibrate(model, [{"input_ids": b} for b in held.split(batch_size)])
+        print(f"  calibrated on {calibrate} batches: " + ", ".join(f"{report.count(c)} {c}" for c in
+                                                                  ("recipe", "blockwise", "high precision")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rows = []
     for step in range(steps):
@@ -175,6 +183,8 @@ def main(argv=None) -> list[dict]:
                    "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="FP8 training steps of the steps section")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the steps section")
+    p.add_argument("--calibrate", type=int, default=0,
+                   help="steps section: fp8_plugin.calibrate on this many batches first (default: %(default)s, none)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     unknown = sections - {"checks", "eval", "blocks", "steps"}
@@ -204,7 +214,7 @@ def main(argv=None) -> list[dict]:
     if "steps" in sections:
         for label, model in (("dense SmolLM2", copy.deepcopy(dense).train()),
                              ("upcycled", copy.deepcopy(moe).train())):
-            for row in first_steps(model, train_blocks, args.batch_size, args.steps, args.lr):
+            for row in first_steps(model, train_blocks, args.batch_size, args.steps, args.lr, args.calibrate):
                 parts = ", ".join(f"{group} {gemm} {med:.1f}/{low:.1f}"
                                   for (group, gemm), (med, low) in sorted(row["figures"].items()))
                 print(f"{label} step {row['step']}: grad cosine {row['grad_cosine']:.4f}; per-GEMM SQNR "

@@ -4,20 +4,24 @@ Each case fine-tunes the real all-MiniLM-L6-v2 checkpoint (mean pooling and a li
 sentence-transformers uses it) on BBC News articles for a few steps, in FP8 (DelayedScaling,
 HYBRID) through the loop-neutral core ``fp8_plugin.training.core.FP8Training``, with a reference
 check every 2 steps under ``policy="fallback"``. One fault is planted per case; the check of step
-2 finds it and the fallback moves what its replays show must move; the check of step 4 shows
-whether that held:
+2 finds it and the fallback moves what its replays show must move, blockwise scaling first (its
+GEMMs stay in FP8), high precision where that does not pass; the check of step 4 shows whether
+that held:
 
 - ``forward``: an outlier input channel (1e6, with a zero weight column, so the exact output
   never sees it) in one FFN layer: its input scale follows the outlier and the other channels,
   all but their few values above 4.4, flush to zero in E4M3; the layer's output SQNR collapses.
+  Blockwise does not pass (the channel crushes its own 1x128 tiles); the layer moves to high
+  precision.
 - ``backward``: one gradient spike recorded in one layer's grad_output amax history under
   Transformer Engine's amax policy (``amax_outlier_policy="keep"``): its E5M2 scale is 1e8
-  times too small, its dgrad and wgrad flush to zero; the forward stays healthy.
+  times too small, its dgrad and wgrad flush to zero; the forward stays healthy. Blockwise
+  scaling reads no delayed scale: halving keeps that layer alone, blockwise, in FP8.
 - ``bisection``: gradient drift spread over the upper half of the encoder: a gradient burst
   recorded in every layer of blocks 3 to 5 (1e8 times their grad_output amax, same policy)
   leaves each of their dgrad and wgrad a little above ``min_gemm_sqnr_db`` (no GEMM is a
-  suspect, and moving the worst one alone changes nothing), while the 18 layers' errors
-  together take the gradient cosine under the threshold; halving the FP8 layers finds them.
+  suspect), while the 18 layers' errors together take the gradient cosine under the
+  threshold; halving the FP8 layers under blockwise scaling finds where.
 
     python examples/reference_check_cases.py                      # all three cases
     python examples/reference_check_cases.py --cases backward     # one of them
@@ -218,13 +222,23 @@ def describe_check(result: ReferenceResult, watch: list[str]) -> list[str]:
                      + ", ".join(f"{g} {_db(db)} dB" for g, db in gemms.items()))
     for i, tried in enumerate(result.fallback_tried, 1):
         verdict = "passed" if tried["passed"] else "failed"
-        lines.append(f"  move {i}: {', '.join(tried['moves'])} -> loss rel diff {tried['loss_rel_diff']:.2%}, grad "
+        lines.append(f"  move {i}: {_moves(tried)} -> loss rel diff {tried['loss_rel_diff']:.2%}, grad "
                      f"cosine {tried['grad_cosine']:.4f}, grad rel error {tried['grad_rel_error']:.3f}: "
                      f"{verdict}{', kept' if tried['kept'] else ''}")
     moved = result.fallback_layers + result.fallback_gemms
     if result.fallback_tried:
+        lines.append("  moved to blockwise scaling: " + (", ".join(result.fallback_blockwise) or "nothing"))
         lines.append("  moved to high precision: " + (", ".join(moved) if moved else "nothing"))
     return lines
+
+
+def _moves(tried: dict) -> str:
+    # A move as text; blockwise moves (every GEMM still FP8) as the range of layers they cover.
+    if tried["stage"] != "blockwise":
+        return ", ".join(tried["moves"])
+    names = [m.rsplit(".", 1)[0] for m in tried["moves"]]
+    span = ", ".join(names) if len(names) <= 3 else f"{len(names)} layers, {names[0]} to {names[-1]}"
+    return f"blockwise scaling of {span}"
 
 
 def report(run: CaseRun) -> str:
@@ -235,7 +249,9 @@ def report(run: CaseRun) -> str:
     for result in run.results:
         lines += describe_check(result, watch)
     off = [f"{n} ({', '.join(gemms)})" for n, gemms in run.high_precision().items()]
-    lines.append(f"in high precision at the end: {', '.join(off) or 'nothing'}; {run.seconds:.0f} s")
+    blockwise = [n for n, m in run.model.named_modules() if isinstance(m, fp.FP8Linear) and m.fp8_scaling == "blockwise"]
+    lines.append(f"in high precision at the end: {', '.join(off) or 'nothing'}; blockwise: {', '.join(blockwise) or 'none'}; "
+                 f"{run.seconds:.0f} s")
     return "\n".join(lines)
 
 

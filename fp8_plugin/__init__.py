@@ -18,6 +18,7 @@ from typing import Any
 
 from .lightning.import_hook import install as _install_lightning_hook
 from .modules.autocast import autocast, is_fp8_enabled, update_pending_scales
+from .modules.calibration import CalibrationReport, calibrate
 from .modules.convert import ConversionReport, convert_model, split_fp8_state, too_small_for_fp8
 from .modules.cuda_graphs import make_graphed_callables
 from .modules.freezing import dequantize_frozen_weights
@@ -64,6 +65,8 @@ __all__ = [
     "autocast",
     "convert_model",
     "ConversionReport",
+    "calibrate",
+    "CalibrationReport",
     "split_fp8_state",
     "dequantize_frozen_weights",
     "export",

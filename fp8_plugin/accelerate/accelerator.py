@@ -59,7 +59,7 @@ from ..modules.autocast import in_replay
 from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
-from ..training.core import FP8Training, Patterns
+from ..training.core import FP8Training, Patterns, check_calibration_steps
 from ..training.deepspeed_engine import attach_to_engine
 from ..training.graphing import check_cuda_graphs
 from ..training.reference import METRIC_PREFIX, ReferenceCheck, output_loss
@@ -121,6 +121,11 @@ class Accelerator(_AccelerateAccelerator):
         fp8_cuda_graphs: module-name glob patterns (``"*.layers.*"``: a transformers model's
             decoder layers) of the blocks to run as CUDA graphs from the second training step on,
             with the first step's shapes (:mod:`fp8_plugin.training.graphing`). None: off.
+        fp8_calibration_steps: the first this many optimizer steps train in the reference
+            precision and calibrate every FP8 layer's scales and scaling
+            (:func:`fp8_plugin.calibrate`'s work, from the training batches); the report is
+            ``accelerator.fp8_runs[i].calibration``. None or 0: off. Evaluation in FP8 or not is
+            Accelerate's ``use_autocast_during_eval`` (``FP8Kwargs`` or the config file).
         kwargs_handlers: Accelerate's handlers, plus at most one of :class:`FP8Kwargs`,
             Accelerate's ``TERecipeKwargs`` or ``FP8RecipeKwargs`` (mapped field by field).
 
@@ -157,6 +162,7 @@ class Accelerator(_AccelerateAccelerator):
         fp8_max_consecutive_skips: Optional[int] = None,
         fp8_statistics: Union[FP8Statistics, int, None] = None,
         fp8_cuda_graphs: Patterns = None,
+        fp8_calibration_steps: Optional[int] = None,
         kwargs_handlers: Optional[list] = None,
         **kwargs: Any,
     ) -> None:
@@ -171,11 +177,13 @@ class Accelerator(_AccelerateAccelerator):
             ("fp8_compute_dtype", fp8_compute_dtype), ("fp8_reference_every", fp8_reference_every),
             ("fp8_reference_check", fp8_reference_check), ("fp8_nonfinite", fp8_nonfinite),
             ("fp8_max_consecutive_skips", fp8_max_consecutive_skips), ("fp8_statistics", fp8_statistics),
-            ("fp8_cuda_graphs", fp8_cuda_graphs))
+            ("fp8_cuda_graphs", fp8_cuda_graphs), ("fp8_calibration_steps", fp8_calibration_steps))
             if value is not None}
         self.fp8_settings: Optional[FP8Settings] = None
         self._fp8_statistics = statistics_config(fp8_statistics, "Accelerator", "fp8_statistics")
         self._fp8_cuda_graphs = check_cuda_graphs(fp8_cuda_graphs, "Accelerator", "fp8_cuda_graphs")
+        self._fp8_calibration_steps = check_calibration_steps(fp8_calibration_steps or 0, "Accelerator",
+                                                              "fp8_calibration_steps")
         if str(requested).lower() == "fp8":
             self.fp8_settings = resolve_settings(fp8_recipe, fp8_include, fp8_exclude, fp8_compute_dtype,
                                                  fp8_handlers, os.environ, fp8_reference_every, fp8_reference_check,
@@ -397,7 +405,7 @@ class Accelerator(_AccelerateAccelerator):
         run = FP8Training(settings.recipe, settings.include, settings.exclude, settings.compute_dtype,
                           reference_check=_indexed_reports(settings.reference_check, len(self.fp8_runs)),
                           fault_policy=settings.fault_policy, statistics=self._fp8_statistics,
-                          cuda_graphs=self._fp8_cuda_graphs)
+                          cuda_graphs=self._fp8_cuda_graphs, calibration_steps=self._fp8_calibration_steps)
         run.convert(obj)
         for prepared in self._optimizers:  # optimizers prepared before this model
             run.release_replaced_weights(prepared.optimizer)

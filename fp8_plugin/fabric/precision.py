@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from ..modules.convert import ConversionReport
 from ..numerics.recipes import Recipe
-from ..training.core import FP8Training, check_arguments
+from ..training.core import FP8Training, check_arguments, check_calibration_steps, check_eval_in_fp8
 from ..training.faults import resolve_fault_policy
 from ..training.precision_strings import settings_for_loop
 from ..training.reference import ReferenceCheck, output_loss, resolve_reference_check
@@ -61,13 +61,20 @@ class FP8Precision(MixedPrecision):
         statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             read them with :meth:`statistics_metrics` for ``fabric.log_dict``. None: off.
+        calibration_steps: the first this many optimizer steps train in the reference precision
+            and calibrate every FP8 layer's scales and scaling (:func:`fp8_plugin.calibrate`'s
+            work, from the training batches); the report is ``plugin.fp8.calibration``. 0
+            (default): off.
+        eval_in_fp8: forwards under ``torch.no_grad()`` (evaluation) run the FP8 layers in FP8
+            (True, default: the plugin's precision applies to every forward, as Fabric's
+            ``"bf16-mixed"`` does) or in the reference precision (False).
 
     Raises:
         TypeError: ``recipe`` is not a Recipe, or ``reference_check`` not a ReferenceCheck.
         ValueError: ``compute_dtype`` is not bfloat16, float16 or float32, a ``scaler`` with
             another compute dtype than float16, ``reference_every`` negative or
-            contradicting ``reference_check``, an unknown ``nonfinite`` or a negative
-            ``max_consecutive_skips``.
+            contradicting ``reference_check``, an unknown ``nonfinite``, a negative
+            ``max_consecutive_skips`` or ``calibration_steps``, an ``eval_in_fp8`` that is not a bool.
     """
 
     def __init__(
@@ -86,8 +93,12 @@ class FP8Precision(MixedPrecision):
         nonfinite: Optional[str] = None,
         max_consecutive_skips: Optional[int] = None,
         statistics: Union[FP8Statistics, int, None] = None,
+        calibration_steps: int = 0,
+        eval_in_fp8: bool = True,
     ) -> None:
         recipe = check_arguments("fabric.FP8Precision", recipe, compute_dtype)
+        check_calibration_steps(calibration_steps, "fabric.FP8Precision")
+        check_eval_in_fp8(eval_in_fp8, "fabric.FP8Precision")
         reference = resolve_reference_check(reference_every, reference_check, "fabric.FP8Precision")
         faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
         if scaler is not None and compute_dtype != torch.float16:
@@ -95,7 +106,8 @@ class FP8Precision(MixedPrecision):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__("16-mixed" if compute_dtype == torch.float16 else "bf16-mixed", device=device, scaler=scaler)
         self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference, faults,
-                               statistics_config(statistics, "fabric.FP8Precision"))
+                               statistics_config(statistics, "fabric.FP8Precision"),
+                               calibration_steps=calibration_steps, eval_in_fp8=eval_in_fp8)
         self.precision = precision  # type: ignore[assignment]
 
     @property

@@ -76,6 +76,12 @@ class FP8Trainer(Trainer):
         fp8_statistics: per-layer FP8 statistics (:mod:`fp8_plugin.training.statistics`): an
             :class:`~fp8_plugin.training.statistics.FP8Statistics` or an interval in optimizer steps;
             merged into the Trainer's logs as ``fp8_stats/...``. None: off.
+        fp8_calibration_steps: the first this many optimizer steps train in the reference
+            precision and calibrate every FP8 layer's scales and scaling
+            (:func:`fp8_plugin.calibrate`'s work, from the training batches); the report is
+            ``trainer.accelerator.fp8_runs[0].calibration``. None or 0: off. Evaluation
+            (``trainer.evaluate``) runs in the reference precision unless Accelerate's
+            ``use_autocast_during_eval`` is set in the config file.
         peft_config: a PEFT config (``peft.LoraConfig``...): the model is wrapped by
             ``peft.get_peft_model(model, peft_config)`` before the Trainer sees it, as TRL's
             ``SFTTrainer`` does; the base layers' frozen weights are then kept only in FP8 when
@@ -103,12 +109,12 @@ class FP8Trainer(Trainer):
                  fp8_reference_check: Optional[ReferenceCheck] = None, fp8_nonfinite: Optional[str] = None,
                  fp8_max_consecutive_skips: Optional[int] = None,
                  fp8_statistics: Union[FP8Statistics, int, None] = None, fp8_print_figures: bool = False,
-                 peft_config: Any = None, **kwargs: Any) -> None:
+                 fp8_calibration_steps: Optional[int] = None, peft_config: Any = None, **kwargs: Any) -> None:
         self._fp8_arguments = {"fp8_recipe": fp8_recipe, "fp8_include": fp8_include, "fp8_exclude": fp8_exclude,
                                "fp8_reference_every": fp8_reference_every,
                                "fp8_reference_check": fp8_reference_check, "fp8_nonfinite": fp8_nonfinite,
                                "fp8_max_consecutive_skips": fp8_max_consecutive_skips,
-                               "fp8_statistics": fp8_statistics}
+                               "fp8_statistics": fp8_statistics, "fp8_calibration_steps": fp8_calibration_steps}
         if peft_config is not None:
             args, kwargs = _with_peft(args, kwargs, peft_config)
         super().__init__(*args, **kwargs)

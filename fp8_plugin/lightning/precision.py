@@ -29,7 +29,7 @@ from ..modules.autocast import AmaxReducer
 from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
-from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments
+from ..training.core import COMPUTE_DTYPES, FP8Training, check_arguments, check_calibration_steps, check_eval_in_fp8
 from ..training.faults import FaultPolicy, resolve_fault_policy
 from ..training.graphing import check_cuda_graphs
 from ..training.reference import ReferenceCheck, resolve_reference_check
@@ -57,9 +57,10 @@ class _FP8Behaviour:
                   reference_check: Optional[ReferenceCheck] = None,
                   fault_policy: Optional[FaultPolicy] = None,
                   statistics: Optional[FP8Statistics] = None,
-                  cuda_graphs: Patterns = None) -> None:
+                  cuda_graphs: Patterns = None, calibration_steps: int = 0, eval_in_fp8: bool = True) -> None:
         self.fp8 = FP8Training(recipe, include, exclude, compute_dtype, amax_reduction_group, reference_check,
-                               fault_policy, statistics, cuda_graphs)
+                               fault_policy, statistics, cuda_graphs, calibration_steps=calibration_steps,
+                               eval_in_fp8=eval_in_fp8)
         self._take_step = True
         self._summarised_steps = 0
         self.precision = precision  # type: ignore[assignment]
@@ -274,13 +275,22 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         cuda_graphs: module-name glob patterns (``"*.layers.*"``: a transformers model's decoder
             layers) of the blocks to run as CUDA graphs from the second training step on, with
             the first step's shapes (:mod:`fp8_plugin.training.graphing`). None (default): off.
+        calibration_steps: the first this many optimizer steps train in the reference precision
+            and calibrate every FP8 layer's scales and scaling (:func:`fp8_plugin.calibrate`'s
+            work, from the training batches: no batch runs twice); the report is
+            ``plugin.fp8.calibration``. 0 (default): off. A resumed run does not calibrate again.
+        eval_in_fp8: validation, test and prediction run the FP8 layers in FP8 (True, default:
+            the Trainer's ``precision`` applies to every loop, as ``"bf16-mixed"`` does) or in
+            the reference precision (False: the figure of the model as its saved checkpoint
+            runs in BF16).
 
     Raises:
         TypeError: ``recipe`` is not a Recipe, ``reference_check`` not a ReferenceCheck,
             ``statistics`` or ``cuda_graphs`` none of the valid types.
         ValueError: ``compute_dtype`` is not one of the valid ones, ``loss_scaling=False``
             with ``scaler``, ``reference_every`` negative or contradicting ``reference_check``,
-            an unknown ``nonfinite`` or a negative ``max_consecutive_skips``.
+            an unknown ``nonfinite``, a negative ``max_consecutive_skips`` or
+            ``calibration_steps``, an ``eval_in_fp8`` that is not a bool.
 
     .. note::
         FP8 scaling state travels in Lightning checkpoints under this plugin's key, not in
@@ -307,9 +317,13 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         max_consecutive_skips: Optional[int] = None,
         statistics: Union[FP8Statistics, int, None] = None,
         cuda_graphs: Patterns = None,
+        calibration_steps: int = 0,
+        eval_in_fp8: bool = True,
     ) -> None:
         recipe = check_arguments("FP8Precision", recipe, compute_dtype)
         check_cuda_graphs(cuda_graphs, "FP8Precision")
+        check_calibration_steps(calibration_steps, "FP8Precision")
+        check_eval_in_fp8(eval_in_fp8, "FP8Precision")
         stats = statistics_config(statistics, "FP8Precision")
         reference = resolve_reference_check(reference_every, reference_check, "FP8Precision")
         faults = resolve_fault_policy(nonfinite, max_consecutive_skips)
@@ -321,7 +335,7 @@ class FP8Precision(_FP8Behaviour, MixedPrecision):
         # Lightning's MixedPrecision runs the scaler ("16-mixed") or nothing ("bf16-mixed").
         super().__init__("16-mixed" if scaler is not None else "bf16-mixed", device=device, scaler=scaler)
         self._init_fp8(recipe, include, exclude, compute_dtype, amax_reduction_group, precision, reference, faults,
-                       stats, cuda_graphs)
+                       stats, cuda_graphs, calibration_steps, eval_in_fp8)
 
     @override
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> Any:

@@ -191,11 +191,12 @@ def _fp8_layer(module: nn.Module) -> FP8Linear:
 
 def _recipe(layer: FP8Linear) -> Recipe:
     context = current_context()
-    recipe = (context.recipe if context.enabled else None) or layer.recipe
+    recipe = layer.layer_recipe((context.recipe if context.enabled else None) or layer.recipe)
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
         raise ValueError(
-            f"FP8 all-gather of FSDP2 weights needs a per-tensor recipe, not {type(recipe).__name__}; valid: "
-            "DelayedScaling, Float8CurrentScaling (block scales may span two shards)"
+            f"FP8 all-gather of FSDP2 weights needs a per-tensor recipe, not {type(recipe).__name__} (the layer's "
+            f"fp8_scaling is {layer.fp8_scaling!r}); valid: DelayedScaling, Float8CurrentScaling with fp8_scaling "
+            "'recipe' (block scales may span two shards)"
         )
     return recipe
 
@@ -212,6 +213,10 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
     Returns:
         The number of weights enabled.
 
+    Layers whose ``fp8_scaling`` is ``"blockwise"`` (:func:`fp8_plugin.calibrate`'s choice for
+    activation outliers) are left out: their weights are gathered in high precision and cast
+    in 128x128 blocks after the gather.
+
     Raises:
         ValueError: an FP8 layer's recipe is block-scaled (MXFP8, 128-blockwise).
         RuntimeError: a weight is already sharded (``fully_shard`` ran first).
@@ -221,6 +226,8 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
         if not isinstance(layer, FP8Linear) or isinstance(layer.weight.data, FP8AllGatherWeight):
             continue
         if layer.frozen_layout is not None:  # kept only in FP8: FSDP2 gathers its FP8 bytes as they are
+            continue
+        if layer.fp8_scaling == "blockwise":  # block scales may span two shards: gathered in high precision
             continue
         if isinstance(layer.recipe, (MXFP8BlockScaling, Float8BlockScaling)):
             raise ValueError(

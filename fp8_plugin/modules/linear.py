@@ -28,9 +28,10 @@ from ..numerics.kernels.launch import capturing
 from .autocast import current_context, note_fp8_forward
 from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
 from ..numerics.quantizers import (
-    GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded, recipe_key,
+    GRAD_OUTPUT, INPUT, ROLES, SCALINGS, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded,
+    recipe_key,
 )  # fmt: skip
-from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, split_accumulators
+from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
 from .scaling_group import ScalingGroup
 
 __all__ = ["FP8Linear"]
@@ -222,6 +223,12 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             runs in FP8 when ``use_fp8``, its ``fp8_gemms`` entry and not the recipe's
             ``override_linear_precision`` entry say so; a layer none of whose GEMMs runs in FP8
             computes exactly as with ``use_fp8 = False``.
+        fp8_scaling: the layer's scaling choice, ``"recipe"`` (default: as the recipe in force
+            says) or ``"blockwise"`` (where that recipe scales per tensor, this layer casts with
+            1x128 activation and gradient blocks and 128x128 weight blocks:
+            :func:`~fp8_plugin.numerics.recipes.blockwise_variant`); :func:`fp8_plugin.calibrate`
+            sets it for layers whose activation outliers break per-tensor scaling; saved in
+            checkpoints.
         fp8_state: :class:`~fp8_plugin.numerics.quantizers.ScalingState` with amax history and scales.
         scaling_group: the :class:`~fp8_plugin.modules.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
@@ -294,6 +301,28 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             )
         self.fp8_state.fp8_gemms = flags
 
+    @property
+    def fp8_scaling(self) -> str:
+        """The layer's scaling choice, one of ``"recipe"``, ``"blockwise"``. Saved with the FP8
+        scaling state (``fp8_state``), so it survives checkpoint resume.
+
+        Raises:
+            ValueError: (on assignment) another value.
+        """
+        return self.fp8_state.scaling
+
+    @fp8_scaling.setter
+    def fp8_scaling(self, value: str) -> None:
+        if value not in SCALINGS:
+            raise ValueError(f"FP8Linear.fp8_scaling = {value!r} is invalid; valid: {', '.join(map(repr, SCALINGS))}")
+        self.fp8_state.scaling = value
+
+    def layer_recipe(self, recipe: Recipe) -> Recipe:
+        """The recipe this layer casts with when ``recipe`` is in force: ``recipe``, or its
+        :func:`~fp8_plugin.numerics.recipes.blockwise_variant` where :attr:`fp8_scaling` is
+        ``"blockwise"``."""
+        return blockwise_variant(recipe) if self.fp8_state.scaling == "blockwise" else recipe
+
     def gemms_in_fp8(self, recipe: Recipe) -> tuple[bool, bool, bool]:
         """Which of this layer's GEMMs ``(fprop, dgrad, wgrad)`` run in FP8 under ``recipe``:
         those its :attr:`fp8_gemms` keeps in FP8 and the recipe's ``override_linear_precision``
@@ -340,6 +369,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         context = current_context()
         training = context.training
         recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
+        if recipe is not None and self.fp8_state.scaling != "recipe":
+            recipe = blockwise_variant(recipe)
         gemms = self.gemms_in_fp8(recipe) if recipe is not None else (False, False, False)
         if not any(gemms):  # no GEMM in FP8: the layer runs as the one it replaced
             recipe = None
@@ -545,6 +576,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
     def extra_repr(self) -> str:
         layout = ", weight_transposed=True" if self.weight_transposed else ""
         gemms = "" if all(self.fp8_gemms) else f", fp8_gemms={self.fp8_gemms}"
+        if self.fp8_scaling != "recipe":
+            gemms += f", fp8_scaling={self.fp8_scaling!r}"
         if self._frozen is not None:
             layout += f", frozen weight in FP8 ({self._frozen.describe()})"
         return f"{super().extra_repr()}{layout}, recipe={type(self.recipe).__name__}, use_fp8={self.use_fp8}{gemms}"

@@ -32,6 +32,7 @@ __all__ = [
     "GEMMS",
     "as_gemm_flags",
     "check_recipe",
+    "blockwise_variant",
     "AMAX_COMPUTE_ALGOS",
     "AMAX_OUTLIER_POLICIES",
     "MAX_MARGIN",
@@ -456,3 +457,31 @@ class AutoRecipe(Recipe):
         _check_forward_format(self.fp8_format, "AutoRecipe")
         object.__setattr__(self, "override_linear_precision",
                            _check_override(self.override_linear_precision, "AutoRecipe"))
+
+
+# blockwise_variant's, by the per-tensor recipe's identity (a recipe with a callable
+# amax_compute_algo is not hashable); the recipe itself is kept to check the identity.
+_BLOCKWISE_VARIANTS: dict[int, tuple[Recipe, Recipe]] = {}
+
+
+def blockwise_variant(recipe: Recipe) -> Recipe:
+    """The recipe a layer whose scaling choice is ``"blockwise"`` runs under ``recipe``.
+
+    For a per-tensor recipe (:class:`DelayedScaling`, :class:`Float8CurrentScaling`):
+    ``Float8BlockScaling`` with TE's block shapes (1x128 activation and gradient blocks, 128x128
+    weight blocks, power-of-two scales: the DeepSeek-V3 recipe, whose 1x128 activation tiles
+    exist for activation outliers), the same ``fp8_format`` and ``override_linear_precision``.
+    A block-scaled recipe (MXFP8, blockwise) is returned as it is: its blocks already confine an
+    outlier to its own block. Made once per recipe object.
+    """
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        return recipe
+    kept = _BLOCKWISE_VARIANTS.get(id(recipe))
+    if kept is not None and kept[0] is recipe:
+        return kept[1]
+    variant = Float8BlockScaling(fp8_format=recipe.fp8_format,
+                                 override_linear_precision=recipe.override_linear_precision)
+    if len(_BLOCKWISE_VARIANTS) >= 64:  # recipes made anew for each step: keep the newest few
+        _BLOCKWISE_VARIANTS.clear()
+    _BLOCKWISE_VARIANTS[id(recipe)] = (recipe, variant)
+    return variant

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..modules.autocast import AmaxReducer, autocast, in_replay, new_step_id
+from ..modules.calibration import CalibrationReport, Calibrator
 from ..modules.convert import ConversionReport, convert_model, fp8_state_dict
 from ..modules.experts import FP8ExpertsMixin
 from ..modules.freezing import dequantize_in_state_dict, frozen_weights_state, release_replaced_weights
@@ -31,7 +32,7 @@ from .graphing import GraphedBlocks, check_cuda_graphs
 from .reference import ReferenceCheck, ReferenceChecker, reference_gemm_dtype
 from .statistics import FP8Statistics, StatisticsCollector
 
-__all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments"]
+__all__ = ["FP8Training", "COMPUTE_DTYPES", "check_arguments", "check_calibration_steps", "check_eval_in_fp8"]
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Patterns = Union[str, Sequence[str], None]
@@ -53,6 +54,29 @@ def check_arguments(owner: str, recipe: Optional[Recipe], compute_dtype: torch.d
     return recipe if recipe is not None else AutoRecipe()
 
 
+def check_calibration_steps(value: Any, owner: str, name: str = "calibration_steps") -> int:
+    """``value`` (an int >= 0) after checking it.
+
+    Raises:
+        ValueError: anything else, naming ``owner`` and ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}({name}={value!r}) is invalid; valid: an int >= 0 (0: no calibration steps)")
+    return value
+
+
+def check_eval_in_fp8(value: Any, owner: str, name: str = "eval_in_fp8") -> bool:
+    """``value`` (a bool) after checking it.
+
+    Raises:
+        ValueError: anything else, naming ``owner`` and ``name``.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}({name}={value!r}) is invalid; valid: True (evaluation forwards in FP8), False "
+                         "(in the reference precision)")
+    return value
+
+
 class FP8Training:
     """FP8 training of one model, independent of the training loop.
 
@@ -68,7 +92,16 @@ class FP8Training:
         statistics: the per-layer FP8 statistics to sample (:mod:`fp8_plugin.training.statistics`;
             None: off).
         cuda_graphs: module-name glob patterns of the blocks to run as CUDA graphs from the second
-            training step on (:mod:`fp8_plugin.training.graphing`; None: off).
+            training step on (:mod:`fp8_plugin.training.graphing`; None: off); with calibration
+            steps, from the first step after them.
+        calibration_steps: the first this many optimizer steps train in the reference
+            precision (FP8 off, torch autocast in ``compute_dtype``) and calibrate
+            (:class:`~fp8_plugin.modules.calibration.Calibrator`, online): after the last, every
+            FP8 layer's scales come from their amaxes and each layer's scaling is chosen by its
+            measured fprop SQNR; the report is :attr:`calibration`. 0 (default): off. A run that
+            loads FP8 state (a resume) does not calibrate again.
+        eval_in_fp8: evaluation forwards (grad off: validation, test, prediction) run the FP8
+            layers in FP8 (True, default) or in the reference precision (False).
 
     Attributes:
         module: the converted model (None before :meth:`convert`).
@@ -76,6 +109,11 @@ class FP8Training:
         reference: the :class:`~fp8_plugin.training.reference.ReferenceChecker` (None when off).
         faults: the :class:`~fp8_plugin.training.faults.FaultMonitor` (skipped steps, outliers reported).
         statistics: the :class:`~fp8_plugin.training.statistics.StatisticsCollector` (None when off).
+        calibration: the :class:`~fp8_plugin.modules.calibration.CalibrationReport` of the
+            calibration steps (None until they end, or without them).
+
+    Raises:
+        ValueError: ``calibration_steps`` not an int >= 0, ``eval_in_fp8`` not a bool.
     """
 
     def __init__(self, recipe: Recipe, include: Patterns = None, exclude: Patterns = None,
@@ -84,7 +122,11 @@ class FP8Training:
                  reference_check: Optional[ReferenceCheck] = None,
                  fault_policy: Optional[FaultPolicy] = None,
                  statistics: Optional[FP8Statistics] = None,
-                 cuda_graphs: Patterns = None) -> None:
+                 cuda_graphs: Patterns = None, *, calibration_steps: int = 0, eval_in_fp8: bool = True) -> None:
+        self.calibration_steps = check_calibration_steps(calibration_steps, "FP8Training")
+        self.eval_in_fp8 = check_eval_in_fp8(eval_in_fp8, "FP8Training")
+        self.calibration: Optional[CalibrationReport] = None
+        self._calibrator: Optional[Calibrator] = None
         self.recipe = recipe
         self.include = include
         self.exclude = exclude
@@ -161,10 +203,14 @@ class FP8Training:
             # enter the graph, or it recompiles every step. Scales are settled after each
             # optimizer step; statistics are sampled where the context is entered eagerly.
             return self._contexts(device_type, None)
-        if torch.is_grad_enabled() and self._step is None:
-            self._step = new_step_id()
         if self._high_precision is None:  # decided once, eagerly (a timed matmul on a CPU)
             self._high_precision = (reference_gemm_dtype(self.compute_dtype, device_type or self._device_type()),)
+        if not torch.is_grad_enabled() and not self.eval_in_fp8:
+            return self._contexts(device_type, None, fp8=False)
+        if torch.is_grad_enabled() and self.module is not None and self.optimizer_steps < self.calibration_steps:
+            return self._calibrating(device_type)
+        if torch.is_grad_enabled() and self._step is None:
+            self._step = new_step_id()
         if torch.is_grad_enabled() and self.statistics is not None and self.module is not None:
             self.statistics.start_step(self.module, self.optimizer_steps + 1)
         if torch.is_grad_enabled() and self.graphs is not None and not self.graphs.captured:
@@ -172,7 +218,17 @@ class FP8Training:
         return self._contexts(device_type, self._step)
 
     @contextlib.contextmanager
-    def _contexts(self, device_type: Optional[str], step: Optional[int], cache: bool = True) -> Iterator[None]:
+    def _calibrating(self, device_type: Optional[str]) -> Iterator[None]:
+        # A calibration step's forward: the reference precision, its amaxes (and the layers'
+        # SQNR) recorded.
+        if self._calibrator is None:
+            self._calibrator = Calibrator(self.module, online=True)
+        with self._contexts(device_type, None, fp8=False), self._calibrator.recording():
+            yield
+
+    @contextlib.contextmanager
+    def _contexts(self, device_type: Optional[str], step: Optional[int], cache: bool = True,
+                  fp8: bool = True) -> Iterator[None]:
         # Plain ``with`` statements, not an ExitStack: torch.compile traces these (a forward
         # wrapped in this context, as Accelerate wraps it, then compiles without a graph break).
         # ``cache``: torch autocast's cast cache (a CUDA graph capture refuses it).
@@ -184,7 +240,7 @@ class FP8Training:
         # The GEMMs FP8 layers run in high precision (a reference check's fallback, override_linear_
         # precision) in the dtype the reference checks compute in: what a check verifies is what runs.
         high_precision = self._high_precision[0] if self._high_precision is not None else None
-        with torch_autocast, autocast(enabled=True, reduce_amax=self.amax_reducer(), step=step,
+        with torch_autocast, autocast(enabled=fp8, reduce_amax=self.amax_reducer(), step=step,
                                       high_precision_dtype=high_precision):
             yield
 
@@ -262,9 +318,12 @@ class FP8Training:
         self.optimizer_steps += 1
         if scaler_skipped is not None:
             self.faults.scaler_step(scaler_skipped)
+        if self._calibrator is not None and self.optimizer_steps >= self.calibration_steps:
+            self.calibration = self._calibrator.finish(self.amax_reduction_group)
+            self._calibrator = None
         if self.module is not None:
             update_pending_scales(self.module, self.amax_reducer())
-            if self.graphs is not None and not self.graphs.captured:
+            if self.graphs is not None and not self.graphs.captured and self.optimizer_steps >= self.calibration_steps:
                 # After the first step: its calls are the samples; the next step replays.
                 self.graphs.capture(self._contexts(None, None, cache=False))
         if self.reference is not None:
@@ -315,6 +374,9 @@ class FP8Training:
             if is_scaling_state_key(key):
                 check_saved_state(value, key)
         result = self.module.load_state_dict(saved, strict=False)
+        # The checkpoint's scales (and scaling choices) stand: no calibration steps again.
+        self.calibration_steps = min(self.calibration_steps, self.optimizer_steps)
+        self._calibrator = None
         if result.unexpected_keys:
             raise RuntimeError(
                 "The checkpoint holds FP8 state for layers this model does not run in FP8: "

@@ -39,7 +39,11 @@ def move_text(entry: dict[str, Any]) -> str:
     if entry.get("stage") == "escalation":
         what = f"escalation {entry['escalation']!r} ({len(moves)} moves)"
     else:
+        if entry.get("stage") == "blockwise":  # "<layer>.blockwise": the layers, said once
+            moves = [m.rsplit(".", 1)[0] for m in moves]
         what = ", ".join(moves[:6]) + (f" and {len(moves) - 6} more" if len(moves) > 6 else "")
+        if entry.get("stage") == "blockwise":
+            what = f"blockwise scaling of {what}"
     before = entry.get("before", {})
     figures = []
     for key, label, fmt in (("grad_cosine", "grad cosine", "{:.4f}"), ("loss_rel_diff", "loss rel diff", "{:.2%}"),
@@ -101,7 +105,8 @@ def summary_text(checker: CheckHistory) -> str:
     kept = [(r.step + 1, t) for r in results for t in getattr(r, "fallback_tried", []) if t.get("kept")]
     if kept:  # every move with the replay that justified it: its figures before and after
         for step, entry in kept:
-            label = "escalated" if entry.get("stage") == "escalation" else "moved to high precision"
+            label = {"escalation": "escalated", "blockwise": "moved to blockwise scaling"}.get(
+                entry.get("stage"), "moved to high precision")
             lines.append(f"  {label} at step {step}: {move_text(entry)}")
     else:
         fallbacks = checker.fallback_layers() + [(r.step + 1, g) for r in results for g in getattr(r, "fallback_gemms", [])]
@@ -128,12 +133,14 @@ def report_data(checker: CheckHistory) -> dict[str, Any]:
         "config": {k: getattr(config, k) for k in ("every", "policy", "min_sqnr_db", "max_loss_rel_diff",
                                                     "min_grad_cosine", "max_grad_rel_error", "fallback_worst_k",
                                                     "min_gemm_sqnr_db", "max_fallback_replays",
-                                                    "max_escalation_replays")},
+                                                    "max_escalation_replays", "fallback_blockwise")},
         "steps": checker.steps,
         "check_seconds": checker.check_seconds,
         "train_seconds": checker.train_seconds,
         "fallbacks": [{"step": step, "layer": name} for step, name in checker.fallback_layers()]
-        + [{"step": r.step + 1, "gemm": gemm} for r in checker.results for gemm in getattr(r, "fallback_gemms", [])],
+        + [{"step": r.step + 1, "gemm": gemm} for r in checker.results for gemm in getattr(r, "fallback_gemms", [])]
+        + [{"step": r.step + 1, "blockwise": name} for r in checker.results
+           for name in getattr(r, "fallback_blockwise", [])],
         # Every kept move with its evidence: the figures before (the check) and after (its replay).
         "moves": [finite_or_none({"step": r.step + 1, **t}) for r in checker.results
                   for t in getattr(r, "fallback_tried", []) if t.get("kept")],

@@ -541,24 +541,27 @@ def test_fallback_decision_and_check_history_survive_save_state_load_state(tmp_p
 
     accelerator, model, optimizer, layer = fresh()
     plant_input_underflow(layer)
-    with pytest.warns(UserWarning, match=f"moved to high precision: {faulty}"):
+    # The verified fallback's first try, blockwise scaling, does not read the poisoned history:
+    # its replay passes, halving keeps the faulty layer alone, and its GEMMs stay in FP8.
+    with pytest.warns(UserWarning, match=f"moved to blockwise scaling \\(GEMMs still FP8\\): {faulty}$"):
         full_losses = train_lm(accelerator, model, optimizer, data)
     full_results = [figures(r) for r in accelerator.fp8_runs[0].reference.results]
     full_weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    assert full_results[0]["fallback_layers"] == [faulty] and full_results[0]["layer_sqnr_db"][faulty] < 20
-    assert not any(r["failures"] for r in full_results[1:])  # the other layers pass once it is out of FP8
-    assert layer.use_fp8 is False
+    assert full_results[0]["fallback_blockwise"] == [faulty] and full_results[0]["layer_sqnr_db"][faulty] < 20
+    assert full_results[0]["fallback_layers"] == full_results[0]["fallback_gemms"] == []
+    assert not any(r["failures"] for r in full_results[1:])  # the other layers pass once it is blockwise
+    assert layer.fp8_scaling == "blockwise" and layer.use_fp8 is True
 
     accelerator, model, optimizer, layer = fresh()
     plant_input_underflow(layer)
-    with pytest.warns(UserWarning, match=f"moved to high precision: {faulty}"):
+    with pytest.warns(UserWarning, match=f"moved to blockwise scaling \\(GEMMs still FP8\\): {faulty}$"):
         first = train_lm(accelerator, model, optimizer, data[:2])
     accelerator.save_state(str(tmp_path / "ckpt"))
-    accelerator, model, optimizer, layer = fresh(seed=123)  # no fault planted, FP8 on: load_state restores
-    assert layer.use_fp8 is True
+    accelerator, model, optimizer, layer = fresh(seed=123)  # no fault planted, per-tensor: load_state restores
+    assert layer.fp8_scaling == "recipe"
     accelerator.load_state(str(tmp_path / "ckpt"))
     checker = accelerator.fp8_runs[0].reference
-    assert layer.use_fp8 is False and checker.steps == 2
+    assert layer.fp8_scaling == "blockwise" and checker.steps == 2
     assert [figures(r) for r in checker.results] == full_results[:2]
     rest = train_lm(accelerator, model, optimizer, data[2:])
     assert first + rest == full_losses

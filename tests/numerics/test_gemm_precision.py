@@ -165,12 +165,12 @@ def test_fp8_gemms_survive_a_checkpoint_and_older_states_load_as_all_fp8():
         _loss(model, _batch()).backward()
     saved = model.state_dict()
     key = "down.fp8_state._extra_state"
-    assert STATE_VERSION == 4 and saved[key]["fp8_gemms"].tolist() == [True, False, True]
+    assert STATE_VERSION == 5 and saved[key]["fp8_gemms"].tolist() == [True, False, True]
     target = _model(fp.DelayedScaling())
     target.load_state_dict(saved)
     assert target.down.fp8_gemms == (True, False, True) and target.up.fp8_gemms == (True, True, True)
     # A state of format version 2 (no per-GEMM switch) loads with every GEMM in FP8.
-    older = {k: v for k, v in saved[key].items() if k not in ("fp8_gemms", "family")}
+    older = {k: v for k, v in saved[key].items() if k not in ("fp8_gemms", "family", "scaling")}
     older["version"] = torch.tensor(2)
     target.down.fp8_gemms = (False, False, False)
     target.load_state_dict({**saved, key: older})
@@ -426,7 +426,7 @@ def _grad_output_fault(model, layer="down"):
 def test_a_bad_gradient_scale_moves_exactly_the_gemms_that_read_it_and_the_next_check_passes():
     model = _model(fp.DelayedScaling())
     _grad_output_fault(model)
-    config = ReferenceCheck(policy="fallback")
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False)  # the high-precision moves
     with pytest.warns(UserWarning, match=r"moved to high precision: down\.dgrad, down\.wgrad"):
         failed = fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
     # The forward is healthy: only the gradients tell, and the per-GEMM figures name the cause.
@@ -464,7 +464,7 @@ def test_a_fault_in_one_layers_dgrad_alone_moves_that_gemm_alone_and_the_next_ch
     # The fault zeroes the gradient reaching `up` alone, a small share of this net's gradient
     # energy: the cosine drops to about 0.93, above the default 0.7 (made for deep models, where
     # healthy FP8 cosines sit lower); a healthy check of this net gives above 0.99.
-    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.98)
+    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.98, fallback_blockwise=False)
     with pytest.warns(UserWarning, match=r"moved to high precision: down\.dgrad\b"):
         failed = fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
     assert any("grad cosine" in f for f in failed.failures), failed.failures
@@ -482,7 +482,8 @@ def test_a_fault_in_one_layers_dgrad_alone_moves_that_gemm_alone_and_the_next_ch
 def test_a_failure_no_move_restores_keeps_nothing_and_says_what_was_tried():
     model = _model(fp.DelayedScaling())
     # No FP8 layer reaches this gradient cosine: only all-high-precision would, which no half does.
-    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.999999, max_escalation_replays=0)
+    config = ReferenceCheck(policy="fallback", min_grad_cosine=0.999999, max_escalation_replays=0,
+                            fallback_blockwise=False)
     with pytest.warns(UserWarning, match=r"no move of the 3 tried restored the figures: none kept"):
         result = fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
     assert [t["moves"] for t in result.fallback_tried] == [["down.dgrad"], ["up"], ["down"]]
@@ -511,7 +512,7 @@ def test_bisection_localises_a_layer_in_log_n_replays():
         replays.append(sorted(n for n, m in model.named_children() if not m.use_fp8))
         return dataclasses.replace(result, grad_cosine=1.0 if not model[5].use_fp8 else 0.0, failures=[])
 
-    config = ReferenceCheck(policy="fallback", max_fallback_replays=10)
+    config = ReferenceCheck(policy="fallback", max_fallback_replays=10, fallback_blockwise=False)
     with pytest.warns(UserWarning, match="moved to high precision: 5"):
         reference_policy.apply_policy(model, result, config, verify=verify)
     worst = result.worst_gemms(1)[0]  # first the GEMM furthest below its band, alone

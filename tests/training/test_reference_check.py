@@ -151,10 +151,20 @@ def test_planted_fault_is_detected_named_and_fallback_shrinks_the_loss_differenc
     assert failed.layer_sqnr_db["up"] < 3.0  # output mostly flushed to zero: ~0 dB
     assert failed.layer_sqnr_db["down"] > config.min_sqnr_db
     assert not failed.passed and "min_sqnr_db" in " ".join(failed.failures)
-    assert failed.fallback_layers == ["up"]
-    assert model.up.use_fp8 is False and model.down.use_fp8 is True
     after = fp.reference_check(model, batch, _loss, config=config)
-    assert "up" not in after.layer_sqnr_db  # runs in high precision now
+    if fault == "bad_scale":
+        # Blockwise scaling, tried first, reads no delayed scale: its replay passes and "up"
+        # keeps its GEMMs in FP8, cast in blocks.
+        assert failed.fallback_blockwise == ["up"] and failed.fallback_layers == []
+        assert model.up.fp8_scaling == "blockwise" and model.up.use_fp8 and model.down.fp8_scaling == "recipe"
+        assert after.layer_sqnr_db["up"] > config.min_sqnr_db
+    else:
+        # A 1e6 channel crushes its whole 1x128 tile too: blockwise fails its replay, and the
+        # layer under min_sqnr_db moves to high precision.
+        assert [t["stage"] for t in failed.fallback_tried][:1] == ["blockwise"] and not failed.fallback_tried[0]["passed"]
+        assert failed.fallback_layers == ["up"] and failed.fallback_blockwise == []
+        assert model.up.use_fp8 is False and model.down.use_fp8 is True
+        assert "up" not in after.layer_sqnr_db  # runs in high precision now
     assert after.loss_rel_diff < failed.loss_rel_diff / 10
     assert after.passed, after.describe()
 

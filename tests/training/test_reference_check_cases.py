@@ -1,7 +1,8 @@
 """The worked examples of docs/reference_check_examples.md (examples/reference_check_cases.py), run
 in-process on the real MiniLM checkpoint: each case's check of step 2 fails on the planted fault,
-the verified fallback moves what was planted there (that layer, that GEMM) and nothing else, the
-check of step 4 passes, and the model then runs every other GEMM in FP8 (counted).
+the verified fallback moves what was planted there and nothing else (blockwise scaling first,
+which keeps its GEMMs in FP8; that layer or that GEMM to high precision where blockwise does not
+pass), the check of step 4 passes, and the model then runs every GEMM left in FP8 (counted).
 
 The expectations come from where each fault was planted, not from the figures a run printed."""
 
@@ -66,16 +67,19 @@ def test_a_bad_forward_gemm_moves_that_layer_and_nothing_else(args):
     assert failed.gemm_sqnr_db[layer]["fprop"] < OUTLIER_FLUSHED_DB
     config = cases.check_config(args)
     assert all(db > config.min_sqnr_db for n, db in failed.layer_sqnr_db.items() if n != layer)
-    # The first candidate, the layer under min_sqnr_db, restores the figures and is kept.
-    assert [t["moves"] for t in failed.fallback_tried] == [[layer]] and failed.fallback_tried[0]["kept"]
-    assert failed.fallback_layers == [layer] and failed.fallback_gemms == []
+    # Blockwise scaling of every layer first: the 1e6 channel crushes its own 1x128 tiles too, the
+    # replay fails. Then the first candidate, the layer under min_sqnr_db, restores the figures.
+    blockwise, *rest = failed.fallback_tried
+    assert blockwise["stage"] == "blockwise" and len(blockwise["moves"]) == FP8_LAYERS and not blockwise["passed"]
+    assert [t["moves"] for t in rest] == [[layer]] and rest[0]["kept"]
+    assert failed.fallback_layers == [layer] and failed.fallback_gemms == failed.fallback_blockwise == []
     assert run.high_precision() == {layer: cases.GEMMS}
     _assert_next_check_passes(after)
     assert layer not in after.layer_sqnr_db
     assert _count_step(run.model, _batch(args)) == 3 * (FP8_LAYERS - 1)
 
 
-def test_a_bad_backward_gemm_moves_that_layers_dgrad_and_wgrad_only(args):
+def test_a_bad_backward_gemm_moves_that_layer_alone_to_blockwise_its_gemms_still_fp8(args):
     run = cases.run_case("backward", args)
     failed, after = _checks(run)
     layer = cases.BACKWARD_LAYER
@@ -84,13 +88,16 @@ def test_a_bad_backward_gemm_moves_that_layers_dgrad_and_wgrad_only(args):
     # The forward is healthy: no layer under the threshold, the planted one's fprop in its band.
     assert all(db > config.min_sqnr_db for db in failed.layer_sqnr_db.values())
     assert failed.gemm_sqnr_db[layer]["dgrad"] < FLUSHED_DB and failed.gemm_sqnr_db[layer]["wgrad"] < FLUSHED_DB
-    assert failed.fallback_tried[0]["moves"] == [f"{layer}.dgrad", f"{layer}.wgrad"]
-    assert failed.fallback_tried[0]["passed"] and failed.fallback_tried[0]["kept"]
-    assert failed.fallback_gemms == [f"{layer}.dgrad", f"{layer}.wgrad"] and failed.fallback_layers == []
-    assert run.high_precision() == {layer: ("dgrad", "wgrad")}
+    # Blockwise scaling reads no delayed scale: its replay passes for all 36 layers, and halving
+    # keeps the planted layer alone, its dgrad and wgrad in FP8 again.
+    assert all(t["stage"] == "blockwise" for t in failed.fallback_tried) and failed.fallback_tried[0]["passed"]
+    assert len(failed.fallback_tried) <= 1 + config.max_fallback_replays
+    assert failed.fallback_blockwise == [layer] and failed.fallback_gemms == failed.fallback_layers == []
+    assert run.high_precision() == {} and _blockwise(run) == {layer}
     _assert_next_check_passes(after)
-    assert math.isinf(after.gemm_sqnr_db[layer]["dgrad"]) and math.isinf(after.gemm_sqnr_db[layer]["wgrad"])
-    assert _count_step(run.model, _batch(args)) == 3 * FP8_LAYERS - 2
+    assert after.gemm_sqnr_db[layer]["dgrad"] > config.min_gemm_sqnr_db
+    assert after.gemm_sqnr_db[layer]["wgrad"] > config.min_gemm_sqnr_db
+    assert _count_step(run.model, _batch(args)) == 3 * FP8_LAYERS
 
 
 def test_drift_that_no_gemm_explains_is_localised_by_bisection_to_the_planted_blocks(args):
@@ -104,16 +111,20 @@ def test_drift_that_no_gemm_explains_is_localised_by_bisection_to_the_planted_bl
     # No layer and no GEMM under its threshold: no first suspects, the drift is spread.
     assert all(db > config.min_sqnr_db for db in failed.layer_sqnr_db.values())
     assert all(db > config.min_gemm_sqnr_db for f in failed.gemm_sqnr_db.values() for db in f.values())
-    worst = failed.fallback_tried[0]  # the GEMM furthest below its band, alone: not enough
-    assert len(worst["moves"]) == 1 and not worst["passed"]
-    # Then halves of the 36 layers; every layer kept lies where the drift was planted.
+    # Blockwise scaling first: it reads no delayed scale, so it passes for all 36 layers; halving
+    # goes on inside the half that passed, and what is kept lies where the drift was planted.
+    assert all(t["stage"] == "blockwise" for t in failed.fallback_tried) and failed.fallback_tried[0]["passed"]
     assert any(len(t["moves"]) == FP8_LAYERS // 2 for t in failed.fallback_tried[1:])
-    moved = failed.fallback_layers
+    moved = failed.fallback_blockwise
     assert moved and set(moved) <= planted, moved
-    assert failed.fallback_gemms == []
-    assert set(run.high_precision()) == set(moved)
+    assert failed.fallback_gemms == failed.fallback_layers == []
+    assert run.high_precision() == {} and _blockwise(run) == set(moved)
     _assert_next_check_passes(after)
-    assert _count_step(run.model, _batch(args)) == 3 * (FP8_LAYERS - len(moved))
+    assert _count_step(run.model, _batch(args)) == 3 * FP8_LAYERS  # every GEMM still in FP8
+
+
+def _blockwise(run):
+    return {n for n, m in run.model.named_modules() if isinstance(m, fp.FP8Linear) and m.fp8_scaling == "blockwise"}
 
 
 def _batch(args):

@@ -32,7 +32,8 @@ def _assert_every_kept_move_was_justified(result, config):
         if entry["kept"]:
             assert entry["passed"] and entry["failures"] == []
             assert entry["grad_cosine"] >= config.min_grad_cosine > entry["before"]["grad_cosine"]
-    assert sum(t["kept"] for t in result.fallback_tried) == (1 if result.fallback_layers + result.fallback_gemms else 0)
+    moved = result.fallback_layers + result.fallback_gemms + result.fallback_blockwise
+    assert sum(t["kept"] for t in result.fallback_tried) == (1 if moved else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +78,40 @@ def _cosine(a, b):
     return (a @ b / (a.norm() * b.norm())).item()
 
 
+def test_massive_activation_is_fixed_by_blockwise_scaling_with_every_gemm_still_fp8():
+    # The default fallback first tries 1x128 / 128x128 blockwise scaling on every per-tensor
+    # layer: the planted channel then crushes only its own 128-channel tiles. Its replay passes,
+    # halving keeps the smallest half that passes, and all 72 GEMMs stay in FP8.
+    model, batch = _massive_activation_bert()
+    with torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()
+    fp.update_pending_scales(model)
+    model.zero_grad()
+    reference = _grads(model, batch, fp8=False)
+    config = ReferenceCheck(policy="fallback")
+    with pytest.warns(UserWarning, match="moved to blockwise scaling"):
+        result = fp.reference_check(model, batch, _bert_loss, config=config)
+    tried = result.fallback_tried
+    assert all(t["stage"] == "blockwise" for t in tried) and tried[0]["passed"] and len(tried[0]["moves"]) == 24
+    assert len(tried) <= 1 + config.max_fallback_replays
+    _assert_every_kept_move_was_justified(result, config)
+    kept = [t for t in tried if t["kept"]][0]
+    assert sorted(result.fallback_blockwise) == sorted(m.rsplit(".", 1)[0] for m in kept["moves"])
+    assert result.fallback_layers == result.fallback_gemms == []
+    layers = dict(model.named_modules())
+    assert {n for n, m in layers.items() if isinstance(m, fp.FP8Linear) and m.fp8_scaling == "blockwise"} == set(
+        result.fallback_blockwise)
+    assert _cosine(_grads(model, batch, fp8=True), reference) >= config.min_grad_cosine
+    with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()
+    assert gemms.count == 24 * 3  # every GEMM of every layer still in FP8
+    # The choice is the layers' state: saved, and loaded into a fresh copy.
+    twin, _ = _massive_activation_bert()
+    twin.load_state_dict(model.state_dict())
+    assert {n for n, m in twin.named_modules() if isinstance(m, fp.FP8Linear) and m.fp8_scaling == "blockwise"} == set(
+        result.fallback_blockwise)
+
+
 def test_massive_activation_is_localised_by_verified_replays_to_one_layer():
     model, batch = _massive_activation_bert()
     with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
@@ -86,7 +121,7 @@ def test_massive_activation_is_localised_by_verified_replays_to_one_layer():
     assert gemms.count == 24 * 3  # 24 FP8 linear layers, each fprop, dgrad and wgrad in FP8
     # By hand, outside the check: FP8 gradients against FP8-off ones, float64 cosine.
     reference = _grads(model, batch, fp8=False)
-    config = ReferenceCheck(policy="fallback")
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False)
     assert _cosine(_grads(model, batch, fp8=True), reference) < config.min_grad_cosine
     with pytest.warns(UserWarning, match="moved to high precision: bert.encoder.layer.0.attention.output.dense"):
         result = fp.reference_check(model, batch, _bert_loss, config=config)
@@ -128,7 +163,7 @@ def test_massive_activation_without_candidates_escalates_to_fprop_the_first_step
         _bert_loss(model, batch).backward()
     fp.update_pending_scales(model)
     model.zero_grad()
-    config = ReferenceCheck(policy="fallback", max_fallback_replays=0)
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=0)
     with pytest.warns(UserWarning) as caught:
         result = fp.reference_check(model, batch, _bert_loss, config=config)
     assert [(t["stage"], t["escalation"], t["passed"]) for t in result.fallback_tried] == [
@@ -175,7 +210,7 @@ def test_no_localisation_escalates_in_order_and_keeps_the_first_step_that_passes
         backward_hp = all(use and not gemms[1] and not gemms[2] for use, gemms in switches.values())
         return dataclasses.replace(result, grad_cosine=0.9 if backward_hp else 0.1, failures=[])
 
-    config = ReferenceCheck(policy="fallback", max_fallback_replays=3)
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=3)
     with pytest.warns(UserWarning, match=r"ESCALATED to dgrad and wgrad in high precision model-wide.*"
                                          r"grad cosine 0\.1000 -> 0\.9000"):
         rc.apply_policy(model, result, config, verify=verify)
@@ -211,7 +246,7 @@ def test_escalation_within_its_cap_that_restores_nothing_moves_nothing_and_says_
         calls.append(1)
         return dataclasses.replace(result, grad_cosine=0.1, failures=[])
 
-    config = ReferenceCheck(policy="fallback", max_fallback_replays=0, max_escalation_replays=2)
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=0, max_escalation_replays=2)
     with pytest.warns(UserWarning, match=r"ESCALATION FAILED, nothing moved: no candidate move restored the figures "
                                          r"\(0 tried, max_fallback_replays=0\), nor did any of the 2 escalation"):
         rc.apply_policy(model, result, config, verify=verify)
@@ -232,7 +267,7 @@ def test_an_escalation_step_already_in_place_is_skipped_without_a_replay():
         layer.fp8_gemms = (True, False, True)  # dgrad already in high precision everywhere
     result = _failed(checked)
     rc.apply_policy(model, result, ReferenceCheck(policy="log"), verify=None)  # judge only
-    config = ReferenceCheck(policy="fallback", max_fallback_replays=0, max_escalation_replays=1)
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=0, max_escalation_replays=1)
     with pytest.warns(UserWarning, match="ESCALATED to fprop"):
         rc.apply_policy(model, result, config,
                         verify=lambda: dataclasses.replace(result, grad_cosine=0.9, failures=[]))
@@ -259,7 +294,7 @@ def test_raise_policy_error_lists_every_replay_with_its_figures_and_moves_nothin
     model.zero_grad()
     # A grad_output scale 2^40 times too small: down's dy flushes to zero in its dgrad and wgrad.
     model.down.fp8_state.scale[2] *= 2.0**-40
-    config = ReferenceCheck(policy="raise")
+    config = ReferenceCheck(policy="raise", fallback_blockwise=False)
     with pytest.raises(fp.FP8ReferenceCheckError) as raised:
         fp.reference_check(model, _batch(), _loss, config=config, compute_dtype=torch.float32)
     result, text = raised.value.result, str(raised.value)
@@ -319,7 +354,7 @@ def test_on_a_cpu_with_slow_bf16_a_check_keeps_a_verified_move_and_a_later_one_p
 
     monkeypatch.setattr(replay_module, "_cpu_bf16_is_fast", lambda: False)  # as on an AVX2-only CPU
     model, batch = _massive_activation_bert(layer=1)  # the case where every move's replay failed
-    config = ReferenceCheck(every=2, policy="fallback")
+    config = ReferenceCheck(every=2, policy="fallback", fallback_blockwise=False)
     trainer = L.Trainer(plugins=[fp.FP8Precision(fp.DelayedScaling(), reference_check=config)], max_steps=6,
                         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -354,7 +389,7 @@ def test_when_even_fp8_off_cannot_pass_the_verdict_is_not_fp8_and_later_checks_d
                                gemm_sqnr_db={"up": {"fprop": 30.0}, "down": {"fprop": 30.0}})
 
     monkeypatch.setattr(checker_module, "compare", fake_compare)
-    config = ReferenceCheck(every=1, policy="fallback")
+    config = ReferenceCheck(every=1, policy="fallback", fallback_blockwise=False)
     checker = ReferenceChecker(config)
     results = []
     for step in range(5):

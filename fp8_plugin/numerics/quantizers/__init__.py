@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .casts import BlockQuantizer, PerTensorQuantizer, make_quantizer, mark_recorded
 from .delayed_update import update_delayed_scaling
-from .state import STATE_VERSION, ScalingState, check_saved_state, is_scaling_state_key, recipe_key
+from .state import SCALINGS, STATE_VERSION, ScalingState, check_saved_state, is_scaling_state_key, recipe_key
 from .tensor import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, Quantizer  # noqa: F401  (the roles, for the layers)
 
 __all__ = [
@@ -35,4 +35,5 @@ __all__ = [
     "check_saved_state",
     "mark_recorded",
     "STATE_VERSION",
+    "SCALINGS",
 ]

@@ -16,7 +16,7 @@ from ..kernels.rows import StateRows
 from ..recipes import DelayedScaling, Recipe
 from .tensor import GRAD_OUTPUT, ROLES
 
-__all__ = ["ScalingState", "is_scaling_state_key", "recipe_key", "check_saved_state", "STATE_VERSION"]
+__all__ = ["ScalingState", "is_scaling_state_key", "recipe_key", "check_saved_state", "STATE_VERSION", "SCALINGS"]
 
 class ScalingState(nn.Module):
     """Per-tensor FP8 scaling state of one layer: a row per role (input, weight, grad_output).
@@ -41,7 +41,8 @@ class ScalingState(nn.Module):
     bool ``[3]``, ``"version"``, int64 0-dim, :data:`STATE_VERSION`, ``"recipe"``, uint8
     ``[n]``, the UTF-8 bytes of the :func:`recipe_key` of the scales, and ``"family"``, uint8
     ``[n]``, the UTF-8 bytes of the FP8 format family they were made for, ``"ocp"`` or
-    ``"fnuz"``: :func:`~fp8_plugin.numerics.device_kind.fp8_family`). A state loaded where the
+    ``"fnuz"``: :func:`~fp8_plugin.numerics.device_kind.fp8_family`; and ``"scaling"``, uint8
+    ``[n]``, the UTF-8 bytes of the layer's scaling choice, one of :data:`SCALINGS`). A state loaded where the
     other family is used has its scales converted at the first cast, by the ratio of the two
     formats' maxima (E4M3: 448 and 240), with a warning; its amax history is kept.
 
@@ -65,7 +66,11 @@ class ScalingState(nn.Module):
     stays there after a checkpoint resume. A state saved without it loads as True.
     ``fp8_gemms`` (host-side tuple of three bools: fprop, dgrad, wgrad) is the layer's per-GEMM
     switch (``FP8Linear.fp8_gemms``), kept for the same reason; False runs that GEMM in high
-    precision.
+    precision. ``scaling`` (host-side str, one of :data:`SCALINGS`) is the layer's scaling
+    choice (``FP8Linear.fp8_scaling``): ``"recipe"`` casts as the recipe in force says,
+    ``"blockwise"`` casts with 1x128 / 128x128 blocks where that recipe scales per tensor
+    (the choice :func:`fp8_plugin.calibrate` makes for a layer whose activations hold outliers);
+    a state saved before format version 5 loads as ``"recipe"``.
 
     ``pending`` (host-side) maps each role whose current-step amax has not yet become a scale to
     the recipe that recorded it (None after loading: the recipe in force at the update applies),
@@ -91,6 +96,7 @@ class ScalingState(nn.Module):
         self.pending: dict[int, Optional[Recipe]] = {}
         self.use_fp8 = True
         self.fp8_gemms = (True, True, True)
+        self.scaling = "recipe"
         # recipe_key of the recipe whose scales these are ("" until a layer sets it).
         self.recipe = ""
         self._loaded_recipe: Optional[str] = None  # a loaded state's recipe, until the first cast checks it
@@ -216,6 +222,7 @@ class ScalingState(nn.Module):
         state["pending"] = torch.tensor([role in self.pending for role in range(len(ROLES))])
         state["use_fp8"] = torch.tensor(self.use_fp8)
         state["fp8_gemms"] = torch.tensor(self.fp8_gemms)
+        state["scaling"] = torch.tensor(list(self.scaling.encode()), dtype=torch.uint8)
         # Tensors only, as every entry: checkpoint formats that take tensors alone carry them too.
         state["version"] = torch.tensor(STATE_VERSION, dtype=torch.int64)
         state["recipe"] = torch.tensor(list(self.recipe.encode()), dtype=torch.uint8)
@@ -239,6 +246,7 @@ class ScalingState(nn.Module):
         # Versions 1 and 2 had no per-GEMM switch: every GEMM in FP8.
         fp8_gemms = tuple(bool(v) for v in state["fp8_gemms"].tolist()) if "fp8_gemms" in state else (True,) * 3
         saved_recipe = _recipe_text(state.get("recipe"))
+        scaling = _recipe_text(state.get("scaling")) or "recipe"  # versions 1 to 4: as the recipe says
         device = self.device
         for name in _STATE_TENSORS:
             if name not in state:  # format version 1: no outlier counters yet
@@ -251,6 +259,7 @@ class ScalingState(nn.Module):
         self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
         self.use_fp8 = use_fp8
         self.fp8_gemms = fp8_gemms
+        self.scaling = scaling
         self.recipe = saved_recipe or self.recipe
         # The recipe in force is known at the first cast (an autocast may override the layer's).
         self._loaded_recipe = saved_recipe or None
@@ -326,12 +335,17 @@ _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count"
 # The tensors a fused cast reads or writes through cached row views (ScalingState.kernel_rows).
 _ROW_TENSORS = frozenset(_STATE_TENSORS) | {"kernel_workspace"}
 # Format of the saved scaling state: 1 had no "version", "recipe" or outlier counters, 2 no
-# "fp8_gemms", 3 no "family" (the FP8 format family the scales were made for: "ocp" or "fnuz").
-STATE_VERSION = 4
+# "fp8_gemms", 3 no "family" (the FP8 format family the scales were made for: "ocp" or "fnuz"),
+# 4 no "scaling" (the layer's scaling choice).
+STATE_VERSION = 5
+#: A layer's scaling choices (``ScalingState.scaling``): as the recipe in force says, or 1x128
+#: activation and gradient blocks with 128x128 weight blocks where that recipe scales per tensor.
+SCALINGS = ("recipe", "blockwise")
 _VERSION_1_ENTRIES = frozenset({"amax_history", "scale", "initialized", "nonfinite_amax_count", "pending"})
 _VERSION_2_ENTRIES = frozenset({*_STATE_TENSORS, "pending", "use_fp8", "version", "recipe"})
 _VERSION_3_ENTRIES = _VERSION_2_ENTRIES | {"fp8_gemms"}
-_ENTRIES = _VERSION_3_ENTRIES | {"family"}
+_VERSION_4_ENTRIES = _VERSION_3_ENTRIES | {"family"}
+_ENTRIES = _VERSION_4_ENTRIES | {"scaling"}
 # The shape of each saved tensor, "L" standing for the history length.
 _SHAPES = {"amax_history": (3, "L"), "scale": (3,), "initialized": (3,), "nonfinite_amax_count": (3,),
            "outlier_count": (3,), "outlier_ratio": (3,), "pending": (3,), "use_fp8": (), "fp8_gemms": (3,)}
@@ -389,18 +403,22 @@ def check_saved_state(state: Any, key: str) -> int:
         raise fail(f"version {version!r}")
     if version > STATE_VERSION:
         return version
-    required = {1: _VERSION_1_ENTRIES, 2: _VERSION_2_ENTRIES - {"use_fp8"},
-                3: _VERSION_3_ENTRIES - {"use_fp8"}}.get(version, _ENTRIES - {"use_fp8"})
-    allowed = {2: _VERSION_2_ENTRIES, 3: _VERSION_3_ENTRIES}.get(version, _ENTRIES)
+    required = {1: _VERSION_1_ENTRIES, 2: _VERSION_2_ENTRIES - {"use_fp8"}, 3: _VERSION_3_ENTRIES - {"use_fp8"},
+                4: _VERSION_4_ENTRIES - {"use_fp8"}}.get(version, _ENTRIES - {"use_fp8"})
+    allowed = {2: _VERSION_2_ENTRIES, 3: _VERSION_3_ENTRIES, 4: _VERSION_4_ENTRIES}.get(version, _ENTRIES)
     if not required <= set(state) <= allowed:
         raise fail(f"entries {sorted(state)}; expected {sorted(required)}, optionally 'use_fp8'")
     try:
         _recipe_text(state.get("recipe"))
         family = _recipe_text(state.get("family"))
+        scaling = _recipe_text(state.get("scaling"))
     except (TypeError, ValueError):
-        raise fail(f"recipe {state.get('recipe')!r} or family {state.get('family')!r}") from None
+        raise fail(f"recipe {state.get('recipe')!r}, family {state.get('family')!r} or scaling "
+                   f"{state.get('scaling')!r}") from None
     if family and family not in FAMILIES:
         raise fail(f"family {family!r}; valid: {', '.join(FAMILIES)}")
+    if scaling and scaling not in SCALINGS:
+        raise fail(f"scaling {scaling!r}; valid: {', '.join(SCALINGS)}")
     for name, shape in _SHAPES.items():
         if name not in state:
             continue

@@ -59,6 +59,14 @@ class ReferenceCheck:
         max_fallback_replays: under ``"fallback"``, at most this many verification replays per
             failed check (each costs about a check): a move is kept only when a replay with it
             passes every threshold.
+        fallback_blockwise: under ``"fallback"`` (and ``"raise"``, as a diagnosis), first try
+            blockwise scaling (``FP8Linear.fp8_scaling = "blockwise"``: 1x128 activation and
+            gradient tiles, 128x128 weight blocks) on every FP8 layer whose recipe scales per
+            tensor, one replay; when it passes, halve the set while a half passes (within
+            ``max_fallback_replays``) and keep the smallest: every GEMM stays in FP8 (outliers,
+            the massive activations of a token or of a channel, break per-tensor scales, not
+            FP8). When it fails, the high-precision moves follow as without it. On a GPU only
+            where blockwise GEMMs are native. Default True.
         max_escalation_replays: under ``"fallback"`` (and ``"raise"``, as a diagnosis), when no
             candidate move restores the figures within ``max_fallback_replays``, at most this
             many steps of the escalation (:data:`ESCALATION_STEPS`, in order, each model-wide:
@@ -88,6 +96,7 @@ class ReferenceCheck:
     min_gemm_sqnr_db: float = 10.0
     max_fallback_replays: int = 6
     max_escalation_replays: int = 4
+    fallback_blockwise: bool = True
     output_loss: Optional[Callable[[Any], torch.Tensor]] = None
     log_layers: bool = True
     json_path: Optional[str] = None
@@ -98,6 +107,8 @@ class ReferenceCheck:
         _check_int("fallback_worst_k", self.fallback_worst_k, 1)
         _check_int("max_fallback_replays", self.max_fallback_replays, 0)
         _check_int("max_escalation_replays", self.max_escalation_replays, 0)
+        if not isinstance(self.fallback_blockwise, bool):
+            raise TypeError(f"ReferenceCheck(fallback_blockwise={self.fallback_blockwise!r}) must be a bool")
         if self.policy not in POLICIES:
             raise ValueError(f"ReferenceCheck(policy={self.policy!r}) is not valid; valid: {', '.join(POLICIES)}")
         for name, low, high in (("min_sqnr_db", -math.inf, math.inf), ("min_gemm_sqnr_db", -math.inf, math.inf),

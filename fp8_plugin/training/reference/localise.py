@@ -13,8 +13,9 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
+from ...modules.calibration import blockwise_allowed
 from ...modules.linear import FP8Linear
-from ...numerics.recipes import GEMMS
+from ...numerics.recipes import GEMMS, DelayedScaling, Float8CurrentScaling
 from ..reference_report import move_text
 from .config import ReferenceCheck
 from .expert_layers import checked_layers, expert_of
@@ -35,7 +36,9 @@ def _low_gemms(result: ReferenceResult, config: ReferenceCheck) -> list[tuple[st
 _HEALTHY_GEMM_DB = {"fprop": 28.5, "dgrad": 24.5, "wgrad": 24.5}
 
 
-Move = tuple[str, Optional[str]]  # (layer, GEMM), or (layer, None) for the whole layer
+Move = tuple[str, Optional[str]]  # (layer, GEMM), (layer, None) for the whole layer, (layer, BLOCKWISE)
+# A move that keeps a layer's GEMMs in FP8 and casts them blockwise (FP8Linear.fp8_scaling).
+BLOCKWISE = "blockwise"
 
 
 def _candidates(model: nn.Module, result: ReferenceResult, config: ReferenceCheck, low_layers: list[str]):
@@ -88,7 +91,9 @@ def _distinct(moves: list[Move]) -> list[Move]:
 def _apply_moves(layers: dict[str, nn.Module], moves: Sequence[Move]) -> None:
     for name, gemm in moves:
         layer = layers[name]
-        if gemm is None or not isinstance(layer, FP8Linear):
+        if gemm == BLOCKWISE:
+            layer.fp8_scaling = "blockwise"
+        elif gemm is None or not isinstance(layer, FP8Linear):
             layer.use_fp8 = False
         else:
             flags = list(layer.fp8_gemms)
@@ -97,14 +102,47 @@ def _apply_moves(layers: dict[str, nn.Module], moves: Sequence[Move]) -> None:
 
 
 def _switches(layers: dict[str, nn.Module]) -> dict[str, tuple]:
-    return {name: (layer.use_fp8, getattr(layer, "fp8_gemms", None)) for name, layer in layers.items()}
+    return {name: (layer.use_fp8, getattr(layer, "fp8_gemms", None), getattr(layer, "fp8_scaling", None))
+            for name, layer in layers.items()}
 
 
 def _restore_switches(layers: dict[str, nn.Module], saved: dict[str, tuple]) -> None:
-    for name, (use_fp8, gemms) in saved.items():
+    for name, (use_fp8, gemms, scaling) in saved.items():
         layers[name].use_fp8 = use_fp8
         if gemms is not None:
             layers[name].fp8_gemms = gemms
+        if scaling is not None:
+            layers[name].fp8_scaling = scaling
+
+
+def _blockwise_fallback(layers: dict[str, nn.Module], result: ReferenceResult, config: ReferenceCheck,
+                        verify: Callable[[], Optional[ReferenceResult]]) -> list[Move]:
+    """Blockwise scaling on every per-tensor FP8 layer, one replay; when it passes, halves while
+    a half passes (within ``max_fallback_replays``); the smallest passing set, or [] (nothing
+    passed, or nothing to try). Every GEMM stays in FP8."""
+    pool = [name for name, layer in layers.items()
+            if isinstance(layer, FP8Linear) and layer.use_fp8 and layer.fp8_scaling == "recipe"
+            and isinstance(layer.recipe, (DelayedScaling, Float8CurrentScaling)) and blockwise_allowed(layer)]
+    if not config.fallback_blockwise or not pool:
+        return []
+    moves = [(name, BLOCKWISE) for name in pool]
+    if not _try(layers, result, config, moves, verify, "blockwise"):
+        return []
+    kept, kept_index, tried = moves, len(result.fallback_tried) - 1, 1
+    while len(pool) > 1 and tried < config.max_fallback_replays:
+        half = len(pool) // 2
+        for part in (pool[:half], pool[half:]):
+            if tried >= config.max_fallback_replays:
+                break
+            tried += 1
+            part_moves = [(name, BLOCKWISE) for name in part]
+            if _try(layers, result, config, part_moves, verify, "blockwise"):
+                pool, kept, kept_index = part, part_moves, len(result.fallback_tried) - 1
+                break
+        else:
+            break  # neither half alone passes: the whole last set is kept
+    result.fallback_tried[kept_index]["kept"] = True
+    return kept
 
 
 # The escalation, in order of the FP8 GEMMs each step keeps (two thirds, two thirds, one third,
@@ -178,10 +216,14 @@ def _try(layers: dict[str, nn.Module], result: ReferenceResult, config: Referenc
 
 def _verified_fallback(model: nn.Module, result: ReferenceResult, config: ReferenceCheck, low_layers: list[str],
                        verify: Callable[[], Optional[ReferenceResult]]) -> list[Move]:
-    """Try the candidate moves, then the escalation; return the moves whose replay passed (empty
-    when none did), the switches left as they were. At most ``max_fallback_replays`` candidate
-    replays and ``max_escalation_replays`` escalation replays."""
+    """Try blockwise scaling first (:func:`_blockwise_fallback`), then the candidate moves, then
+    the escalation; return the moves whose replay passed (empty when none did), the switches
+    left as they were. At most 1 + ``max_fallback_replays`` replays before the escalation
+    (blockwise's first and the candidates'), and ``max_escalation_replays`` escalation replays."""
     layers = dict(checked_layers(model))
+    blockwise = _blockwise_fallback(layers, result, config, verify)
+    if blockwise:
+        return blockwise
     candidates = _candidates(model, result, config, low_layers)
     kept: list[Move] = []
     tried = 0

@@ -15,7 +15,7 @@ from ...numerics.device_kind import device_kind
 from ...numerics.recipes import Recipe
 from ..reference_report import move_text
 from .config import ReferenceCheck
-from .localise import _apply_moves, _escalation_warning, _is_rank_zero, _verified_fallback, log
+from .localise import BLOCKWISE, _apply_moves, _escalation_warning, _is_rank_zero, _verified_fallback, log
 from .expert_layers import checked_layers
 from .replay import _RNGState, capture_rng_state, compare
 from .result import FP8ReferenceCheckError, ReferenceResult, judge
@@ -27,7 +27,8 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
 
     Under ``"fallback"`` with ``verify`` (a replay of the checked micro-batch with the model's
     switches as they are then, returning its :class:`ReferenceResult`), a move is kept only when
-    a replay with it passes every threshold: first the candidate moves (see :func:`_candidates`
+    a replay with it passes every threshold: first blockwise scaling of the per-tensor layers
+    (``ReferenceCheck.fallback_blockwise``: every GEMM stays in FP8), then the candidate moves (see :func:`_candidates`
     for the order; at most ``max_fallback_replays`` replays), then, when none passes, the
     escalation (:data:`ESCALATION_STEPS`, at most ``max_escalation_replays`` replays, with one
     warning naming the step); when nothing passes, nothing is moved. ``ReferenceResult.fallback_tried``
@@ -55,7 +56,8 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
         _escalation_warning(result, config)
         _apply_moves(dict(checked_layers(model)), kept)
         result.fallback_layers = [name for name, gemm in kept if gemm is None]
-        result.fallback_gemms = [f"{name}.{gemm}" for name, gemm in kept if gemm is not None]
+        result.fallback_gemms = [f"{name}.{gemm}" for name, gemm in kept if gemm not in (None, BLOCKWISE)]
+        result.fallback_blockwise = [name for name, gemm in kept if gemm == BLOCKWISE]
     elif config.policy == "raise":
         raise FP8ReferenceCheckError(result)
     elif config.policy == "fallback":
@@ -67,7 +69,8 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
         warnings.warn(f"FP8 reference check at step {result.step + 1}: {result.describe()}", stacklevel=2)
         for entry in result.fallback_tried:
             if entry["kept"]:
-                log.warning("FP8 reference check at step %d: moved to high precision: %s", result.step + 1,
+                where = "blockwise scaling" if entry["stage"] == "blockwise" else "high precision"
+                log.warning("FP8 reference check at step %d: moved to %s: %s", result.step + 1, where,
                             move_text(entry))
 
 

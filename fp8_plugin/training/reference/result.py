@@ -42,6 +42,8 @@ class ReferenceResult:
         failures: why the check failed (empty when it passed).
         fallback_layers: the layers this check moved to high precision.
         fallback_gemms: the GEMMs this check moved to high precision, ``"<layer>.<gemm>"``.
+        fallback_blockwise: the layers this check moved to blockwise scaling (their GEMMs stay
+            in FP8: ``FP8Linear.fp8_scaling``).
         fallback_tried: every replay a verified fallback (or a ``"raise"`` diagnosis) ran, in
             order: ``{"stage": "candidate" | "escalation", "escalation": the step's name or None,
             "moves": ["<layer>" | "<layer>.<gemm>", ...], "passed": bool, "kept": bool,
@@ -69,6 +71,7 @@ class ReferenceResult:
     failures: list[str] = field(default_factory=list)
     fallback_layers: list[str] = field(default_factory=list)
     fallback_gemms: list[str] = field(default_factory=list)
+    fallback_blockwise: list[str] = field(default_factory=list)
     fallback_tried: list[dict[str, Any]] = field(default_factory=list)
     fallback_escalation: str = ""
     verdict: str = ""
@@ -110,10 +113,12 @@ class ReferenceResult:
             text += f"; escalated: {self.fallback_escalation} ({len(moved)} moves to high precision)"
         elif moved:
             text += "; moved to high precision: " + ", ".join(moved)
+        if self.fallback_blockwise:
+            text += "; moved to blockwise scaling (GEMMs still FP8): " + ", ".join(self.fallback_blockwise)
         if self.verdict:
             text += f"; {self.verdict}"
         passed = [t for t in self.fallback_tried if t["passed"]]
-        if self.fallback_tried and not moved:
+        if self.fallback_tried and not moved and not self.fallback_blockwise:
             if passed:  # a diagnosis (policy "raise"): nothing kept
                 text += (f"; of the {len(self.fallback_tried)} moves tried, this restored the figures (not kept): "
                          + move_text(passed[-1]))
@@ -142,6 +147,7 @@ class ReferenceResult:
             "failed": float(not self.passed),
             "fallback_layers": float(len(self.fallback_layers)),
             "fallback_gemms": float(len(self.fallback_gemms)),
+            "fallback_blockwise": float(len(self.fallback_blockwise)),
             "seconds": self.seconds,
         }
         out.update({f"{gemm}_sqnr_min_db": db for gemm, db in self.lowest_gemm_sqnr().items()})
