@@ -102,7 +102,7 @@ def step0_perplexity(model, val_blocks, batch_size: int) -> tuple[float, float]:
     fp8 = copy.deepcopy(model)
     fp.convert_model(fp8, fp.Float8CurrentScaling())
     device = torch.device("cpu")
-    with fp.autocast():
+    with torch.no_grad(), fp.autocast():
         in_fp8 = perplexity(fp8, val_blocks, batch_size, device)
     return perplexity(model, val_blocks, batch_size, device), in_fp8
 

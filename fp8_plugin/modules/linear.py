@@ -36,6 +36,9 @@ from .scaling_group import ScalingGroup
 
 __all__ = ["FP8Linear"]
 
+# recipe_key prefixes of the block-scaled recipes (ScalingState.recipe: the recipe that last recorded).
+_BLOCK_KEYS = ("Float8BlockScaling(", "MXFP8BlockScaling(")
+
 
 class _ForwardContext(NamedTuple):
     # How a layer's last forward ran, so that an activation-checkpoint recompute (which runs in
@@ -315,7 +318,16 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
     def fp8_scaling(self, value: str) -> None:
         if value not in SCALINGS:
             raise ValueError(f"FP8Linear.fp8_scaling = {value!r} is invalid; valid: {', '.join(map(repr, SCALINGS))}")
-        self.fp8_state.scaling = value
+        state = self.fp8_state
+        if value != state.scaling and state.recipe.startswith(_BLOCK_KEYS):
+            # Block casts recorded since the per-tensor scales were made (their statistics leave
+            # scale 1 in the state): those scales are stale, and the next per-tensor cast of each
+            # role scales from its own amax, as a first cast does. A trial move that recorded
+            # nothing (a reference check's replay) leaves the state as it was.
+            with torch.no_grad():
+                state.initialized.zero_()
+            state._forget_initialized()
+        state.scaling = value
 
     def layer_recipe(self, recipe: Recipe) -> Recipe:
         """The recipe this layer casts with when ``recipe`` is in force: ``recipe``, or its

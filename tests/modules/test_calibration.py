@@ -224,3 +224,28 @@ def test_bad_calibration_input_is_refused_with_the_setting_named():
         fp.calibrate(model, [torch.randn(2, 32)], outlier_margin_db=-1.0)
     with pytest.raises(ValueError, match="fp8_scaling = 'rowwise' is invalid; valid: 'recipe', 'blockwise'"):
         model[0].fp8_scaling = "rowwise"
+
+
+def test_a_layer_switched_back_from_blockwise_casts_from_its_own_amax_not_a_stale_scale():
+    # Block casts keep statistics in the state (the block amax, scale 1): a layer moved back to
+    # per-tensor scaling must not cast with that 1 (inputs near 4000 would saturate at 448).
+    torch.manual_seed(0)
+    layer = fp.FP8Linear(256, 64, recipe=fp.DelayedScaling())
+    x = torch.randn(16, 256) * 1000
+    for _ in range(2):  # per-tensor steps: the scales are initialized
+        with fp.autocast():
+            layer(x).sum().backward()
+    layer.fp8_scaling = "blockwise"
+    for _ in range(2):
+        with fp.autocast():
+            layer(x).sum().backward()
+    layer.fp8_scaling = "recipe"
+    with torch.no_grad(), fp.autocast():
+        got = layer(x)
+    w = layer.weight.detach()  # its scale from its own amax too: a new cast after the move
+    s_x = float(torch.tensor(E4M3_MAX, dtype=torch.float32) / x.abs().max())
+    s_w = float(torch.tensor(E4M3_MAX, dtype=torch.float32) / w.abs().max())
+    xq, wq = fp8_operand(x, s_x, E4M3), fp8_operand(w, s_w, E4M3)
+    bias = layer.bias.detach().double()
+    want = xq @ wq.t() + bias
+    assert ((got.double() - want).abs() <= gemm_error_bound(xq, wq, torch.float32, bias)).all()

@@ -146,8 +146,14 @@ def test_planted_fault_is_detected_named_and_fallback_shrinks_the_loss_differenc
         model.up.fp8_state.scale[0] = 448.0 / 4.0 * 1e-6
         model.up.fp8_state.initialized[0] = True
     config = ReferenceCheck(policy="fallback")
+    states = {n: {k: t.clone() for k, t in m.fp8_state.tensors().items()} for n, m in model.named_modules()
+              if isinstance(m, fp.FP8Linear)}
     with pytest.warns(UserWarning, match="up"):
         failed = fp.reference_check(model, batch, _loss, config=config)
+    # The replays, blockwise trials included, record nothing: every scaling state as it was.
+    for name, tensors in states.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(getattr(model, name).fp8_state.tensors()[key], tensor), (name, key)
     assert failed.layer_sqnr_db["up"] < 3.0  # output mostly flushed to zero: ~0 dB
     assert failed.layer_sqnr_db["down"] > config.min_sqnr_db
     assert not failed.passed and "min_sqnr_db" in " ".join(failed.failures)
