@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from ...modules.calibration import blockwise_allowed
+from ...modules.scaling_choice import blockwise_allowed
 from ...modules.linear import FP8Linear
 from ...numerics.recipes import GEMMS, DelayedScaling, Float8CurrentScaling
 from ..reference_report import move_text
