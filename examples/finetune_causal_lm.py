@@ -13,7 +13,8 @@ script takes about 6 minutes on a 2-core CPU.
 
 Under ``accelerate launch`` the FP8 run takes its settings from the config file (its
 ``mixed_precision`` and ``fp8_config``); with ``use_autocast_during_eval: false`` (the default)
-its validation forwards run in the compute dtype, not in FP8.
+its validation forwards run in the compute dtype, not in FP8. The FP8 run is validated in FP8
+too, and both figures are printed (what FP8 evaluation costs: docs/calibration.md).
 
 The FP8 run checks itself against BF16 every ``--reference-every`` optimizer steps (default 8;
 the config file's ``reference_every`` under ``accelerate launch``, unless the option is given):
@@ -57,6 +58,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup  # noqa: E402
 
+import fp8_plugin  # noqa: E402
 from fp8_plugin.numerics.device import bf16_matmul_is_fast  # noqa: E402
 from fp8_plugin.tools.data import (  # noqa: E402
     bbc_news_path,
@@ -239,10 +241,19 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
     if precision == "fp8":
         accelerator.print_fp8_reference_summary()  # the main process prints; report files, if asked for
     ppl = perplexity(model, val_blocks, args.batch_size, accelerator.device)
+    ppl_fp8 = None
+    if precision == "fp8":
+        # The Accelerator validates as its use_autocast_during_eval says (off by default: the
+        # reference precision, the model as its saved checkpoint runs); this is the model as it
+        # would serve in FP8 (docs/calibration.md).
+        with torch.no_grad(), torch.autocast(accelerator.device.type, dtype=dtype, enabled=dtype == torch.bfloat16), \
+                fp8_plugin.autocast():
+            ppl_fp8 = perplexity(model, val_blocks, args.batch_size, accelerator.device)
     accelerator.free_memory()
     timed = times[1:] or times  # the first step warms up
-    return {"precision": label, "ppl_after": ppl, "final_loss": sum(losses[-10:]) / len(losses[-10:]),
-            "step_time": sum(timed) / len(timed), "layers": layers}
+    return {"precision": label, "ppl_after": ppl, "ppl_after_fp8": ppl_fp8,
+            "final_loss": sum(losses[-10:]) / len(losses[-10:]), "step_time": sum(timed) / len(timed),
+            "layers": layers}
 
 
 def main(argv=None) -> list[dict]:
@@ -299,11 +310,14 @@ def main(argv=None) -> list[dict]:
     for precision in args.precision:
         with without_fp8_config() if precision == "reference" else nullcontext():
             results.append(train(precision, args, dtype, train_blocks, val_blocks))
-    print(f"\n{'precision':<16} {'ppl before':>10} {'ppl after':>10} {'final loss':>11} "
+    print(f"\n{'precision':<16} {'ppl before':>10} {'ppl after':>10} {'in FP8':>8} {'final loss':>11} "
           f"{'step time (s)':>14}  FP8 layers")
     for r in results:
-        print(f"{r['precision']:<16} {ppl_before:>10.3f} {r['ppl_after']:>10.3f} {r['final_loss']:>11.4f} "
+        in_fp8 = "-" if r["ppl_after_fp8"] is None else f"{r['ppl_after_fp8']:.3f}"
+        print(f"{r['precision']:<16} {ppl_before:>10.3f} {r['ppl_after']:>10.3f} {in_fp8:>8} {r['final_loss']:>11.4f} "
               f"{r['step_time']:>14.3f}  {r['layers']}")
+    print("(ppl after: validated as the run's Accelerator validates, the FP8 run in its reference precision unless "
+          "use_autocast_during_eval; in FP8: the FP8 run validated with its FP8 layers in FP8)")
     return results
 
 

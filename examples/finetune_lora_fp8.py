@@ -10,12 +10,12 @@ reference is LoRA on the model in the compute dtype (BF16 where this machine's B
 fast, else float32) through Accelerate's own ``Accelerator``, with the same seed, adapters'
 initial values and batches.
 
-Each run prints validation perplexity before and after, the final training loss, the mean step
-time, the resident bytes of the base model's linear weights (every parameter, buffer and cached
-cast of those layers, walked) and the peak resident memory of the training steps (the process's
-high-water mark, reset after loading and after freed heap is handed back to the OS; each run
-goes in a process of its own). At the end the
-FP8 run checks that its frozen weights are still the checkpoint's bytes.
+Each run prints validation perplexity before and after (the FP8 run's also with its FP8 layers
+in FP8), the final training loss, the mean step time, the resident bytes of the base model's
+linear weights (every parameter, buffer and cached cast of those layers, walked) and the peak
+resident memory of the training steps (the process's high-water mark, reset after loading and
+after freed heap is handed back to the OS; each run goes in a process of its own). At the end
+the FP8 run checks that its frozen weights are still the checkpoint's bytes.
 
     python examples/finetune_lora_fp8.py                      # FP8 LoRA and the reference
     python examples/finetune_lora_fp8.py --max-steps 64 --rank 32
@@ -172,9 +172,16 @@ def train(run: str, args, dtype: torch.dtype) -> dict:
     peak = rss_mib("VmHWM") if measured else float("nan")
     weight_bytes, values = base_linear_bytes(model)
     ppl_after = perplexity(model, val_blocks, args.batch_size, accelerator.device)
+    ppl_after_fp8 = None
+    if run == "fp8":
+        # The Accelerator validates in its reference precision (use_autocast_during_eval off):
+        # the FP8 run validated with its FP8 layers in FP8 too (docs/calibration.md).
+        with torch.no_grad(), torch.autocast(accelerator.device.type, dtype=dtype, enabled=dtype == torch.bfloat16), \
+                fp8_plugin.autocast():
+            ppl_after_fp8 = perplexity(model, val_blocks, args.batch_size, accelerator.device)
     unchanged = frozen_digests(model) == stored
     timed = times[1:] or times  # the first step warms up
-    return {"run": run, "ppl_before": ppl_before, "ppl_after": ppl_after,
+    return {"run": run, "ppl_before": ppl_before, "ppl_after": ppl_after, "ppl_after_fp8": ppl_after_fp8,
             "final_loss": sum(losses[-10:]) / len(losses[-10:]), "step_time": sum(timed) / len(timed),
             "weight_bytes": weight_bytes, "bf16_bytes": 2 * values, "peak_rss_mib": peak, "rss_before_mib": resident,
             "frozen_layers": len(stored), "frozen_unchanged": unchanged if stored else None}
@@ -223,12 +230,15 @@ def main(argv=None) -> list[dict]:
         results.append(queue.get())
         child.join()
     label = {"fp8": "FP8 LoRA (frozen FP8 base)", "reference": f"{str(dtype).removeprefix('torch.')} LoRA"}
-    print(f"\n{'run':<28} {'ppl before':>10} {'ppl after':>10} {'final loss':>10} {'step (s)':>9} "
+    print(f"\n{'run':<28} {'ppl before':>10} {'ppl after':>10} {'in FP8':>8} {'final loss':>10} {'step (s)':>9} "
           f"{'base weights':>13} {'vs BF16':>8} {'RSS before':>11} {'peak RSS':>10}")
     for r in results:
-        print(f"{label[r['run']]:<28} {r['ppl_before']:>10.3f} {r['ppl_after']:>10.3f} {r['final_loss']:>10.4f} "
+        in_fp8 = "-" if r["ppl_after_fp8"] is None else f"{r['ppl_after_fp8']:.3f}"
+        print(f"{label[r['run']]:<28} {r['ppl_before']:>10.3f} {r['ppl_after']:>10.3f} {in_fp8:>8} {r['final_loss']:>10.4f} "
               f"{r['step_time']:>9.3f} {r['weight_bytes'] / 2**20:>9.1f} MiB {r['weight_bytes'] / r['bf16_bytes']:>7.3f}x "
               f"{r['rss_before_mib']:>7.0f} MiB {r['peak_rss_mib']:>6.0f} MiB")
+    print("(ppl after: validated as the run's Accelerator validates, in its reference precision; in FP8: the FP8 "
+          "run validated with its FP8 layers in FP8)")
     for r in results:
         if r["frozen_unchanged"] is not None:
             print(f"{r['frozen_layers']} frozen FP8 weights still the checkpoint's bytes: {r['frozen_unchanged']}")

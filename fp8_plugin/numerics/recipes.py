@@ -468,19 +468,21 @@ def blockwise_variant(recipe: Recipe) -> Recipe:
     """The recipe a layer whose scaling choice is ``"blockwise"`` runs under ``recipe``.
 
     For a per-tensor recipe (:class:`DelayedScaling`, :class:`Float8CurrentScaling`):
-    ``Float8BlockScaling`` with TE's block shapes (1x128 activation and gradient blocks, 128x128
-    weight blocks, power-of-two scales: the DeepSeek-V3 recipe, whose 1x128 activation tiles
-    exist for activation outliers), the same ``fp8_format`` and ``override_linear_precision``.
-    A block-scaled recipe (MXFP8, blockwise) is returned as it is: its blocks already confine an
-    outlier to its own block. Made once per recipe object.
+    ``Float8BlockScaling()`` as Transformer Engine defines it (1x128 activation and gradient
+    blocks, 128x128 weight blocks, power-of-two scales, E4M3 in both passes: the DeepSeek-V3
+    recipe, whose 1x128 activation tiles exist for activation outliers) with the recipe's
+    ``override_linear_precision``. E4M3 even under HYBRID: each 1x128 gradient tile gets its own
+    scale, so E5M2's wider range buys nothing there (DeepSeek-V3 technical report, 3.3.1), and
+    Hopper's blockwise GEMMs take E4M3 operands only (torch refuses E5M2 ones). A block-scaled
+    recipe (MXFP8, blockwise) is returned as it is: its blocks already confine an outlier to its
+    own block. Made once per recipe object.
     """
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         return recipe
     kept = _BLOCKWISE_VARIANTS.get(id(recipe))
     if kept is not None and kept[0] is recipe:
         return kept[1]
-    variant = Float8BlockScaling(fp8_format=recipe.fp8_format,
-                                 override_linear_precision=recipe.override_linear_precision)
+    variant = Float8BlockScaling(override_linear_precision=recipe.override_linear_precision)
     if len(_BLOCKWISE_VARIANTS) >= 64:  # recipes made anew for each step: keep the newest few
         _BLOCKWISE_VARIANTS.clear()
     _BLOCKWISE_VARIANTS[id(recipe)] = (recipe, variant)

@@ -98,8 +98,8 @@ class FP8Training:
             precision (FP8 off, torch autocast in ``compute_dtype``) and calibrate
             (:class:`~fp8_plugin.modules.calibration.Calibrator`, online): after the last, every
             FP8 layer's scales come from their amaxes and each layer's scaling is chosen by its
-            measured fprop SQNR; the report is :attr:`calibration`. 0 (default): off. A run that
-            loads FP8 state (a resume) does not calibrate again.
+            measured SQNR (fprop and input cast); the report is :attr:`calibration`. 0
+            (default): off. A run that loads FP8 state (a resume) does not calibrate again.
         eval_in_fp8: evaluation forwards (grad off: validation, test, prediction) run the FP8
             layers in FP8 (True, default) or in the reference precision (False).
 

@@ -34,6 +34,9 @@ def test_accelerate_launch_runs_the_causal_lm_example_with_its_config_file(smoll
     check_line = r"^  step +2  reference check: loss FP8 [\d.]+ vs BF16 [\d.]+, grad cosine"
     assert re.search(check_line, out, re.M), out[-3000:]
     assert "FP8 reference checks: 1 run (every 2 steps, policy 'warn')" in out
-    rows = re.findall(r"^(fp8|reference) \S+\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    rows = re.findall(r"^(fp8|reference) \S+\s+([\d.]+)\s+([\d.]+)\s+(\S+)", out, re.M)
     assert [r[0] for r in rows] == ["fp8", "reference"], out[-2000:]
-    assert all(float(before) > 1 and float(after) > 1 for _, before, after in rows)
+    assert all(float(before) > 1 and float(after) > 1 for _, before, after, _ in rows)
+    # The FP8 run validated in FP8 too (its own column), the reference run not.
+    (_, _, _, fp8_in_fp8), (_, _, _, reference_in_fp8) = rows
+    assert float(fp8_in_fp8) > 1 and reference_in_fp8 == "-"

@@ -33,9 +33,11 @@ def test_fp8_lora_example_keeps_the_checkpoint_bytes_and_runs_fprop_and_dgrad_in
         (result,) = example.main(argv)
     # SmolLM2: 30 layers x 7 projections, all frozen in FP8. One step: 210 fprops and the dgrads of
     # the layers whose input requires grad, all but layer 0's q, k, v (their input, the normed
-    # embeddings, is frozen). No wgrad. The perplexities run in high precision (no autocast).
+    # embeddings, is frozen). No wgrad. The perplexities run in high precision (no autocast), then
+    # the FP8 validation after training: 210 fprops for its one batch of 2 blocks.
     assert result["frozen_layers"] == 210
-    assert gemms.count == 210 + 207
+    assert gemms.count == 210 + 207 + 210
+    assert result["ppl_after_fp8"] > 1
     assert result["frozen_unchanged"] is True
     assert result["weight_bytes"] <= 0.55 * result["bf16_bytes"]
     assert result["ppl_after"] > 1 and result["ppl_before"] > 1

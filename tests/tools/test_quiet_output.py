@@ -2,6 +2,7 @@
 another library that a user cannot act on, and each filter drops its one message and nothing else."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,8 @@ def test_the_main_job_prints_no_line_from_another_library(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert "FP8 layers: 36 of 38 linear layers in FP8" in output  # the job ran, in FP8
+    # Its test accuracy twice: FP8 layers in FP8, and in the reference precision.
+    assert re.search(r"^fp8-hybrid +[01]\.\d{4} +[01]\.\d{4} ", output, re.M), output[-2000:]
     assert foreign_lines(output) == []
 
 
