@@ -48,8 +48,8 @@ from .autocast import autocast
 from .experts import FP8ExpertsMixin
 from .linear import FP8Linear
 from .scaling_choice import (
-    CHOICES, CalibrationReport, Fidelity, LayerCalibration, blockwise_allowed, choose, decide, group_of, recomputed,
-    scaling_candidates, sqnr_hook,
+    CHOICES, CalibrationReport, Fidelity, LayerCalibration, all_reduce_on_host, blockwise_allowed, choose, decide,
+    group_of, recomputed, scaling_candidates, sqnr_hook,
 )  # fmt: skip
 
 __all__ = ["calibrate", "Calibrator", "CalibrationReport", "LayerCalibration", "CHOICES", "blockwise_allowed"]
@@ -189,8 +189,7 @@ class Calibrator:
         # [calls, 2 (input, weight)] per linear layer, [calls, 2, projections, experts] per experts module.
         stacked = {n: torch.stack(self._amaxes[n]) for n in names}
         if distributed and names:
-            flat = torch.cat([stacked[n].flatten() for n in names])
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            flat = all_reduce_on_host(torch.cat([stacked[n].flatten() for n in names]), dist.ReduceOp.MAX, group)
             stacked = {n: t.view_as(stacked[n]) for n, t in zip(names, flat.split([stacked[n].numel() for n in names]))}
         report = self.report
         report.batches = max((len(v) for v in self._amaxes.values()), default=0)

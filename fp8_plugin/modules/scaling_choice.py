@@ -28,7 +28,7 @@ from .autocast import autocast
 from .linear import FP8Linear
 
 __all__ = ["CalibrationReport", "LayerCalibration", "CHOICES", "blockwise_allowed", "scaling_candidates", "choose",
-           "decide", "Fidelity", "sqnr_hook", "group_of", "recomputed"]
+           "decide", "Fidelity", "sqnr_hook", "group_of", "recomputed", "all_reduce_on_host"]
 
 #: A layer's outcome: as the recipe in force says, blockwise, or high precision (``use_fp8 = False``).
 CHOICES = ("recipe", "blockwise", "high precision")
@@ -110,6 +110,18 @@ def group_of(process_group: Optional["dist.ProcessGroup"]) -> tuple[Any, bool]:
     return process_group, dist.get_world_size(process_group) > 1
 
 
+def all_reduce_on_host(values: torch.Tensor, op: "dist.ReduceOp", group: Any) -> torch.Tensor:
+    """``values`` (a CPU tensor) all-reduced over ``group`` in place, and returned: through the
+    current CUDA device where the group's backend is NCCL, which reduces no CPU tensor."""
+    if dist.get_backend(group) == "nccl":
+        on_device = values.cuda()
+        dist.all_reduce(on_device, op=op, group=group)
+        values.copy_(on_device.cpu())
+    else:
+        dist.all_reduce(values, op=op, group=group)
+    return values
+
+
 def recomputed() -> bool:
     """Whether this forward is activation checkpointing's rerun in a backward (a calibration
     step's batch, recorded once already)."""
@@ -162,8 +174,7 @@ def decide(layers: dict[str, FP8Linear], measured: dict[str, tuple], energies: d
     layers' ``fp8_scaling`` or ``use_fp8``."""
     group, distributed = group_of(process_group)
     if distributed and energies:
-        flat = torch.cat([energies[n].sums for n in measured])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = all_reduce_on_host(torch.cat([energies[n].sums for n in measured]), dist.ReduceOp.SUM, group)
         for n, part in zip(measured, flat.split([energies[n].sums.numel() for n in measured])):
             energies[n].sums = part
     rows = {row.name: row for row in report.layers}

@@ -231,7 +231,7 @@ def run(scenario: str, out: Path) -> None:
 
 
 SCENARIOS = ("ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2",
-             "statistics", "statistics-fsdp2", "experts-ddp", "experts-fsdp2", "fsdp-fp8-current")
+             "statistics", "statistics-fsdp2", "experts-ddp", "experts-fsdp2", "fsdp-fp8-current", "calibration")
 
 
 def run_other(scenario: str, out: Path) -> bool:
@@ -248,6 +248,10 @@ def run_other(scenario: str, out: Path) -> bool:
         import experts_worker
 
         experts_worker.run(scenario.split("-", 1)[1], out)
+    elif scenario == "calibration":
+        import calibration_worker
+
+        calibration_worker.run(out)
     elif scenario.startswith("fsdp-fp8-"):
         import fsdp_fp8_worker
 
