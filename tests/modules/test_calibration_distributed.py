@@ -6,7 +6,6 @@ Only rank 1's batches hold a massive activation: without the reductions rank 0 w
 per-tensor scaling for that layer and a smaller input scale than rank 1's.
 """
 
-
 from calibration_worker import batches
 from test_distributed import assert_identical
 
