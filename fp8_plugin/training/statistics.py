@@ -13,6 +13,10 @@ them (:meth:`StatisticsCollector.pop_metrics`, one host read); loops log them on
 
 ``fp8_stats/<layer>/<role>/{amax, scale_min, scale_max, underflow_pct, saturation_pct, mse, sqnr_db}``
 
+and, per ``FP8Linear``, ``fp8_stats/<layer>/blockwise``: 1.0 where the layer's scaling choice
+(``FP8Linear.fp8_scaling``, set by a calibration or a reference check's fallback) is blockwise,
+else 0.0 (its casts, and so the figures above, are then 1x128 / 128x128 blockwise ones).
+
 MoE experts (:mod:`fp8_plugin.modules.experts`) report per projection
 (``<experts>.gate_up_proj``, ``<experts>.down_proj``): the casts of all their experts, each with
 its own scale, added up as micro-batches are (scale_min / scale_max span the experts).
@@ -127,6 +131,8 @@ class StatisticsCollector:
         self._sums: dict[tuple[str, int], torch.Tensor] = {}
         # (layer, role) -> its latest sampled figures, reduced, float64 [9] on the device.
         self._pending: dict[tuple[str, int], torch.Tensor] = {}
+        # layer -> whether its sampled casts were blockwise (a host-side switch: no device read).
+        self._blockwise: dict[str, bool] = {}
 
     def start_step(self, model: nn.Module, step: int) -> None:
         """Attach the hooks if optimizer step ``step`` (1-based) is sampled (once per step)."""
@@ -156,6 +162,7 @@ class StatisticsCollector:
             if context is None or context.recipe is None or not context.training:
                 return  # a high-precision or evaluation forward: not what training casts
             recipe = context.recipe
+            self._blockwise[name] = layer.fp8_scaling == "blockwise"
             with torch.no_grad():
                 x2d = args[0].detach().reshape(-1, layer.in_features)
                 self._add(name, INPUT, x2d, recipe, layer.fp8_state)
@@ -214,6 +221,9 @@ class StatisticsCollector:
         one host read, none when nothing was sampled."""
         if not self._pending:
             return {}
+        choices = {f"{METRIC_PREFIX}{name + '/' if name else ''}blockwise": float(flag)
+                   for name, flag in self._blockwise.items()}
+        self._blockwise = {}
         keys = sorted(self._pending)
         rows = torch.stack([self._pending[k] for k in keys]).tolist()
         self._pending = {}
@@ -231,6 +241,7 @@ class StatisticsCollector:
                 prefix + "mse": noise / numel if numel else 0.0,
                 prefix + "sqnr_db": 10.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf,
             })  # fmt: skip
+        metrics.update(choices)
         return metrics
 
 

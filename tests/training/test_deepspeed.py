@@ -37,7 +37,7 @@ def _check_statistics(logged: list, r0: dict, r1: dict, prefix: str) -> None:
     # logged: (optimizer step, fp8_stats/ figures) of the sampled steps; prefix: the layers' path.
     assert [step for step, _ in logged] == list(range(STATS_EVERY, STEPS + 1, STATS_EVERY))
     for step, metrics in logged:
-        assert len(metrics) == 3 * 3 * 7  # layers x roles x figures
+        assert len(metrics) == 3 * 3 * 7 + 3  # layers x roles x figures, and each layer's scaling choice
         assert all(f"fp8_stats/{prefix}{layer}/{role}/sqnr_db" in metrics
                    for layer in "024" for role in ("input", "weight", "grad_output"))
         first = (step - 1) * GRAD_ACCUM  # the step's micro-batches, on each rank
@@ -326,7 +326,7 @@ def test_fp8_trainer_with_deepspeed_dict_trains_in_fp8_and_resumes_bit_for_bit(t
     # The statistics in the Trainer's logs at steps 2 and 4, every layer and role, the same on
     # both ranks (reduced over DeepSpeed's data-parallel group).
     assert [step for step, _ in r0["statistics"]] == list(range(STATS_EVERY, STEPS + 1, STATS_EVERY))
-    assert all(len(metrics) == 3 * 3 * 7 and all(f"fp8_stats/{layer}/{role}/amax" in metrics for layer in "024"
+    assert all(len(metrics) == 3 * 3 * 7 + 3 and all(f"fp8_stats/{layer}/{role}/amax" in metrics for layer in "024"
                                                  for role in ("input", "weight", "grad_output"))
                for _, metrics in r0["statistics"])
     assert r0["statistics"] == r1["statistics"]

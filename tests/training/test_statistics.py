@@ -82,6 +82,20 @@ def test_block_recipes_report_the_range_of_their_block_scales():
     assert metrics["fp8_stats/input/scale_min"] == 2.0 ** (8 - math.floor(math.log2(96.0)))
 
 
+def test_a_layer_moved_to_blockwise_reports_its_choice_and_its_block_scales():
+    # Float8BlockScaling (TE): 1x128 input tiles, scale 2^floor(log2(448 / amax)) (power_2_scale).
+    # Two rows of one tile each, amaxes 1.0 and 96.0: scales 2^8 and 2^2.
+    layer = FP8Linear(128, 16, bias=False, recipe=DelayedScaling())
+    x = torch.full((2, 128), 0.5)
+    x[0, 3], x[1, 7] = 1.0, 96.0
+    assert _sampled_step(layer, x)["fp8_stats/blockwise"] == 0.0
+    layer.fp8_scaling = "blockwise"
+    metrics = _sampled_step(layer, x)
+    assert metrics["fp8_stats/blockwise"] == 1.0
+    assert metrics["fp8_stats/input/scale_max"] == 2.0 ** math.floor(math.log2(448 / 1.0))
+    assert metrics["fp8_stats/input/scale_min"] == 2.0 ** math.floor(math.log2(448 / 96.0))
+
+
 def test_statistics_are_sampled_every_n_steps_only_for_matching_layers():
     collector = StatisticsCollector(FP8Statistics(every=3, layers=["2"]))
     model = nn.Sequential(FP8Linear(16, 16), nn.ReLU(), FP8Linear(16, 16))
@@ -134,7 +148,8 @@ def test_lightning_logs_the_sampled_statistics_to_the_trainers_logger():
     for _, metrics in sampled:
         keys = {k for k in metrics if k.startswith("fp8_stats/")}
         assert keys == {f"fp8_stats/net.2/{role}/{name}" for role in ("input", "weight", "grad_output")
-                        for name in fp8_plugin.training.statistics.STAT_NAMES}
+                        for name in fp8_plugin.training.statistics.STAT_NAMES} | {"fp8_stats/net.2/blockwise"}
+        assert metrics["fp8_stats/net.2/blockwise"] == 0.0  # per-tensor scaling, as converted
         assert metrics["fp8_stats/net.2/weight/amax"] > 0
 
 
@@ -164,7 +179,7 @@ def test_ranks_report_the_same_figures_reduced_over_both_ranks_inputs_with_or_wi
     # forward casts it, and reduce over the ranks as above: every figure is the unsharded run's.
     sharded = distributed_runs("statistics-fsdp2")
     assert sharded["rank0"]["metrics"] == sharded["rank1"]["metrics"] == metrics
-    assert {k.split("/")[1] for k in metrics} == {"input", "weight", "grad_output"}
+    assert {k.split("/")[1] for k in metrics} == {"input", "weight", "grad_output", "blockwise"}
 
 
 def test_accelerate_hands_the_sampled_statistics_to_its_trackers_and_the_trainer_log():
