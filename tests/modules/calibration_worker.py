@@ -14,6 +14,8 @@ import fp8_plugin
 
 
 class TwoBranches(nn.Module):
+    """Two FP8 candidate layers of 256 -> 32, each on its own input: ``forward(x, y)``."""
+
     def __init__(self):
         super().__init__()
         self.outliers = nn.Linear(256, 32)

@@ -16,6 +16,7 @@ from torch import nn
 
 import fp8_plugin as fp
 from fp8_plugin.numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT
+from calibration_worker import TwoBranches  # two FP8 layers, each on its own input
 from reference import E4M3_MAX, count_fp8_gemms, fp8_operand, gemm_error_bound
 
 E4M3 = torch.float8_e4m3fn
@@ -85,16 +86,6 @@ def _block_values(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def _token_mean_sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
     ratio = (got - want).square().sum(1) / want.square().sum(1)
     return -10 * math.log10(float(ratio.mean()))
-
-
-class TwoBranches(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.outliers = nn.Linear(256, 32)
-        self.plain = nn.Linear(256, 32)
-
-    def forward(self, x, y):
-        return self.outliers(x), self.plain(y)
 
 
 def _outlier_batches(n=2):
