@@ -39,11 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..numerics.device_kind import fp8_family
-from ..numerics.formats import fp8_dtype, fp8_max
-from ..numerics.quantizers import INPUT, WEIGHT, ScalingState
+from ..numerics.quantizers import INPUT, WEIGHT, ScalingState, update_delayed_scaling
 from ..numerics.recipes import DelayedScaling, Recipe
-from ..numerics.scaling import scale_from_amax
 from .autocast import autocast
 from .experts import FP8ExpertsMixin
 from .linear import FP8Linear
@@ -192,13 +189,14 @@ class Calibrator:
             flat = all_reduce_on_host(torch.cat([stacked[n].flatten() for n in names]), dist.ReduceOp.MAX, group)
             stacked = {n: t.view_as(stacked[n]) for n, t in zip(names, flat.split([stacked[n].numel() for n in names]))}
         report = self.report
+        updates: dict = {}  # (delayed recipe, role) -> the states its update makes scales for
         report.batches = max((len(v) for v in self._amaxes.values()), default=0)
         for name, layer in self.layers.items():
             if name not in stacked:  # never called by the batches: left as it was
                 continue
             history = stacked[name]
-            _fill(layer.fp8_state, self.recipe or layer.recipe, {INPUT: history[:, 0], WEIGHT: history[:, 1]})
-            layer.clear_weight_cache()
+            _fill(layer.fp8_state, self.recipe or layer.recipe, {INPUT: history[:, 0], WEIGHT: history[:, 1]},
+                  updates)
             report.layers.append(LayerCalibration(name, "linear", float(history[:, 0].max()),
                                                   float(history[:, 1].max())))
         for name, module in self.experts.items():
@@ -209,12 +207,16 @@ class Calibrator:
                 shared_input = history[:, 0, p].amax(dim=1)  # every expert: the module's tokens
                 for e, member in enumerate(module.fp8_scaling[proj]):
                     _fill(member.fp8_state, self.recipe or module.recipe,
-                          {INPUT: shared_input, WEIGHT: history[:, 1, p, e]})
-            module.clear_weight_cache()
+                          {INPUT: shared_input, WEIGHT: history[:, 1, p, e]}, updates)
             report.layers.append(LayerCalibration(name, "experts", float(history[:, 0].max()),
                                                   float(history[:, 1].max()),
                                                   reason="experts keep the recipe; each expert's input scale covers "
                                                          "all the module's tokens"))
+        _update(updates)
+        for layer in self.layers.values():  # weight casts made with the scales before
+            layer.clear_weight_cache()
+        for module in self.experts.values():
+            module.clear_weight_cache()
         self._amaxes = {}
         if self.online:
             decide(self.layers, self._candidates, self._energies, report, process_group)
@@ -279,12 +281,14 @@ def _expert_projection(module: FP8ExpertsMixin, proj: str, h: torch.Tensor, e: i
     return out
 
 
-def _fill(state: ScalingState, recipe: Recipe, per_role: dict[int, torch.Tensor]) -> None:
-    # The calibration amaxes (oldest first) into the history, newest in column 1: column 0 is the
-    # current step's slot, which the first training step records into and its update rolls
-    # (a history of length 1 has only that slot: it holds the largest amax). The scale follows
-    # from the recipe as the delayed update computes it; block and current scaling compute
-    # theirs at the cast, and keep the amax for statistics.
+def _fill(state: ScalingState, recipe: Recipe, per_role: dict[int, torch.Tensor], updates: dict) -> None:
+    # The calibration amaxes (oldest first) into the history, newest in column 0, as a step's
+    # amax stands before its update; delayed scaling's own update (``_update``, for all the
+    # states at once) then makes the scales from them and rolls the history, so the newest lands
+    # in column 1 and column 0 is the first training step's slot. The roll drops the last
+    # column: at most length - 1 amaxes are kept (a history of length 1 keeps none, its scale
+    # from the largest). Block and current scaling compute their scales at the cast, and keep
+    # the largest amax for statistics.
     device = state.device
     with torch.no_grad():
         if isinstance(recipe, DelayedScaling):
@@ -297,16 +301,18 @@ def _fill(state: ScalingState, recipe: Recipe, per_role: dict[int, torch.Tensor]
                 row[0] = newest_first.max()
             else:
                 n = min(length - 1, newest_first.numel())
-                row[1:1 + n] = newest_first[:n]
+                row[:n] = newest_first[:n]
             state.amax_history[role].copy_(row)
             state.pending.pop(role, None)
-            if not isinstance(recipe, DelayedScaling):
-                continue
-            amax = recipe.reduce_history(row[1:] if length > 1 else row)
-            dtype = fp8_dtype(recipe.fp8_format, backward=False, family=fp8_family(device))
-            scale = scale_from_amax(amax.reshape(()), fp8_max(dtype), recipe.margin, state.scale[role])
-            state.scale[role] = scale
-            state.initialized[role] = bool((amax > 0) & torch.isfinite(amax))
+            if isinstance(recipe, DelayedScaling):
+                state.initialized[role] = False  # the calibrated scale replaces any earlier one
+                updates.setdefault((recipe, role), []).append(state)
         state._forget_initialized()
+
+
+def _update(updates: dict) -> None:
+    # Delayed scaling's update of every calibrated state: scale = (FP8_MAX / amax) / 2**margin
+    # from the recipe's amax_compute_algo over the history, then the roll (quantizers.delayed_update).
+    update_delayed_scaling([(recipe, role, states) for (recipe, role), states in updates.items()])
 
 
