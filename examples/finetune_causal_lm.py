@@ -131,6 +131,16 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int, device: torch.devic
     return math.exp(total / len(blocks))
 
 
+def perplexity_in_fp8(model, blocks: torch.Tensor, batch_size: int, device: torch.device, dtype: torch.dtype) -> float:
+    """:func:`perplexity` with the FP8 layers in FP8 and the other ops in ``dtype``: the model as
+    it would serve in FP8. The Accelerator validates as its ``use_autocast_during_eval`` says
+    (off by default: the reference precision, the model as its saved checkpoint runs);
+    docs/calibration.md. Grad off first: evaluation forwards, recording no amax."""
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype == torch.bfloat16), \
+            fp8_plugin.autocast():
+        return perplexity(model, blocks, batch_size, device)
+
+
 @contextmanager
 def without_fp8_config():
     """Hide the ``fp8_config`` that ``accelerate launch`` exports (``ACCELERATE_FP8_*``): Accelerate's
@@ -243,12 +253,7 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
     ppl = perplexity(model, val_blocks, args.batch_size, accelerator.device)
     ppl_fp8 = None
     if precision == "fp8":
-        # The Accelerator validates as its use_autocast_during_eval says (off by default: the
-        # reference precision, the model as its saved checkpoint runs); this is the model as it
-        # would serve in FP8 (docs/calibration.md).
-        with torch.no_grad(), torch.autocast(accelerator.device.type, dtype=dtype, enabled=dtype == torch.bfloat16), \
-                fp8_plugin.autocast():
-            ppl_fp8 = perplexity(model, val_blocks, args.batch_size, accelerator.device)
+        ppl_fp8 = perplexity_in_fp8(model, val_blocks, args.batch_size, accelerator.device, dtype)
     accelerator.free_memory()
     timed = times[1:] or times  # the first step warms up
     return {"precision": label, "ppl_after": ppl, "ppl_after_fp8": ppl_fp8,

@@ -48,6 +48,7 @@ from finetune_causal_lm import (  # noqa: E402  (the causal-LM example's checkpo
     load_blocks,
     machine,
     perplexity,
+    perplexity_in_fp8,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -174,11 +175,7 @@ def train(run: str, args, dtype: torch.dtype) -> dict:
     ppl_after = perplexity(model, val_blocks, args.batch_size, accelerator.device)
     ppl_after_fp8 = None
     if run == "fp8":
-        # The Accelerator validates in its reference precision (use_autocast_during_eval off):
-        # the FP8 run validated with its FP8 layers in FP8 too (docs/calibration.md).
-        with torch.no_grad(), torch.autocast(accelerator.device.type, dtype=dtype, enabled=dtype == torch.bfloat16), \
-                fp8_plugin.autocast():
-            ppl_after_fp8 = perplexity(model, val_blocks, args.batch_size, accelerator.device)
+        ppl_after_fp8 = perplexity_in_fp8(model, val_blocks, args.batch_size, accelerator.device, dtype)
     unchanged = frozen_digests(model) == stored
     timed = times[1:] or times  # the first step warms up
     return {"run": run, "ppl_before": ppl_before, "ppl_after": ppl_after, "ppl_after_fp8": ppl_after_fp8,

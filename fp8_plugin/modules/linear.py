@@ -380,8 +380,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             return self._recompute(x, self._forward_context)
         context = current_context()
         training = context.training
-        recipe = (context.recipe or self.recipe) if (self.use_fp8 and context.enabled) else None
-        if recipe is not None and self.fp8_state.scaling != "recipe":
+        state = self.fp8_state  # read once: a submodule lookup costs host time every step
+        recipe = (context.recipe or self.recipe) if (state.use_fp8 and context.enabled) else None
+        if recipe is not None and state.scaling != "recipe":
             recipe = blockwise_variant(recipe)
         gemms = self.gemms_in_fp8(recipe) if recipe is not None else (False, False, False)
         if not any(gemms):  # no GEMM in FP8: the layer runs as the one it replaced
