@@ -20,8 +20,12 @@ static input and output buffers) with the FP8 work around it:
   the scales the update wrote in place.
 
 So a graphed module trains as its eager self does, bit for bit: same kernels, same scales, same
-order. Gradient accumulation works (each replay's parameter gradients are accumulated by
-autograd); activation checkpointing inside the module is captured with its recompute.
+order. Gradient accumulation works: torch's replay returns the gradients in the graph's static
+buffers, and autograd keeps a gradient it is handed as a parameter's ``.grad`` where that is
+still None, so the next micro-batch's replay would overwrite the gradient accumulated so far
+(pytorch/pytorch#181723); ``clone_param_grads_on_return`` (Transformer Engine's name, default
+True) hands autograd a copy there instead, and a leaf input's gradient likewise. Activation
+checkpointing inside the module is captured with its recompute.
 
 Differences from Transformer Engine's function of the same name: FP8 modules only (a callable
 that is not an ``nn.Module`` has no FP8 state to keep), and ``fp8_enabled`` defaults to True; no
@@ -35,6 +39,7 @@ data-dependent). Arguments that are not tensors (``None``, flags) are constants 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -189,8 +194,8 @@ class _GraphedFP8:
 
     def __init__(self, module: nn.Module, name: str, signature: StaticSignature,
                  marks: list[tuple[ScalingState, int, Recipe]], eager_forward: Any, graphed: nn.Module,
-                 fp8: bool = True) -> None:
-        self.module, self.name, self.signature, self.fp8 = module, name, signature, fp8
+                 fp8: bool = True, own_grads: bool = True) -> None:
+        self.module, self.name, self.signature, self.fp8, self.own_grads = module, name, signature, fp8, own_grads
         self.marks, self.eager_forward, self.graphed = marks, eager_forward, graphed
         self.groups = list({id(layer.scaling_group): layer.scaling_group for layer in module.modules()
                             if isinstance(getattr(layer, "scaling_group", None), ScalingGroup)}.values())
@@ -201,6 +206,10 @@ class _GraphedFP8:
             # eager forward (the graph records amaxes).
             return self.eager_forward(*args, **kwargs)
         tensors = self.signature.flat_tensors(args, kwargs, self.name)
+        if self.own_grads:
+            for t in tensors:
+                if t.is_leaf and t.requires_grad:  # its .grad would be the graph's buffer
+                    t.register_hook(torch.clone)
         if not self.fp8:  # captured in high precision (fp8_enabled=False): no FP8 state to keep
             return self.graphed(*tensors)
         context = current_context()
@@ -228,6 +237,7 @@ def make_graphed_callables(
     fp8_enabled: bool = True,
     fp8_recipe: Optional[Recipe] = None,
     pool: Optional[Any] = None,
+    clone_param_grads_on_return: bool = True,
 ) -> Union[nn.Module, tuple[nn.Module, ...]]:
     """FP8 modules whose training forward and backward replay CUDA graphs (Transformer Engine's
     name and arguments; module docstring for what differs).
@@ -251,6 +261,11 @@ def make_graphed_callables(
             enabled=False)``). Default True, unlike Transformer Engine's: these are FP8 modules.
         fp8_recipe: the recipe of the capture (None: the layers' own), as ``fp8_plugin.autocast(recipe=...)``.
         pool: a CUDA graph memory pool to share (``torch.cuda.graph_pool_handle()``).
+        clone_param_grads_on_return: give autograd a copy of a replay's parameter gradient where
+            the parameter's ``.grad`` is None (the first micro-batch of a step), not the graph's
+            static buffer, which the next replay overwrites (Transformer Engine 2.19's argument).
+            One copy per parameter and step. False only where every gradient is consumed before
+            the next replay (no gradient accumulation, or one into buffers of the loop's own).
 
     Returns:
         The module, or the tuple of modules, graphed.
@@ -303,8 +318,14 @@ def make_graphed_callables(
                  for states in states_of]
     _restore(all_states, saved)
     _clear_weight_caches(mods)
+    if clone_param_grads_on_return:
+        for module in mods:
+            for param in module.parameters():
+                if param.requires_grad:
+                    param.register_hook(_OwnFirstGrad(param))
     for module, name, signature, mark, forward, graphed in zip(mods, names, signatures, marks, eager, flat):
-        module.forward = _GraphedFP8(module, name, signature, mark, forward, graphed, fp8_enabled)
+        module.forward = _GraphedFP8(module, name, signature, mark, forward, graphed, fp8_enabled,
+                                     clone_param_grads_on_return)
     return mods[0] if single else mods
 
 
@@ -335,6 +356,19 @@ def _restore(states: list[ScalingState], saved: list[tuple[dict[str, torch.Tenso
                 t.copy_(tensors[name])
             state.kernel_workspace.zero_()
             state.pending = pending
+
+
+class _OwnFirstGrad:
+    """A parameter's gradient hook: a copy of the gradient where autograd would keep it as the
+    parameter's ``.grad`` (None so far), so that a replay's static buffer never becomes one; later
+    micro-batches are added into that copy in place. Holds the parameter weakly."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = weakref.ref(param)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        param = self.param()
+        return grad.clone() if param is not None and param.grad is None else grad
 
 
 def _clear_weight_caches(modules: Sequence[nn.Module]) -> None:

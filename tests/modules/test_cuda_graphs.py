@@ -38,10 +38,40 @@ def converted(recipe):
     return model
 
 
+class _StaticReplay(torch.autograd.Function):
+    """A replay as torch's graphed autograd function runs it (torch/cuda/graphs.py, ``Graphed``):
+    its inputs are the call's tensors and the module's parameters; the backward writes every
+    gradient into a static buffer of the graph and returns those buffers detached, so autograd
+    sees tensors that the next replay overwrites."""
+
+    @staticmethod
+    def forward(ctx, run, buffers, n_args, *tensors):
+        args = [t.detach().requires_grad_(t.requires_grad) for t in tensors[:n_args]]
+        with torch.enable_grad():
+            out = run(*args)
+        ctx.run_out, ctx.inputs, ctx.buffers = out, args + list(tensors[n_args:]), buffers
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        wanted = [t for t in ctx.inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(ctx.run_out, wanted, grad, allow_unused=True))
+        returned = []
+        for i, t in enumerate(ctx.inputs):
+            g = next(grads) if t.requires_grad else None
+            if g is not None:
+                buffer = ctx.buffers.setdefault(i, torch.empty_like(g))
+                buffer.copy_(g)
+                g = buffer.detach()  # torch's return: the static buffer itself
+            returned.append(g)
+        return (None, None, None, *returned)
+
+
 def emulated_capture(callables, sample_args, num_warmup_iters=3, allow_unused_input=False, pool=None):
     # torch.cuda.make_graphed_callables as the FP8 code sees it: warm-up forward-backward runs,
     # one capture run (its Python runs; on a GPU its kernels are recorded), then a forward that
-    # replays: the captured kernels again, no Python of the module, so no host-side FP8 record.
+    # replays: the captured kernels again, no Python of the module, so no host-side FP8 record,
+    # and gradients returned in the graph's static buffers (_StaticReplay).
     for module, args in zip(callables, sample_args):
         params = tuple(p for p in module.parameters() if p.requires_grad)
         inputs = tuple(a for a in args if a.requires_grad) + params
@@ -50,10 +80,11 @@ def emulated_capture(callables, sample_args, num_warmup_iters=3, allow_unused_in
             torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=allow_unused_input)
         eager = module.forward
         states = [m for m in module.modules() if isinstance(m, ScalingState)]
+        buffers = {}
 
-        def replay(*user_args, eager=eager, states=states):
+        def replay(*user_args, eager=eager, states=states, params=params, buffers=buffers):
             pending = [dict(s.pending) for s in states]
-            out = eager(*user_args)
+            out = _StaticReplay.apply(eager, buffers, len(user_args), *user_args, *params)
             for s, p in zip(states, pending):
                 s.pending = p
             return out
