@@ -30,7 +30,9 @@ meta, the GPU's own on a real one) holds, for the length of one test:
   ``_scaled_mm_v2``, ``_scaled_grouped_mm``) with their operands' shapes and strides, float32
   ``mm`` (the emulation's GEMM), reads of a device tensor's value on the host
   (``_local_scalar_dense``, copies to the CPU: a host sync on a GPU; on meta tensors an error
-  anyway, on a real GPU they succeed, so this record is what catches them there), copies of CPU
+  anyway, on a real GPU they succeed, so this record is what catches them there; a non-blocking
+  ``copy_`` into pinned host memory waits in the stream only and is recorded apart, as
+  ``async_host_copies``: the scale update sends the ``initialized`` flags back so), copies of CPU
   tensors to the device (a blocking host-to-device copy waits for the GPU's queue: a sync too;
   one made by ``torch.tensor(list, device=...)`` happens below the dispatcher and is not seen; a
   non-blocking one from pinned memory waits in the stream only and is not recorded),
@@ -147,6 +149,7 @@ class Contract:
     host_reads: list[str] = field(default_factory=list)
     to_device_copies: list[str] = field(default_factory=list)
     mixed_devices: list[str] = field(default_factory=list)
+    async_host_copies: list[str] = field(default_factory=list)  # non-blocking, into pinned memory: no sync
     float32_mm: int = 0
     rng_states: dict = field(default_factory=dict)
     # (op, [(shape, stride, dtype) of each tensor operand]) of each scaled GEMM call.
@@ -205,6 +208,7 @@ class Contract:
         self.host_reads.clear()
         self.to_device_copies.clear()
         self.mixed_devices.clear()
+        self.async_host_copies.clear()
         self.float32_mm = 0
         self.gemms.clear()
         self.fast_accum.clear()
@@ -241,9 +245,17 @@ class _Recorder(TorchDispatchMode):
             c.host_reads.append(name)
         if name == "aten._to_copy.default" and devices == {"cpu"} and target == gpu and not _async_copy(tensors, kwargs):
             c.to_device_copies.append(f"{name}: {[tuple(t.shape) for t in tensors]}")
-        mixed = _mixed_devices(func, name, tensors, args, kwargs, gpu)
-        if mixed:
-            c.mixed_devices.append(mixed)
+        to_host = name == "aten.copy_.default" and args[0].device.type == "cpu" and args[1].device.type == gpu
+        if to_host and _async_copy([args[0]], {"non_blocking": args[2] if len(args) > 2 else kwargs.get("non_blocking")}):
+            # Into pinned memory without blocking: the copy waits in the stream, the host reads the
+            # values once an event says so (the scale update's initialized flags): no sync.
+            c.async_host_copies.append(f"{name}: {[tuple(t.shape) for t in tensors]}")
+        elif to_host:
+            c.host_reads.append(name)  # a blocking device-to-host copy waits for the GPU
+        else:
+            mixed = _mixed_devices(func, name, tensors, args, kwargs, gpu)
+            if mixed:
+                c.mixed_devices.append(mixed)
         if name in ("aten.mm.default", "aten.addmm.default") and any(t.dtype == torch.float32 for t in tensors):
             c.float32_mm += 1
         if name in SCALED_GEMMS:

@@ -127,6 +127,23 @@ def test_harness_records_host_reads_and_host_to_device_copies(cuda):
         cuda.clean()
 
 
+def test_recorder_lets_a_non_blocking_copy_into_pinned_memory_through_and_flags_a_blocking_one(cuda):
+    # The scale update sends the initialized flags to the host so (scale_update._publish_initialized):
+    # the H100 run of 2026-11-27 failed five training-step tests on the GPU, which had recorded that
+    # copy as a CPU tensor mixed into a device op.
+    if not cuda.real:
+        pytest.skip("pinned memory and a device-to-host copy need a real GPU (meta tensors hold no values)")
+    flags = torch.ones(4, dtype=torch.int8, device=cuda.device)
+    host = torch.empty(4, dtype=torch.int8, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    assert cuda.async_host_copies == ["aten.copy_.default: [(4,), (4,)]"]
+    assert not cuda.host_reads and not cuda.mixed_devices
+    torch.empty(4, dtype=torch.int8).copy_(flags)  # pageable memory: the copy blocks the host
+    assert cuda.host_reads == ["aten.copy_.default"] and not cuda.mixed_devices
+    with pytest.raises(AssertionError):
+        cuda.clean()
+
+
 # torch's memory-efficient attention returns the philox seed and offset of its dropout as 0-dim
 # int64 tensors on the host, and its backward takes them back: values the forward read from the
 # generator on the host, no sync (conftest.py HOST_RNG_ARGUMENTS). [B, H, S, D] for the SDPA op,
