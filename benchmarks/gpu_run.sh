@@ -7,36 +7,39 @@
 #   1. device.txt     date, commit, torch / CUDA / Triton versions, the GPU as torch reports it,
 #                     describe_device() (which recipes run natively), nvidia-smi;
 #   2. contract.txt   the CUDA contract suite on the GPU itself (FP8_CONTRACT_DEVICE=cuda);
-#   3. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
-#                     time goes, per recipe, against nn.Linear (HOST_RECIPES narrows the recipes);
-#   4. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
-#   5. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
-#   6. models.md/json the model table (benchmarks/model_table.py): 125M, 1B and an 8B-shaped block at
+#   3. models.md/json the model table (benchmarks/model_table.py): 125M, 1B and an 8B-shaped block at
 #                     sequence 2048, bf16-mixed / fp8-hybrid / torchao, eager, CUDA graphs and
-#                     compiled, each run a process of its own; torchao's wheel is installed for
-#                     this step alone where one was carried in (TORCHAO_WHEEL_DIR, default wheels/);
-#   7. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
+#                     compiled, each run a process of its own, the missing figures first; torchao's
+#                     wheel is installed for this step alone where one was carried in
+#                     (TORCHAO_WHEEL_DIR, default wheels/);
+#   4. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling; a graph
+#                     break is reported with its reason and the user line it broke at);
+#   5. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
+#                     time goes, per recipe, against nn.Linear (HOST_RECIPES narrows the recipes);
+#   6. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
+#   7. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
+#   8. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
 #                     against the emulation, one line each (crash-isolated);
-#   8. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling);
 #   9. contract_meta.log  the contract suite on meta tensors against this machine's torch, with the
 #                     time left (GPU run only).
 #
-# What each step costs on an H100, its cap in brackets: device a few seconds [45]; contract about
-# 100 s [120] (the first H100 runs); host [45]; layer [70]; model [60]; models [240, its runs stop
-# 10 s before]; probe about 60 s [90]; compiled [100] and contract_meta [120] get what is left,
-# usually little or nothing.
+# What each step cost on the H100 of 2026-11-27, its cap in brackets: device 13 s [45]; contract
+# over 120 s [150]; models 234 s [240, its runs stop 10 s before]; compiled 29 s [60]; host 36 s
+# [45]; layer 22 s [70]; model 29 s [60]; probe 22 s [90]; contract_meta 47 s [120] gets what is
+# left. A step stopped at its cap gets SIGINT (pytest then reports the failures so far), SIGKILL
+# 10 s later.
 #
 # OUTPUT_DIR (default runs/benchmarks/gpu-<UTC time>) receives two files: gpu_run.tar.gz (all of the
 # above, and each step's log) and summary.txt (one line per step: passed / failed / timed out, and
 # seconds). The device machine returns at most 8 files: these two leave room.
 #
 # --device cpu rehearses the same command on a CPU (tests/benchmarks/test_gpu_run.py runs it): the probe on
-# CPU, the contract suite on meta tensors in step 3, the layer and model steps at CPU sizes.
+# CPU, the contract suite on meta tensors in step 2, the layer and model steps at CPU sizes.
 #
 # PYTHON picks the interpreter (default python3); BUDGET_S the whole command's limit (default 560,
 # under the device machine's 600 s per command); CONTRACT_TESTS the contract suite's tests (default
-# tests/cuda_contract), LAYER_SHAPES the layer shapes of steps 4 and 7 (MxKxN,...; the last one is
-# compiled), COMPILE_VARIANTS the layers compiled in step 7 (default bf16,delayed,current) and
+# tests/cuda_contract), LAYER_SHAPES the layer shapes of steps 6 and 4 (MxKxN,...; the last one is
+# compiled), COMPILE_VARIANTS the layers compiled in step 4 (default bf16,delayed,current) and
 # MODEL_RUNS the model table's runs (precision:mode,...; default all): the test suite's rehearsal
 # narrows them.
 set -u -o pipefail
@@ -90,7 +93,9 @@ step() {
     local began=$(date +%s)
     # bash -c: a step may be one of this script's functions (exported below); STEP_LIMIT_S tells
     # a step that keeps its own budget (the model table) how long it has.
-    STEP_LIMIT_S=$limit timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$WORK/$name.log"
+    # SIGINT at the limit, not SIGTERM: pytest then prints the failures so far and writes its
+    # report (the H100 run of 2026-11-27 lost the contract step's failures to a SIGTERM).
+    STEP_LIMIT_S=$limit timeout --signal=INT --kill-after=10 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$WORK/$name.log"
     local status=${PIPESTATUS[0]}
     local took=$(( $(date +%s) - began ))
     local verdict
@@ -174,22 +179,25 @@ else
 fi
 if [ -n "$LAYER_SHAPES" ]; then SHAPES=$LAYER_SHAPES; BIG=${LAYER_SHAPES##*,}; fi
 
-# Most valuable first: the contract suite on the GPU holds the newest GPU-only tests (cached
-# launches, CUDA graphs against eager); the probe's GEMM variants all passed on three GPU runs.
+# Most valuable first. The contract suite on the GPU holds the GPU-only tests (CUDA graphs
+# against eager bit for bit, cached launches); the model table answers issue 43's targets; the
+# compiled layer names where torch.compile breaks the graph; the host profile, the layer step and
+# the suite's model section were measured on the H100 on 2026-11-27, and the probe's GEMM variants
+# all passed on four GPU runs.
 step device 45 device_report
 cp "$WORK/device.log" "$WORK/device.txt"
-step contract 120 contract "$CONTRACT"
+step contract 150 contract "$CONTRACT"
 cp "$WORK/contract.log" "$WORK/contract.txt"
+step models 240 models
+step compiled 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$BIG" \
+    --steps 5 --warmup 2 --compile --compile-variants "$COMPILE_VARIANTS" --output "$WORK/compiled.json"
 step host 45 host_profiles
 step layer 70 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
     --steps 5 --warmup 2 --output "$WORK/layer.json"
 # shellcheck disable=SC2086  # MODEL holds several arguments
 step model 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections model $MODEL \
     --steps 3 --warmup 1 --output "$WORK/model.json"
-step models 240 models
 step probe 90 "$PYTHON" benchmarks/gpu_probe.py --device "$DEVICE" --timeout 20 --output "$WORK/probe.txt"
-step compiled 100 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$BIG" \
-    --steps 5 --warmup 2 --compile --compile-variants "$COMPILE_VARIANTS" --output "$WORK/compiled.json"
 if [ "$DEVICE" = cuda ]; then
     step contract_meta 120 contract meta
 fi

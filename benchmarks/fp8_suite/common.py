@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -127,3 +128,28 @@ def set_ratios(results: list, baseline_key: Callable[[Any], Any], is_baseline: C
             r.speedup = r.tokens_per_s / b.tokens_per_s
         if r.peak_bytes and b.peak_bytes:
             r.memory_ratio = r.peak_bytes / b.peak_bytes
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for a run that failed: the error's type and first line, and for a graph break of
+    ``torch.compile`` (``torch._dynamo.exc.Unsupported``, whose first line names only the kind)
+    its developer context and the innermost line of user code it broke at."""
+    text = str(err)
+    line = f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    context = re.search(r"Developer debug context: (.*)", text)
+    if context:
+        line += f"; {context.group(1).strip()[:200]}"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text.split("from user code:")[-1])
+    if "from user code:" in text and frames:
+        path, number, function = frames[-1]
+        line += f" (at {'/'.join(Path(path).parts[-2:])}:{number}, in {function})"
+    return line
+
+
+def graph_break_reasons(limit: int = 3) -> str:
+    """The ``limit`` most frequent graph-break reasons torch.compile has counted in this process
+    (``torch._dynamo.utils.counters["graph_break"]``), with their counts; "" if none."""
+    from torch._dynamo.utils import counters
+
+    breaks = sorted(counters["graph_break"].items(), key=lambda kv: -kv[1])[:limit]
+    return "; ".join(f"{count}x {reason.splitlines()[0][:160]}" for reason, count in breaks)

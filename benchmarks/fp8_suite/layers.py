@@ -22,7 +22,7 @@ from torch import nn
 import fp8_plugin
 import fp8_plugin.numerics.gemm as fp8_gemm_module
 
-from .common import RECIPES, peak_memory_bytes, release_memory, synchronize
+from .common import RECIPES, describe_error, peak_memory_bytes, release_memory, synchronize
 
 # (M tokens, K in_features, N out_features)
 Shape = tuple[int, int, int]
@@ -194,7 +194,7 @@ def measure(shape: Shape, variant: str, compiled: bool, steps: int, warmup: int,
         if variant in RECIPES and not compiled:
             result.gemm_path = _gemm_path(step)
     except Exception as err:  # noqa: BLE001  (a variant the device cannot run is reported, not fatal)
-        result.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        result.error = describe_error(err)
     return result
 
 

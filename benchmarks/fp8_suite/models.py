@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .common import peak_memory_bytes, release_memory, set_ratios, synchronize
+from .common import describe_error, peak_memory_bytes, release_memory, set_ratios, synchronize
 
 # name -> LlamaConfig fields
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -208,7 +208,7 @@ def measure(size: str, loop: str, precision: str, batch_size: int, seq_len: int,
         result.tokens_per_s = batch_size * seq_len / (result.step_ms / 1e3)
         result.peak_bytes = peak_memory_bytes(device)
     except Exception as err:  # noqa: BLE001  (reported in the table; the other runs go on)
-        result.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        result.error = describe_error(err)
     release_memory(device)
     return result
 

@@ -157,7 +157,8 @@ README_START, README_END = "<!-- gpu-results:start -->", "<!-- gpu-results:end -
 def readme_markdown(runs: list[list[Row]]) -> str:
     """The README's compact table of GPU results: per results file (a GPU run, newest first), a
     line naming the device, torch, commit and date, then each FP8 row that has a speed-up (its
-    workload, mode, recipe, speed-up and memory against BF16 in the same loop or layer shape)."""
+    workload, mode, recipe, speed-up and memory against BF16 in the same loop or layer shape); a
+    model row that ran no FP8 layer says so beside its recipe."""
     lines: list[str] = []
     for rows in sorted(runs, key=lambda rs: rs[0]["date"] if rs else "", reverse=True):
         if not rows:
@@ -175,7 +176,10 @@ def readme_markdown(runs: list[list[Row]]) -> str:
                 base = next((b for b in rows if b.get("layer") == r["layer"] and b["mode"] == r["mode"]
                              and b.get("speedup") is None and b.get("peak_mib")), None)
                 memory = r["peak_mib"] / base["peak_mib"] if base else None
-            lines.append(f"| {workload} | {r['mode']} | {r['recipe']} | {r['speedup']:.2f}x | "
+            recipe = r["recipe"]
+            if r.get("fp8_layers") == 0:  # skip_small="auto" kept every layer in BF16: say so
+                recipe += f" (0/{r.get('linear_layers')} layers FP8)"
+            lines.append(f"| {workload} | {r['mode']} | {recipe} | {r['speedup']:.2f}x | "
                          f"{'—' if memory is None else f'{memory:.2f}x'} |")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -37,7 +37,7 @@ import fp8_plugin
 from fp8_plugin.modules.speed_rule import gpu_rates
 
 from . import cuda_graphs
-from .common import RECIPES, peak_memory_bytes, release_memory, synchronize, timed
+from .common import RECIPES, describe_error, graph_break_reasons, peak_memory_bytes, release_memory, synchronize, timed
 from . import models
 from .models import LR, MODEL_SIZES, random_batch
 
@@ -96,6 +96,7 @@ class RunResult:
     memory_ratio: Optional[float] = None  # peak bytes over the same model's bf16-mixed eager run
     seconds: Optional[float] = None  # wall time of the whole run: set-up, compilation, every step
     error: Optional[str] = None
+    graph_breaks: Optional[str] = None  # compiled: the most frequent graph-break reasons ("" if none)
     step_seconds: list[float] = field(default_factory=list, repr=False)  # every timed step
 
     @classmethod
@@ -215,9 +216,10 @@ def measure(spec: RunSpec) -> RunResult:
         result.tokens_per_s = spec.batch * spec.seq_len / (result.step_ms / 1e3)
         result.peak_bytes = peak_memory_bytes(device)
         result.status, result.error = "ran", None
+        if spec.mode == "compiled":
+            result.graph_breaks = graph_break_reasons()
     except Exception as err:  # noqa: BLE001  (reported in the table; the other runs go on)
-        first_line = str(err).splitlines()[0][:200] if str(err) else ""
-        result.status, result.error = "failed", f"{type(err).__name__}: {first_line}"
+        result.status, result.error = "failed", describe_error(err)
     result.seconds = time.perf_counter() - began
     release_memory(device)
     return result

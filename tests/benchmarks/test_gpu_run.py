@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
 PROBE = ROOT / "benchmarks" / "gpu_probe.py"
-STEPS = ("device", "contract", "host", "layer", "model", "models", "probe", "compiled")
+STEPS = ("device", "contract", "models", "compiled", "host", "layer", "model", "probe")
 
 
 def run_script(tmp_path, *args, **env):

@@ -61,12 +61,14 @@ def test_torchao_rows_run_torchaos_float8_layers():
     assert result.fp8_layers == 4 * 7 and result.fp8_recipe is None and result.tokens_per_s > 0
 
 
-def test_the_gpu_plan_puts_eager_125m_and_1b_first_and_the_8b_block_last():
+def test_the_gpu_plan_puts_the_8b_block_first_each_model_after_its_baseline_and_every_run_once():
     specs = model_table.plan("cuda")
-    first = [(s.model, s.precision, s.mode) for s in specs[:4]]
-    assert first == [("125m", "bf16-mixed", "eager"), ("125m", "fp8-hybrid", "eager"),
-                     ("1b", "bf16-mixed", "eager"), ("1b", "fp8-hybrid", "eager")]
-    assert [s.model for s in specs[-7:]] == ["8b-block"] * 7 and len(specs) == 3 * 7
+    order = [(s.model, s.precision, s.mode) for s in specs]
+    assert order[:3] == [("8b-block", "bf16-mixed", "eager"), ("8b-block", "fp8-hybrid", "eager"),
+                         ("8b-block", "fp8-hybrid", "graphs")]
+    assert sorted(order) == sorted((m, p, k) for m in ("125m", "1b", "8b-block") for p, k in training_runs.KINDS)
+    for model in ("125m", "1b", "8b-block"):  # the baseline of a model's ratios runs before its other runs
+        assert [o for o in order if o[0] == model][0] == (model, "bf16-mixed", "eager")
     assert {(s.model, s.batch) for s in specs} == {("125m", 4), ("1b", 2), ("8b-block", 2)}
     assert {(s.seq_len, s.steps, s.warmup) for s in specs} == {(2048, 5, 3)}
     config = training_runs.SIZES["8b-block"]
@@ -210,3 +212,26 @@ NVIDIA H100 80GB HBM3 (sm90), torch 2.13.0+cu130, commit `7ba7e64`, 2026-11-27.
 | 16384x8192x8192 | eager | delayed | 1.250 | 1.60x | 900 | native |
 | 16384x8192x8192 | compiled | delayed | 1.000 | 1.90x | 900 |  |
 """
+
+
+def test_a_graph_break_is_reported_with_its_reason_and_the_user_line_it_broke_at():
+    # The GPU run of 2026-11-27 recorded only "Unsupported: Unsupported method call" for the
+    # compiled FP8 layers; the line must say what dynamo refused and where.
+    from fp8_suite.common import describe_error, graph_break_reasons
+
+    def breaks(x):
+        torch._dynamo.graph_break()  # an error under fullgraph=True
+        return x + 1
+
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception) as caught:
+            torch.compile(breaks, fullgraph=True, backend="eager")(torch.ones(3))
+        line = describe_error(caught.value)
+        assert line.startswith(type(caught.value).__name__ + ": ")
+        assert f"(at benchmarks/test_model_table.py:{breaks.__code__.co_firstlineno + 1}, in breaks)" in line
+        torch.compile(breaks, backend="eager")(torch.ones(3))  # without fullgraph: it breaks and runs on
+        assert graph_break_reasons().startswith("1x ")
+    finally:
+        torch._dynamo.reset()
+    assert describe_error(ValueError("first\nsecond")) == "ValueError: first"

@@ -31,8 +31,12 @@ def test_the_compact_table_gives_each_fp8_row_against_its_bf16_baseline():
             {**common, "layer": "16384x8192x8192", "mode": "eager", "recipe": "delayed", "ms": 5.0, "peak_mib": 2000,
              "speedup": 1.6},
             {**common, "layer": None, "model": "1b", "mode": "graphs", "recipe": "fp8-hybrid", "ms": None,
-             "peak_mib": 900, "speedup": 1.31, "memory_ratio": 0.9}]
+             "peak_mib": 900, "speedup": 1.31, "memory_ratio": 0.9, "fp8_layers": 112, "linear_layers": 113},
+            {**common, "layer": None, "model": "1b", "mode": "eager", "recipe": "fp8-hybrid", "ms": None,
+             "peak_mib": 1000, "speedup": 1.0, "memory_ratio": 1.0, "fp8_layers": 0, "linear_layers": 113}]
     table = results.readme_markdown([rows])
+    # "auto" kept every layer in BF16: the row must not read as an FP8 result.
+    assert "| 1b model | eager | fp8-hybrid (0/113 layers FP8) | 1.00x | 1.00x |" in table
     assert table.splitlines()[0] == "NVIDIA H100 80GB HBM3 (sm90), torch 2.11.0+cu130, commit `abc1234`, 2026-12-01:"
     assert "| FP8Linear 16384 x 8192 x 8192 | eager | delayed | 1.60x | 1.25x |" in table  # 2000 / 1600 MiB
     assert "| 1b model | graphs | fp8-hybrid | 1.31x | 0.90x |" in table
