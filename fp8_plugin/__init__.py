@@ -27,6 +27,7 @@ from .modules.linear import FP8Linear
 from .modules.speed_rule import SpeedRule
 from .numerics.device import DeviceReport, auto_recipe, describe_device
 from .numerics.formats import Format
+from . import optim
 from .tools.export import export
 from .tools.fp8_checkpoint import fp8_checkpoint_recipe, from_pretrained
 from .training.distributed import amax_reducer
@@ -85,6 +86,7 @@ __all__ = [
     "reference_check",
     "update_pending_scales",
     "register_precision_strings",
+    "optim",
 ]
 __version__ = "0.1.0"
 

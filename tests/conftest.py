@@ -65,7 +65,7 @@ def smollm2_path(tmp_path_factory):
 
 # The two-rank scenarios of tests/training/distributed_worker.py, all in one launch (a launch's start,
 # imports and process group, is most of such a small run's time): FSDP2 after the DDP ones.
-DISTRIBUTED_SCENARIOS = ("ddp", "ddp-local", "fp16", "reference", "fabric-ddp", "statistics", "experts-ddp",
+DISTRIBUTED_SCENARIOS = ("ddp", "ddp-fp8-adamw", "ddp-local", "fp16", "reference", "fabric-ddp", "statistics", "experts-ddp",
                          "fsdp2", "reference-fsdp2", "statistics-fsdp2", "experts-fsdp2", "fsdp-fp8-current",
                          "calibration")
 

@@ -14,6 +14,7 @@ from fp8_plugin import FP8Linear
 from fp8_plugin.modules.convert import fp8_state_dict
 from fp8_plugin.lightning import FP8Precision, precision_plugin_from_string
 from fp8_plugin.numerics.quantizers import ROLES
+from fp8_plugin.optim import FP8AdamW
 from reference import count_fp8_gemms
 
 TRAINER_DEFAULTS = dict(
@@ -334,3 +335,32 @@ def test_the_same_precision_string_trains_in_fnuz_on_an_mi300():
             trainer.fit(model, loader())
     assert gemms.count == 2 * (3 + 2)
     assert set(gemms.dtypes) == {torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+class TinyClassifierFP8AdamW(TinyClassifier):
+    def configure_optimizers(self):
+        return FP8AdamW(self.parameters(), lr=1e-2)
+
+
+def test_fp8_adamw_from_configure_optimizers_trains_in_fp8_and_resumes_bit_for_bit(tmp_path):
+    def fit(max_epochs, ckpt_path=None, callbacks=()):
+        torch.manual_seed(0)
+        model = TinyClassifierFP8AdamW()
+        trainer = L.Trainer(precision="fp8-hybrid", max_epochs=max_epochs, accelerator="cpu", devices=1,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=list(callbacks), default_root_dir=tmp_path,
+                            enable_checkpointing=bool(callbacks))
+        with count_fp8_gemms() as gemms:
+            trainer.fit(model, loader(), ckpt_path=ckpt_path)
+        return model, trainer, gemms.count
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    full, trainer, gemms = fit(3, callbacks=[ckpt])
+    assert gemms == 3 * 4 * (3 + 2)  # 3 epochs x 4 batches x (3 GEMMs + the first layer's 2: no dgrad)
+    assert isinstance(trainer.optimizers[0], FP8AdamW)
+    saved = torch.load(tmp_path / "ckpt" / "epoch=0.ckpt", weights_only=True)
+    moments = saved["optimizer_states"][0]["state"]
+    assert moments and all(s["exp_avg"].dtype == torch.float8_e4m3fn for s in moments.values())
+    resumed, _, _ = fit(3, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt")
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -21,6 +21,7 @@ MAY_IMPORT = {
     "_private": set(),
     "numerics": {"_private"},
     "modules": {"numerics", "_private"},
+    "optim": {"numerics", "_private"},
     "training": {"modules", "numerics", "_private"},
     "lightning": {"fabric"} | BELOW_TRAINING,  # the import hook hands Fabric's connector Fabric's plugin
     "fabric": set(BELOW_TRAINING),

@@ -351,7 +351,7 @@ def main() -> None:
     accelerator.end_training()
 
 
-RUNS = ("fp8", "bf16", "fp16", "llama", "reference")
+RUNS = ("fp8", "bf16", "fp16", "llama", "reference", "fp8-adamw")
 
 
 def parse_runs(parser: argparse.ArgumentParser, spec: str, names: tuple) -> list[tuple[str, str]]:
@@ -371,7 +371,17 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+def _base_optimizer(optimizer):
+    # The client optimizer under Accelerate's and DeepSpeed's wrappers (each holds the next as .optimizer).
+    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def train_and_resume(args, precision: str, out: Path):
+    # "fp8-adamw": the FP8 run with fp8_plugin.optim.FP8AdamW as the client optimizer.
+    fp8_adamw = precision == "fp8-adamw"
+    precision = "fp8" if fp8_adamw else precision
     if precision == "fp8":
         from fp8_plugin.accelerate import Accelerator
     else:
@@ -386,7 +396,7 @@ def train_and_resume(args, precision: str, out: Path):
                                   gradient_accumulation_steps=args.grad_accum, **fp8)
     gemms_before, reduces_before = FP8_GEMMS[0], len(MAX_ALL_REDUCES)
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = (fp8_plugin.optim.FP8AdamW if fp8_adamw else torch.optim.AdamW)(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
     n = 16 * args.steps * args.grad_accum * accelerator.num_processes
     data = torch.utils.data.TensorDataset(torch.randn(n, 32, generator=generator) * 3,
@@ -435,6 +445,9 @@ def train_and_resume(args, precision: str, out: Path):
         "fp8_state": fp8_state(model),
         "weights": full_fp32_weights(model),
     }
+    base = _base_optimizer(optimizer)
+    result["base_optimizer"] = type(base).__name__
+    result["moment_dtypes"] = sorted({str(s["exp_avg"].dtype) for s in base.state.values()})
     # The consolidated weights (gathered across ranks under ZeRO-3) load into the plain model.
     consolidated = accelerator.get_state_dict(model)
     if accelerator.is_main_process:

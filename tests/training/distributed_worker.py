@@ -35,12 +35,13 @@ GLOBAL_BATCH = 16
 
 
 class MLP(L.LightningModule):
-    def __init__(self, fsdp2: bool = False, inf_grad_step: int = -1) -> None:
+    def __init__(self, fsdp2: bool = False, inf_grad_step: int = -1, fp8_adamw: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
         self.fsdp2 = fsdp2
         self.inf_grad_step = inf_grad_step
+        self.fp8_adamw = fp8_adamw
 
     def configure_model(self):
         if self.fsdp2:
@@ -68,6 +69,8 @@ class MLP(L.LightningModule):
             (grad.to_local() if hasattr(grad, "to_local") else grad)[0, 0] = float("inf")
 
     def configure_optimizers(self):
+        if self.fp8_adamw:
+            return fp8_plugin.optim.FP8AdamW(self.parameters(), lr=1e-2)
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
@@ -108,7 +111,7 @@ def loader(world, rank_factor: float = 1.0):
 
 
 def fit(out: Path, run: str, precision, fsdp2: bool, inf_grad_step: int = -1, ckpt_path=None,
-        save: bool = False, rank_factor: float = 1.0, predict: bool = False) -> None:
+        save: bool = False, rank_factor: float = 1.0, predict: bool = False, fp8_adamw: bool = False) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if fsdp2 else (
         "ddp" if world > 1 else "auto")
@@ -122,7 +125,7 @@ def fit(out: Path, run: str, precision, fsdp2: bool, inf_grad_step: int = -1, ck
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=save,
         callbacks=callbacks, use_distributed_sampler=False,
     )
-    model = MLP(fsdp2=fsdp2, inf_grad_step=inf_grad_step)
+    model = MLP(fsdp2=fsdp2, inf_grad_step=inf_grad_step, fp8_adamw=fp8_adamw)
     trainer.fit(model, loader(world, rank_factor), ckpt_path=ckpt_path)
     # The state as fit left it: no settling call here, it must be settled and rank-independent.
     state = {}
@@ -139,7 +142,15 @@ def fit(out: Path, run: str, precision, fsdp2: bool, inf_grad_step: int = -1, ck
         "weight_per_step": record.weights,
         "skipped_steps": trainer.precision_plugin.skipped_steps,
         "recipe": repr(trainer.precision_plugin.report.recipe),
+        "optimizer_state": {pid: {k: v.clone() for k, v in st.items()}
+                            for pid, st in trainer.optimizers[0].state_dict()["state"].items()},
     }
+    if fsdp2:  # FP8AdamW refuses parameters FSDP2 sharded, at construction
+        try:
+            fp8_plugin.optim.FP8AdamW(model.parameters())
+            result["fp8_adamw_refusal"] = None
+        except TypeError as err:
+            result["fp8_adamw_refusal"] = str(err)
     if predict:
         # Uneven split: rank 0 predicts 3 batches, rank 1 one. Nothing may wait on a collective.
         before = len(MAX_ALL_REDUCES)
@@ -217,6 +228,9 @@ def run(scenario: str, out: Path) -> None:
         fit_fabric(out)
     elif scenario == "fp16":
         fit(out, "fp16", "fp8-hybrid-float16", False, inf_grad_step=3)
+    elif scenario == "ddp-fp8-adamw":
+        fit(out, "full", "fp8-hybrid", False, save=True, fp8_adamw=True)
+        fit(out, "resumed", "fp8-hybrid", False, ckpt_path=out / "full-ckpt" / "epoch=0.ckpt", fp8_adamw=True)
     elif scenario == "single":
         fit(out, "single", "fp8-hybrid", False)
     elif scenario == "ddp-local":
@@ -230,7 +244,7 @@ def run(scenario: str, out: Path) -> None:
             fit(out, "current", "fp8-current", fsdp2)
 
 
-SCENARIOS = ("ddp", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2",
+SCENARIOS = ("ddp", "ddp-fp8-adamw", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2",
              "statistics", "statistics-fsdp2", "experts-ddp", "experts-fsdp2", "fsdp-fp8-current", "calibration")
 
 

@@ -56,8 +56,9 @@ def _ranks(out: Path) -> tuple[dict, dict]:
 
 # The runs of every ZeRO stage, in one launch: BF16 and FP8 under each; DeepSpeed's fp16 under
 # ZeRO-2; the transformers model saved with save_pretrained under ZeRO-3; the reference checks
-# under ZeRO-2 and 3.
-ZERO_RUNS = {1: ("bf16", "fp8"), 2: ("bf16", "fp8", "fp16", "reference"), 3: ("bf16", "fp8", "llama", "reference")}
+# and FP8 with fp8_plugin.optim.FP8AdamW under ZeRO-2 and 3.
+ZERO_RUNS = {1: ("bf16", "fp8"), 2: ("bf16", "fp8", "fp16", "reference", "fp8-adamw"),
+             3: ("bf16", "fp8", "llama", "reference", "fp8-adamw")}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,30 @@ def test_zero_stage_trains_in_fp8_with_identical_state_one_reduction_per_step_an
         assert not torch.equal(r0["regathered_ratio"], torch.ones_like(r0["regathered_ratio"]))
     else:
         assert r0["weight_cache"] == [True, True, True]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp8_adamw_under_zero_keeps_fp8_moments_identical_ranks_and_resumes_bit_for_bit(zero_runs, stage):
+    # DeepSpeed's ZeRO optimizer owns the FP32 master partitions and hands them to the client
+    # optimizer (zero_allow_untested_optimizer): FP8AdamW updates them and keeps its moments in E4M3.
+    r0, r1 = zero_runs(stage)["fp8-adamw"]
+    fp8, _ = zero_runs(stage)["fp8"]
+    assert r0["zero_stage"] == stage and r0["base_optimizer"] == "FP8AdamW"
+    assert r0["moment_dtypes"] == ["torch.float8_e4m3fn"]
+    assert r0["train_fp8_gemms"] == STEPS * GRAD_ACCUM * (2 + 3 + 3)
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+    for r in (r0, r1):
+        assert r["resumed_losses"] == r["losses"][2 * GRAD_ACCUM:]
+        assert all(torch.equal(v, r["resumed_weights"][k]) for k, v in r["weights"].items())
+    # The same first optimizer step as torch's AdamW (both from zero moments: the stored rounding
+    # matters from the second step on), so the same losses through the second step's
+    # micro-batches; then close to it: FP8 moments change each step by at most half an E4M3 step
+    # of m (2**-4 relative) and little of v, over 4 steps at lr 1e-3 (a factor 4 for |update| > 1).
+    assert r0["losses"][:2 * GRAD_ACCUM] == fp8["losses"][:2 * GRAD_ACCUM]
+    assert r0["losses"][2 * GRAD_ACCUM:] != fp8["losses"][2 * GRAD_ACCUM:]
+    assert r0["weights"].keys() == fp8["weights"].keys()
+    for k, v in r0["weights"].items():
+        assert (v - fp8["weights"][k]).abs().max() <= STEPS * 1e-3 * 2**-4 * 4, k
 
 
 @pytest.mark.parametrize("stage", [2, 3])

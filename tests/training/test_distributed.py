@@ -123,9 +123,24 @@ def test_ddp_checkpoint_resume_is_exact_on_every_rank(ddp):
     assert_resume_exact(ddp)
 
 
+def test_ddp_with_fp8_adamw_keeps_identical_fp8_moments_on_both_ranks_and_resumes_exactly(distributed_runs):
+    runs = distributed_runs("ddp-fp8-adamw")
+    assert_ranks_identical(runs, "full")
+    assert_resume_exact(runs)
+    states = [runs[f"{run}-rank{rank}"]["optimizer_state"] for run in ("full", "resumed") for rank in (0, 1)]
+    assert states[0] and all(s["exp_avg"].dtype == torch.float8_e4m3fn for s in states[0].values())
+    for other in states[1:]:  # DDP's averaged gradients: the same moments on every rank, resumed or not
+        assert_identical(states[0], other, "optimizer_state")
+
+
 @pytest.fixture(scope="module")
 def fsdp2(distributed_runs):
     return distributed_runs("fsdp2")
+
+
+def test_fp8_adamw_refuses_fsdp2_sharded_parameters_naming_the_reason(fsdp2):
+    assert fsdp2["full-rank0"]["fp8_adamw_refusal"].startswith(
+        "FP8AdamW: parameter 0 is a DTensor (sharded by FSDP2); FP8AdamW keeps whole-tensor block scales")
 
 
 def test_fsdp2_trains_like_ddp_with_identical_ranks(fsdp2, ddp):
