@@ -113,3 +113,30 @@ def test_each_loop_refuses_the_other_loops_fp8_plugin_when_built():
         L.Fabric(accelerator="cpu", devices=1, plugins=[fp.FP8Precision()])
     with pytest.raises(TypeError, match=r"fp8_plugin\.FP8Precision"):
         L.Trainer(accelerator="cpu", devices=1, plugins=FP8Precision(), logger=False, enable_checkpointing=False)
+
+
+def test_fabric_with_fp8_adamw_trains_in_fp8_and_resumes_bit_for_bit(tmp_path):
+    from fp8_plugin.optim import FP8AdamW
+
+    def run(model, batches, load=None, save=None):
+        fabric = L.Fabric(precision="fp8-hybrid", accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, FP8AdamW(model.parameters(), lr=1e-2))
+        if load:
+            fabric.load(load, {"model": model, "optimizer": opt})
+        for i, (x, y) in enumerate(batches):
+            fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+            opt.step()
+            opt.zero_grad()
+            if save and i == 2:
+                fabric.save(save, {"model": model, "optimizer": opt})
+        return model, opt
+
+    batches = _batches(6)
+    with count_fp8_gemms() as gemms:
+        full, opt = run(_mlp(), batches, save=tmp_path / "ckpt")
+    assert gemms.count == 6 * (3 + 2)
+    assert opt.state[full.module[2].weight]["exp_avg"].dtype == torch.float8_e4m3fn
+    resumed, _ = run(_mlp(), batches[3:], load=tmp_path / "ckpt")
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name

@@ -183,3 +183,36 @@ def test_fp8_figures_reach_the_log_history_but_not_the_console_unless_asked(tmp_
     quiet, loud = (printed[False].out + printed[False].err), (printed[True].out + printed[True].err)
     assert "'loss'" in quiet and "fp8_stats/" not in quiet
     assert "fp8_stats/" in loud
+
+
+def test_fp8_trainer_with_fp8_adamw_trains_the_converted_layers_and_resumes_exactly(tmp_path):
+    # optimizers=(FP8AdamW(...), None) built on the model before FP8Trainer converts it: the
+    # optimizer must update the parameters the FP8 layers compute with, and resume bit for bit.
+    from transformers import TrainingArguments
+
+    from fp8_plugin.optim import FP8AdamW
+
+    def trainer(run, max_steps):
+        model = tiny_gpt2()
+        args = TrainingArguments(output_dir=str(tmp_path / run), max_steps=max_steps, per_device_train_batch_size=4,
+                                 use_cpu=True, report_to=[], save_strategy="steps", save_steps=3, logging_steps=1,
+                                 disable_tqdm=True, seed=0)
+        return FP8Trainer(model=model, args=args, train_dataset=Tokens(32), fp8_recipe="fp8-delayed",
+                          optimizers=(FP8AdamW(model.parameters(), lr=1e-3), None))
+
+    full = trainer("full", 6)
+    before = {n: p.detach().clone() for n, p in full.model.named_parameters()}
+    with count_fp8_gemms() as gemms:
+        full.train()
+    layers = [m for m in full.model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 8 and gemms.count == 6 * 3 * len(layers)
+    optimizer = full.optimizer.optimizer if hasattr(full.optimizer, "optimizer") else full.optimizer
+    assert isinstance(optimizer, FP8AdamW)
+    for layer in layers:  # the FP8 layers' own weights moved, and their moments are E4M3
+        assert optimizer.state[layer.weight]["exp_avg"].dtype == torch.float8_e4m3fn
+    moved = [n for n, p in full.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before)
+    resumed = trainer("full", 6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
