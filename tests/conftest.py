@@ -67,7 +67,7 @@ def smollm2_path(tmp_path_factory):
 # imports and process group, is most of such a small run's time): FSDP2 after the DDP ones.
 DISTRIBUTED_SCENARIOS = ("ddp", "ddp-fp8-adamw", "ddp-local", "fp16", "reference", "fabric-ddp", "statistics", "experts-ddp",
                          "fsdp2", "reference-fsdp2", "statistics-fsdp2", "experts-fsdp2", "fsdp-fp8-current",
-                         "calibration")
+                         "calibration", "frozen-lora-fsdp2")
 
 
 @pytest.fixture(scope="session")

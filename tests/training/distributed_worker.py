@@ -245,7 +245,8 @@ def run(scenario: str, out: Path) -> None:
 
 
 SCENARIOS = ("ddp", "ddp-fp8-adamw", "ddp-local", "single", "fp16", "fsdp2", "fabric-ddp", "reference", "reference-fsdp2",
-             "statistics", "statistics-fsdp2", "experts-ddp", "experts-fsdp2", "fsdp-fp8-current", "calibration")
+             "statistics", "statistics-fsdp2", "experts-ddp", "experts-fsdp2", "fsdp-fp8-current", "calibration",
+             "frozen-lora-fsdp2")
 
 
 def run_other(scenario: str, out: Path) -> bool:
@@ -266,6 +267,10 @@ def run_other(scenario: str, out: Path) -> bool:
         import calibration_worker
 
         calibration_worker.run(out)
+    elif scenario == "frozen-lora-fsdp2":
+        import frozen_fsdp_worker
+
+        frozen_fsdp_worker.run(out)
     elif scenario.startswith("fsdp-fp8-"):
         import fsdp_fp8_worker
 
