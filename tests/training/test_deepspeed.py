@@ -57,8 +57,8 @@ def _ranks(out: Path) -> tuple[dict, dict]:
 # The runs of every ZeRO stage, in one launch: BF16 and FP8 under each; DeepSpeed's fp16 under
 # ZeRO-2; the transformers model saved with save_pretrained under ZeRO-3; the reference checks
 # and FP8 with fp8_plugin.optim.FP8AdamW under ZeRO-2 and 3.
-ZERO_RUNS = {1: ("bf16", "fp8"), 2: ("bf16", "fp8", "fp16", "reference", "fp8-adamw"),
-             3: ("bf16", "fp8", "llama", "reference", "fp8-adamw")}
+ZERO_RUNS = {1: ("bf16", "fp8"), 2: ("bf16", "fp8", "fp16", "reference", "fp8-adamw", "frozen-lora"),
+             3: ("bf16", "fp8", "llama", "reference", "fp8-adamw", "frozen-lora")}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +145,30 @@ def test_fp8_adamw_under_zero_keeps_fp8_moments_identical_ranks_and_resumes_bit_
     assert r0["weights"].keys() == fp8["weights"].keys()
     for k, v in r0["weights"].items():
         assert (v - fp8["weights"][k]).abs().max() <= STEPS * 1e-3 * 2**-4 * 4, k
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_over_frozen_fp8_weights_under_zero(zero_runs, stage):
+    # PEFT LoRA (q, v, up, down) over a two-layer Llama whose base is frozen before prepare().
+    r0, r1 = zero_runs(stage)["frozen-lora"]
+    assert r0["zero_stage"] == stage
+    # Per step: 14 fprops, and dgrads where the layer's input needs grad: layer 0's o, gate, up,
+    # down (its q, k, v read the frozen embeddings), all 7 of layer 1: FP8 ran, 4 steps.
+    assert r0["train_fp8_gemms"] == 4 * (14 + 4 + 7)
+    for r in (r0, r1):
+        assert r["resumed_losses"] == r["losses"][2:]
+    if stage == 2:
+        # ZeRO-2 keeps parameters whole: the base stays in FP8 only, its bytes never change.
+        assert len(r0["frozen_layers"]) == 14 and r0["refusal"] is None
+        for name, (data, scale_inv) in r0["frozen_before"].items():
+            assert torch.equal(r0["frozen_after"][name][0], data) and torch.equal(r0["frozen_after"][name][1], scale_inv)
+        assert all(torch.equal(v, r1["adapters"][k]) for k, v in r0["adapters"].items())
+    else:
+        # ZeRO-3 on gloo cannot all-gather float8 partitions: refused at prepare, naming the way
+        # out, which trains (frozen weights kept in high precision, their GEMMs still FP8).
+        assert r0["refusal"].startswith("DeepSpeed ZeRO-3 on the gloo backend cannot partition weights kept only in "
+                                        "FP8 (14 frozen layers: base_model.model.model.layers.0.self_attn.q_proj")
+        assert "frozen_weights='keep'" in r0["refusal"] and r0["frozen_layers"] == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])
