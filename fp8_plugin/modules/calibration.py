@@ -26,7 +26,10 @@ calibration batches, both in high precision (FP8 off):
    False``) where no candidate reaches ``min_sqnr_db``.
 
 The amax history, the scales and the choice are the layers' FP8 scaling state, saved in every
-checkpoint that carries it. grad_output is not calibrated (no backward runs), as in TE.
+checkpoint that carries it. :func:`calibrate` runs no backward, so grad_output is not
+calibrated there (as in TE); a loop's calibration steps (``Calibrator(online=True)``) run theirs,
+and each ``FP8Linear``'s grad_output history and scale come from the amaxes of the gradients of
+its output in those backwards (MoE experts' grad_output is not calibrated).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..numerics.quantizers import INPUT, WEIGHT, ScalingState, update_delayed_scaling
+from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, update_delayed_scaling
 from ..numerics.recipes import DelayedScaling, Recipe
 from .autocast import autocast
 from .experts import FP8ExpertsMixin
@@ -133,6 +136,9 @@ class Calibrator:
     scaling is chosen from the same forwards: the per-tensor candidate is then scaled from each
     batch's own amax (``Float8CurrentScaling`` in the recipe's format) rather than from the
     calibrated history; :func:`calibrate` measures it with the calibrated scales, in a second pass.
+    Online, the backwards of those steps also record each ``FP8Linear``'s grad_output amax (a
+    hook on the layer's output; one host read per layer and backward, in the calibration steps
+    only), which :meth:`finish` fills in as it fills input and weight.
 
     Args:
         model, recipe, choose_scaling, outlier_margin_db, min_sqnr_db: as :func:`calibrate`.
@@ -159,6 +165,8 @@ class Calibrator:
                                         float(min_sqnr_db))
         self.online = online and choose_scaling
         self._amaxes: dict[str, list[torch.Tensor]] = {}
+        # Online only: the amax of each backward's gradient of a layer's output (grad_output).
+        self._grad_amaxes: dict[str, list[torch.Tensor]] = {}
         self._candidates = scaling_candidates(self.layers, recipe, online=True) if self.online else {}
         self._energies = {name: Fidelity(self.layers[name].in_features) for name in self._candidates}
 
@@ -171,6 +179,8 @@ class Calibrator:
                   for name, m in self.experts.items()]
         hooks += [self.layers[name].register_forward_pre_hook(sqnr_hook(self._energies[name], *candidate))
                   for name, candidate in self._candidates.items()]
+        if self.online:  # a loop's steps run their backward: grad_output's amaxes too
+            hooks += [m.register_forward_hook(_grad_amax_hook(self._grad_amaxes, name)) for name, m in self.layers.items()]
         try:
             yield
         finally:
@@ -182,9 +192,11 @@ class Calibrator:
         where ``torch.distributed`` runs: every rank must call it), choose the scaling online,
         and return the report."""
         group, distributed = group_of(process_group)
-        names = list(self._amaxes)
-        # [calls, 2 (input, weight)] per linear layer, [calls, 2, projections, experts] per experts module.
-        stacked = {n: torch.stack(self._amaxes[n]) for n in names}
+        # [calls, 2 (input, weight)] per linear layer, [calls, 2, projections, experts] per experts
+        # module; [backwards] per linear layer's grad_output (online, under "<name>/grad_output").
+        stacked = {n: torch.stack(v) for n, v in self._amaxes.items()}
+        stacked.update({f"{n}/grad_output": torch.stack(v) for n, v in self._grad_amaxes.items()})
+        names = list(stacked)
         if distributed and names:
             flat = all_reduce_on_host(torch.cat([stacked[n].flatten() for n in names]), dist.ReduceOp.MAX, group)
             stacked = {n: t.view_as(stacked[n]) for n, t in zip(names, flat.split([stacked[n].numel() for n in names]))}
@@ -195,10 +207,14 @@ class Calibrator:
             if name not in stacked:  # never called by the batches: left as it was
                 continue
             history = stacked[name]
-            _fill(layer.fp8_state, self.recipe or layer.recipe, {INPUT: history[:, 0], WEIGHT: history[:, 1]},
-                  updates)
+            per_role = {INPUT: history[:, 0], WEIGHT: history[:, 1]}
+            grads = stacked.get(f"{name}/grad_output")
+            if grads is not None:
+                per_role[GRAD_OUTPUT] = grads
+            _fill(layer.fp8_state, self.recipe or layer.recipe, per_role, updates)
             report.layers.append(LayerCalibration(name, "linear", float(history[:, 0].max()),
-                                                  float(history[:, 1].max())))
+                                                  float(history[:, 1].max()),
+                                                  grad_output_amax=None if grads is None else float(grads.max())))
         for name, module in self.experts.items():
             if name not in stacked:
                 continue
@@ -217,7 +233,7 @@ class Calibrator:
             layer.clear_weight_cache()
         for module in self.experts.values():
             module.clear_weight_cache()
-        self._amaxes = {}
+        self._amaxes, self._grad_amaxes = {}, {}
         if self.online:
             decide(self.layers, self._candidates, self._energies, report, process_group)
         return report
@@ -242,6 +258,17 @@ def _linear_amax_hook(amaxes: dict, name: str) -> Callable:
             return
         weight = layer.dense_weight()
         amaxes.setdefault(name, []).append(torch.stack([_amax(args[0]), _amax(weight)]).cpu())
+    return hook
+
+
+def _grad_amax_hook(amaxes: dict, name: str) -> Callable:
+    # The gradient of the layer's output, as the FP8 backward would cast it (grad_output): a hook
+    # on the output tensor, which autograd calls once per backward (an activation-checkpoint
+    # rerun's output is not in the graph that backward walks, and is skipped).
+    def hook(layer: FP8Linear, args: tuple, output: torch.Tensor) -> None:
+        if recomputed() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        output.register_hook(lambda grad: amaxes.setdefault(name, []).append(_amax(grad).cpu()))
     return hook
 
 

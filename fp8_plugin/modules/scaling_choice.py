@@ -54,6 +54,9 @@ class LayerCalibration:
             input the wgrad reads keeps of every channel.
         choice: one of :data:`CHOICES`.
         reason: why, in words.
+        grad_output_amax: the largest amax of the gradient of the layer's output over the
+            backwards of a loop's calibration steps; None where none ran (:func:`calibrate`
+            runs no backward) or for experts.
     """
 
     name: str
@@ -66,6 +69,7 @@ class LayerCalibration:
     input_sqnr_blockwise_db: Optional[float] = None
     choice: str = "recipe"
     reason: str = ""
+    grad_output_amax: Optional[float] = None
 
 
 @dataclass

@@ -97,7 +97,8 @@ class FP8Training:
         calibration_steps: the first this many optimizer steps train in the reference
             precision (FP8 off, torch autocast in ``compute_dtype``) and calibrate
             (:class:`~fp8_plugin.modules.calibration.Calibrator`, online): after the last, every
-            FP8 layer's scales come from their amaxes and each layer's scaling is chosen by its
+            FP8 layer's scales come from their amaxes (input and weight from the forwards,
+            grad_output from the backwards) and each layer's scaling is chosen by its
             measured SQNR (fprop and input cast); the report is :attr:`calibration`. 0
             (default): off. A run that loads FP8 state (a resume) does not calibrate again.
         eval_in_fp8: evaluation forwards (grad off: validation, test, prediction) run the FP8

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import fp8_plugin as fp
-from fp8_plugin.numerics.quantizers import INPUT
-from reference import E4M3_MAX, count_fp8_gemms
+from fp8_plugin.numerics.quantizers import GRAD_OUTPUT, INPUT
+from reference import E4M3_MAX, E5M2_MAX, count_fp8_gemms
 
 BATCHES = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(4)]
 
@@ -118,6 +118,44 @@ def test_fabric_calibration_steps_and_evaluation_precision():
     with torch.no_grad(), count_fp8_gemms() as gemms:
         model(BATCHES[0])
     assert gemms.count == 0
+
+
+def test_calibration_steps_calibrate_grad_output_from_their_backwards():
+    # The plain model's steps, with the gradients of both layers' outputs taken by autograd at
+    # the output tensors themselves: the last layer's is 2 y / numel (loss = mean(y^2)).
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    grad_amax = {0: 0.0, 2: 0.0}
+    for batch in BATCHES[:2]:
+        h = net[0](batch)
+        y = net[2](net[1](h))
+        loss = y.square().mean()
+        g_h, g_y = torch.autograd.grad(loss, (h, y), retain_graph=True)
+        assert torch.allclose(g_y, 2 * y / y.numel())
+        grad_amax[0] = max(grad_amax[0], float(g_h.abs().max()))
+        grad_amax[2] = max(grad_amax[2], float(g_y.abs().max()))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    from lightning.fabric import Fabric
+
+    plugin = fp.fabric.FP8Precision(fp.DelayedScaling(), compute_dtype=torch.float32, calibration_steps=2)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = _net()
+    model, fabric_optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for batch in BATCHES[:2]:
+        fabric.backward(model(batch).square().mean())
+        fabric_optimizer.step()
+        fabric_optimizer.zero_grad()
+    report = {layer.name: layer for layer in plugin.fp8.calibration.layers}
+    for index in (0, 2):
+        state = plugin.fp8.module[index].fp8_state
+        # HYBRID: grad_output in E5M2, scale = E5M2_MAX / amax (margin 0, the max of the history).
+        want = torch.tensor(E5M2_MAX, dtype=torch.float32) / torch.tensor(grad_amax[index], dtype=torch.float32)
+        assert torch.equal(state.scale[GRAD_OUTPUT], want), index
+        assert bool(state.initialized[GRAD_OUTPUT])
+        assert report[f"{index}"].grad_output_amax == pytest.approx(grad_amax[index], rel=0, abs=0)
 
 
 @pytest.mark.usefixtures("fresh_accelerate")
