@@ -59,6 +59,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup  # noqa: E402
 
 import fp8_plugin  # noqa: E402
+from fp8_plugin.optim import FP8AdamW  # noqa: E402
 from fp8_plugin.numerics.device import bf16_matmul_is_fast  # noqa: E402
 from fp8_plugin.tools.data import (  # noqa: E402
     bbc_news_path,
@@ -204,7 +205,8 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
     set_seed(args.seed)
     accelerator = make_accelerator(precision, dtype, args.grad_accum, args.reference_every)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    adamw = FP8AdamW if args.optimizer == "fp8-adamw" else torch.optim.AdamW
+    optimizer = adamw(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, max(1, args.max_steps // 10), args.max_steps)
     loader = DataLoader(train_blocks, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(args.seed))
@@ -256,7 +258,7 @@ def train(precision: str, args, dtype: torch.dtype, train_blocks: torch.Tensor, 
         ppl_fp8 = perplexity_in_fp8(model, val_blocks, args.batch_size, accelerator.device, dtype)
     accelerator.free_memory()
     timed = times[1:] or times  # the first step warms up
-    return {"precision": label, "ppl_after": ppl, "ppl_after_fp8": ppl_fp8,
+    return {"precision": label, "optimizer": args.optimizer, "ppl_after": ppl, "ppl_after_fp8": ppl_fp8,
             "final_loss": sum(losses[-10:]) / len(losses[-10:]), "step_time": sum(timed) / len(timed),
             "layers": layers}
 
@@ -281,6 +283,8 @@ def main(argv=None) -> list[dict]:
                         f"{DEFAULT_REFERENCE_EVERY}; under accelerate launch the config file's reference_every)")
     p.add_argument("--lr", type=float, default=1e-4,
                    help="AdamW peak learning rate, 10%% warm-up then linear decay (default: %(default)s)")
+    p.add_argument("--optimizer", choices=("adamw", "fp8-adamw"), default="adamw",
+                   help="torch's AdamW, or fp8_plugin.optim.FP8AdamW (E4M3 first moment, BF16 second)")
     p.add_argument("--val-blocks", type=int, default=32, help="blocks held out for validation (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

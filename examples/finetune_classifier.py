@@ -49,13 +49,15 @@ from transformers import (  # noqa: E402
 import fp8_plugin  # noqa: E402,F401  (registers precision="fp8-*")
 from fp8_plugin.tools.data import bbc_news_path, load_text_folders, minilm_path  # noqa: E402
 from fp8_plugin.numerics.device import bf16_matmul_is_fast  # noqa: E402
+from fp8_plugin.optim import FP8AdamW  # noqa: E402
 from fp8_plugin.training.precision_strings import PRECISION_STRINGS, settings_for_loop  # noqa: E402
 
 
 class Classifier(L.LightningModule):
-    """A Hugging Face sequence classifier with AdamW and a linear warm-up/decay schedule."""
+    """A Hugging Face sequence classifier with AdamW (torch's, or ``fp8_plugin.optim.FP8AdamW``:
+    ``optimizer="fp8-adamw"``) and a linear warm-up/decay schedule."""
 
-    def __init__(self, model_path: str, num_labels: int, lr: float, total_steps: int) -> None:
+    def __init__(self, model_path: str, num_labels: int, lr: float, total_steps: int, optimizer: str = "adamw") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=num_labels)
@@ -71,7 +73,8 @@ class Classifier(L.LightningModule):
         self.log("test_acc", (logits.argmax(-1) == batch["labels"]).float().mean(), batch_size=len(logits))
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        adamw = FP8AdamW if self.hparams.optimizer == "fp8-adamw" else torch.optim.AdamW
+        opt = adamw(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
         warmup = max(1, self.hparams.total_steps // 10)
         sched = get_linear_schedule_with_warmup(opt, warmup, self.hparams.total_steps)
         return [opt], [{"scheduler": sched, "interval": "step"}]
@@ -153,7 +156,7 @@ def run(precision: str, args, tokenizer) -> dict:
     L.seed_everything(args.seed, verbose=False)
     train_dl, test_dl, classes, n_train, n_test = make_loaders(args, tokenizer)
     steps = args.max_steps if args.max_steps > 0 else args.max_epochs * len(train_dl)
-    module = Classifier(str(args.model_path), len(classes), args.lr, steps)
+    module = Classifier(str(args.model_path), len(classes), args.lr, steps, args.optimizer)
     stats = StepStats()
     trainer = L.Trainer(
         accelerator=args.accelerator,
@@ -182,6 +185,7 @@ def run(precision: str, args, tokenizer) -> dict:
     last = stats.losses[-20:]
     result = {
         "precision": precision,
+        "optimizer": args.optimizer,
         "test_accuracy": acc,
         "test_accuracy_fp8_off": acc_reference,
         "final_train_loss": sum(last) / len(last),
@@ -226,6 +230,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per article (truncated)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--optimizer", choices=("adamw", "fp8-adamw"), default="adamw",
+                   help="torch's AdamW, or fp8_plugin.optim.FP8AdamW (E4M3 first moment, BF16 second)")
     p.add_argument("--test-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--accelerator", default="auto")
