@@ -180,7 +180,8 @@ class Calibrator:
         hooks += [self.layers[name].register_forward_pre_hook(sqnr_hook(self._energies[name], *candidate))
                   for name, candidate in self._candidates.items()]
         if self.online:  # a loop's steps run their backward: grad_output's amaxes too
-            hooks += [m.register_forward_hook(_grad_amax_hook(self._grad_amaxes, name)) for name, m in self.layers.items()]
+            hooks += [m.register_forward_hook(_grad_amax_hook(self._grad_amaxes, name))
+                      for name, m in self.layers.items()]
         try:
             yield
         finally:

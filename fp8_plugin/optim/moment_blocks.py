@@ -58,7 +58,8 @@ def quantize_moment(x: torch.Tensor, check_finite: bool = True) -> tuple[torch.T
     # scale = FP8_MAX / amax, one correctly rounded division (a Python number divided by a tensor
     # is its reciprocal times the number in torch: two roundings); a zero block keeps scale 1.
     positive = amax > 0
-    scale = torch.where(positive, torch.full_like(amax, fp8_max(MOMENT_DTYPE)).div(torch.where(positive, amax, 1.0)), 1.0)
+    quotient = torch.full_like(amax, fp8_max(MOMENT_DTYPE)).div(torch.where(positive, amax, 1.0))
+    scale = torch.where(positive, quotient, 1.0)
     data = (blocks * scale[:, None]).to(MOMENT_DTYPE)
     return data.view(-1)[: x.numel()].view(x.shape), scale.reciprocal()
 
