@@ -1,6 +1,6 @@
 """What the FP8 ``Accelerator`` refuses when it is built or a model is prepared, before any step:
 reference checks where their replay cannot run (FSDP1, XLA, Megatron-LM), and what FP8 cannot
-do under DeepSpeed.
+do under DeepSpeed (among it, weights kept only in FP8 under ZeRO-3 on gloo).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ..modules.convert import ConversionReport
-
 from ..training.deepspeed_engine import REFUSED, check_deepspeed_config
 from .settings import FP8Settings
 

@@ -177,9 +177,10 @@ class FP8AdamW(torch.optim.Optimizer):
 
     def torch_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as ``torch.optim.AdamW`` keeps it: FP32 moments (the first
-        dequantized, the second widened: both exact), ``step``, no block scales; the groups
+        dequantized as this optimizer's own step reads it, each value ``data * scale_inv``
+        rounded once to FP32; the second widened, exactly), ``step``, no block scales; the groups
         without ``exp_avg_sq_dtype``. ``torch.optim.AdamW(params).load_state_dict(...)`` takes
-        it and continues from these moments."""
+        it, and its next step is the one this optimizer would take."""
         state_dict = self.state_dict()
         converted = {}
         for pid, s in state_dict["state"].items():
