@@ -82,6 +82,9 @@ class LayerDecision:
     frozen: str = ""
     weight_bytes_before: int = 0
     weight_bytes_after: int = 0
+    # The scaling a calibration chose (CalibrationReport.annotate): "recipe", "blockwise" or
+    # "high precision"; its reason joins ``reason`` where it is not the recipe.
+    scaling: str = "recipe"
 
 
 @dataclass

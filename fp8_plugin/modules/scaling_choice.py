@@ -87,6 +87,26 @@ class CalibrationReport:
         """How many layers got ``choice`` (one of :data:`CHOICES`)."""
         return sum(layer.choice == choice for layer in self.layers)
 
+    def annotate(self, conversion: Any) -> int:
+        """Write each calibrated layer's choice into ``conversion`` (the
+        :class:`~fp8_plugin.ConversionReport` of the same model): the decision's ``scaling``, and
+        where the choice is not the recipe, its reason with the SQNR that decided it, after the
+        decision's own reason (so the report's table shows it). The loops' calibration steps call
+        it; after :func:`~fp8_plugin.calibrate`, call it with the report ``convert_model``
+        returned. Returns how many decisions it wrote."""
+        decisions = {d.name: d for d in conversion.layers}
+        written = 0
+        for layer in self.layers:
+            decision = decisions.get(layer.name)
+            if decision is None or layer.kind != "linear":
+                continue
+            decision.scaling = layer.choice
+            if layer.choice != "recipe":
+                note = f"calibration chose {layer.choice}: {layer.reason}"
+                decision.reason = "; ".join(filter(None, (decision.reason, note)))
+            written += 1
+        return written
+
     def to_dict(self) -> dict[str, Any]:
         return {"batches": self.batches, "recipe": self.recipe, "outlier_margin_db": self.outlier_margin_db,
                 "min_sqnr_db": self.min_sqnr_db, "layers": [asdict(layer) for layer in self.layers]}

@@ -322,6 +322,8 @@ class FP8Training:
         if self._calibrator is not None and self.optimizer_steps >= self.calibration_steps:
             self.calibration = self._calibrator.finish(self.amax_reduction_group)
             self._calibrator = None
+            if self.report is not None:  # the conversion report shows each layer's scaling from now on
+                self.calibration.annotate(self.report)
         if self.module is not None:
             update_pending_scales(self.module, self.amax_reducer())
             if self.graphs is not None and not self.graphs.captured and self.optimizer_steps >= self.calibration_steps:

@@ -101,10 +101,16 @@ def _outlier_batches(n=2):
 def test_calibration_chooses_blockwise_where_outliers_break_per_tensor_scaling(tmp_path):
     torch.manual_seed(0)
     model = TwoBranches()
-    fp.convert_model(model, fp.DelayedScaling(), skip_small=False)
+    conversion = fp.convert_model(model, fp.DelayedScaling(), skip_small=False)
     batches = _outlier_batches()
     report = fp.calibrate(model, batches)
     rows = {r.name: r for r in report.layers}
+    # The conversion report shows the choice and the SQNR that decided it.
+    assert report.annotate(conversion) == 2
+    decisions = {d.name: d for d in conversion.layers}
+    assert (decisions["outliers"].scaling, decisions["plain"].scaling) == ("blockwise", "recipe")
+    assert f"calibration chose blockwise: {rows['outliers'].reason}" in str(conversion)
+    assert "dB >= per-tensor" in rows["outliers"].reason and "calibration chose" not in decisions["plain"].reason
 
     for name, index in (("outliers", 0), ("plain", 1)):
         layer = getattr(model, name)

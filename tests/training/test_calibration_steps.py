@@ -205,3 +205,32 @@ def test_calibration_step_settings_are_checked_when_built():
         fp.FP8Precision(calibration_steps=-1)
     with pytest.raises(ValueError, match=r"FP8Precision\(eval_in_fp8='no'\) is invalid; valid: True"):
         fp.fabric.FP8Precision(eval_in_fp8="no")
+
+
+def test_the_loops_conversion_report_shows_the_scaling_the_calibration_steps_chose():
+    # Two layers, one fed a massive activation (one token, one channel): after the calibration
+    # step the core's conversion report names the blockwise choice and the SQNR behind it.
+    from calibration_worker import TwoBranches
+
+    from fp8_plugin.training.core import FP8Training
+
+    torch.manual_seed(0)
+    model = TwoBranches()
+    run = FP8Training(fp.DelayedScaling(), compute_dtype=torch.float32, calibration_steps=1)
+    run.convert(model)
+    # Converted before any step: every decision on the recipe.
+    assert {d.name: d.scaling for d in run.report.swapped} == {"outliers": "recipe", "plain": "recipe"}
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+    x[3, 7] = 2.0**15
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with run.forward_context("cpu"):
+        a, b = model(x, y)
+    (a.square().mean() + b.square().mean()).backward()
+    optimizer.step()
+    run.after_optimizer_step()
+    rows = {r.name: r for r in run.calibration.layers}
+    assert rows["outliers"].choice == "blockwise" and rows["plain"].choice == "recipe"
+    decisions = {d.name: d for d in run.report.swapped}
+    assert (decisions["outliers"].scaling, decisions["plain"].scaling) == ("blockwise", "recipe")
+    assert f"calibration chose blockwise: {rows['outliers'].reason}" in str(run.report)
