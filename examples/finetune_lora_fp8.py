@@ -39,6 +39,8 @@ quiet_foreign_output()  # before transformers and Lightning: only lines a user c
 
 import torch  # noqa: E402
 
+from fp8_plugin.optim import FP8AdamW  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from finetune_causal_lm import (  # noqa: E402  (the causal-LM example's checkpoint, data and dtype logic)
     DEFAULT_MODEL_PATH,
@@ -144,7 +146,8 @@ def train(run: str, args, dtype: torch.dtype) -> dict:
     set_seed(args.seed)  # the same adapters' initial values in both runs
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS,
                                              lora_dropout=0.0))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    adamw = FP8AdamW if args.optimizer == "fp8-adamw" else torch.optim.AdamW
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     scheduler = get_linear_schedule_with_warmup(optimizer, max(1, args.max_steps // 10), args.max_steps)
     loader = DataLoader(train_blocks, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(args.seed))
@@ -178,7 +181,7 @@ def train(run: str, args, dtype: torch.dtype) -> dict:
         ppl_after_fp8 = perplexity_in_fp8(model, val_blocks, args.batch_size, accelerator.device, dtype)
     unchanged = frozen_digests(model) == stored
     timed = times[1:] or times  # the first step warms up
-    return {"run": run, "ppl_before": ppl_before, "ppl_after": ppl_after, "ppl_after_fp8": ppl_after_fp8,
+    return {"run": run, "optimizer": args.optimizer, "ppl_before": ppl_before, "ppl_after": ppl_after, "ppl_after_fp8": ppl_after_fp8,
             "final_loss": sum(losses[-10:]) / len(losses[-10:]), "step_time": sum(timed) / len(timed),
             "weight_bytes": weight_bytes, "bf16_bytes": 2 * values, "peak_rss_mib": peak, "rss_before_mib": resident,
             "frozen_layers": len(stored), "frozen_unchanged": unchanged if stored else None}
@@ -200,6 +203,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default: %(default)s)")
+    p.add_argument("--optimizer", choices=("adamw", "fp8-adamw"), default="adamw",
+                   help="torch's AdamW, or fp8_plugin.optim.FP8AdamW (E4M3 first moment, BF16 second)")
     p.add_argument("--val-blocks", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true",
