@@ -489,6 +489,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # The same _Backward for the same forward, made once: a frozen dataclass costs
         # microseconds to build, every step. Keyed by the recipe's identity (hashing a recipe
         # hashes all its fields), checked against the kept one.
+        if torch.compiler.is_compiling():  # traced once, kept by the graph: no memo to guard on
+            return _Backward(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
+                             frozen, high_precision)
         key = (id(recipe), record, x_block, w_block, self.weight_transposed, gemms, frozen, high_precision)
         memo = self.__dict__.setdefault("_backward_infos", {})
         info = memo.get(key)
