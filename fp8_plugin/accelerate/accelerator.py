@@ -60,15 +60,14 @@ from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns, check_calibration_steps
-from ..training.deepspeed_engine import attach_to_engine
+from ..training.deepspeed_engine import attach_to_engine, check_frozen_fp8_partitioning
 from ..training.graphing import check_cuda_graphs
 from ..training.reference import METRIC_PREFIX, ReferenceCheck, output_loss
 from ..training.reference_report import with_written
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
 from ..training.statistics import FP8Statistics, statistics_config
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
-from .setup_checks import (_check_deepspeed_setup, _check_frozen_fp8_partitioning, _check_not_sharded,
-                           _check_reference_setup)
+from .setup_checks import _check_deepspeed_setup, _check_not_sharded, _check_reference_setup
 
 __all__ = ["Accelerator"]
 
@@ -409,7 +408,7 @@ class Accelerator(_AccelerateAccelerator):
                           cuda_graphs=self._fp8_cuda_graphs, calibration_steps=self._fp8_calibration_steps)
         run.convert(obj)
         if self.distributed_type == DistributedType.DEEPSPEED:
-            _check_frozen_fp8_partitioning(run.report, self.state.deepspeed_plugin.deepspeed_config)
+            check_frozen_fp8_partitioning(run.report, self.state.deepspeed_plugin.deepspeed_config)
         for prepared in self._optimizers:  # optimizers prepared before this model
             run.release_replaced_weights(prepared.optimizer)
         run.exclude_state_from_state_dict()

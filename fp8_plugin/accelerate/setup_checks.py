@@ -1,15 +1,13 @@
 """What the FP8 ``Accelerator`` refuses when it is built or a model is prepared, before any step:
 reference checks where their replay cannot run (FSDP1, XLA, Megatron-LM), and what FP8 cannot
-do under DeepSpeed (among it, weights kept only in FP8 under ZeRO-3 on gloo).
+do under DeepSpeed.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..modules.convert import ConversionReport
 from ..training.deepspeed_engine import REFUSED, check_deepspeed_config
 from .settings import FP8Settings
 
@@ -78,25 +76,3 @@ def _check_not_sharded(settings: FP8Settings, module: nn.Module) -> None:
             f"(found {type(sharded).__name__}): the check's replay reads FSDP2's sharded gradients (DTensors), "
             f"not FSDP1's flat parameters. {_REFERENCE_SETUPS}"
         )
-
-
-def _check_frozen_fp8_partitioning(report: ConversionReport, config: dict) -> None:
-    """DeepSpeed ZeRO-3 partitions every parameter and all-gathers it for each forward in the
-    parameter's dtype; weights kept only in FP8 (frozen: LoRA base layers, a published FP8
-    checkpoint) are float8 parameters, and the gloo backend has no float8 collectives (its
-    all-gather fails with "Invalid scalar type" at the first forward). Refused at ``prepare``
-    instead. ZeRO 0-2 keep every parameter whole on each rank and are not affected.
-
-    Raises:
-        ValueError: ZeRO stage 3 on a gloo process group and ``report`` has frozen FP8 layers.
-    """
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    if stage != 3 or not report.frozen or not dist.is_initialized() or dist.get_backend() != "gloo":
-        return
-    names = ", ".join(d.name for d in report.frozen[:3]) + (", ..." if len(report.frozen) > 3 else "")
-    raise ValueError(
-        f"DeepSpeed ZeRO-3 on the gloo backend cannot partition weights kept only in FP8 ({len(report.frozen)} frozen "
-        f"layers: {names}): gloo has no float8 collectives for ZeRO-3's all-gathers. Valid set-ups: ZeRO stage 0, 1 "
-        "or 2; FSDP2 (its all-gather moves the FP8 bytes); or keep frozen weights in high precision: "
-        "fp8_plugin.convert_model(model, frozen_weights='keep') before prepare()"
-    )

@@ -39,13 +39,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from .core import FP8Training
 
-__all__ = ["attach_to_engine", "check_deepspeed_config", "is_deepspeed_engine", "zero_stage",
+__all__ = ["attach_to_engine", "check_deepspeed_config", "check_frozen_fp8_partitioning", "is_deepspeed_engine",
+           "zero_stage",
            "CLIENT_STATE_KEY", "REFERENCE_STATE_KEY", "REFUSED"]
 
 # The keys of the FP8 state, and of the reference checks' history, in a DeepSpeed checkpoint's
@@ -60,6 +62,9 @@ REFUSED = {
                  "fp8-plugin's nonfinite policy; leave nonfinite unset under DeepSpeed",
     "tensor_parallel": "DeepSpeed's tensor parallelism (autotp_size > 1) shards weights across ranks whose "
                        "weight amaxes then differ; valid here: ZeRO stages 0-3 with data parallelism only",
+    "frozen_zero3_gloo": "gloo has no float8 collectives for ZeRO-3's all-gathers. Valid set-ups: ZeRO stage 0, 1 "
+                         "or 2; FSDP2 (its all-gather moves the FP8 bytes); or keep frozen weights in high "
+                         "precision: fp8_plugin.convert_model(model, frozen_weights='keep') before prepare()",
 }
 
 
@@ -93,6 +98,30 @@ def check_deepspeed_config(config: dict, owner: str) -> None:
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
     if isinstance(stage, int) and stage not in (0, 1, 2, 3):
         raise ValueError(f"{owner}: DeepSpeed zero_optimization.stage={stage} is not valid; valid: 0, 1, 2, 3")
+
+
+def check_frozen_fp8_partitioning(report: Any, config: dict) -> None:
+    """Refuse weights kept only in FP8 where DeepSpeed ZeRO-3 would partition them over gloo.
+
+    ZeRO-3 all-gathers each partitioned parameter for each forward in the parameter's dtype;
+    weights kept only in FP8 (frozen: LoRA base layers, a published FP8 checkpoint) are float8
+    parameters, and gloo has no float8 collectives (the first forward fails with "Invalid scalar
+    type"). ZeRO 0-2 keep every parameter whole on each rank and are not affected.
+
+    Args:
+        report: the model's ``ConversionReport`` (its ``frozen`` decisions).
+        config: the DeepSpeed config (a dict).
+
+    Raises:
+        ValueError: ZeRO stage 3 on a gloo process group and ``report`` has frozen FP8 layers
+            (:data:`REFUSED`).
+    """
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if stage != 3 or not report.frozen or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    names = ", ".join(d.name for d in report.frozen[:3]) + (", ..." if len(report.frozen) > 3 else "")
+    raise ValueError(f"DeepSpeed ZeRO-3 on the gloo backend cannot partition weights kept only in FP8 "
+                     f"({len(report.frozen)} frozen layers: {names}): {REFUSED['frozen_zero3_gloo']}")
 
 
 def attach_to_engine(engine: Any, runs: list[FP8Training],
