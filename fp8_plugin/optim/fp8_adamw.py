@@ -167,12 +167,12 @@ class FP8AdamW(torch.optim.Optimizer):
             group.setdefault("exp_avg_sq_dtype", torch.bfloat16)
             groups.append(group)
         super().load_state_dict({**state_dict, "state": steps_only, "param_groups": groups})
-        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        lookup = dict(zip(ids, params))
+        # Each saved id's parameter and its group's second-moment dtype (torch matched the groups).
+        owner = {pid: (p, group["exp_avg_sq_dtype"])
+                 for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                 for pid, p in zip(saved["params"], group["params"])}
         for pid, saved in saved_states.items():
-            p = lookup[pid]
-            dtype = next(g["exp_avg_sq_dtype"] for g in self.param_groups if any(q is p for q in g["params"]))
+            p, dtype = owner[pid]
             self.state[p].update(_imported_moments(p, saved, dtype, pid))
 
     def torch_adamw_state_dict(self) -> dict[str, Any]:
