@@ -74,6 +74,16 @@ def _grads(model, batch, fp8):
     return grads
 
 
+def _fp8_training_step(model, batch) -> int:
+    # A training step's forward and backward in FP8 (its delayed scales are the check's), its
+    # amaxes settled and its gradients dropped; returns the FP8 GEMMs it ran.
+    with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
+        _bert_loss(model, batch).backward()
+    fp.update_pending_scales(model)
+    model.zero_grad()
+    return gemms.count
+
+
 def _cosine(a, b):
     return (a @ b / (a.norm() * b.norm())).item()
 
@@ -83,10 +93,7 @@ def test_massive_activation_is_fixed_by_blockwise_scaling_with_every_gemm_still_
     # layer: the planted channel then crushes only its own 128-channel tiles. Its replay passes,
     # halving keeps the smallest half that passes, and all 72 GEMMs stay in FP8.
     model, batch = _massive_activation_bert()
-    with torch.autocast("cpu", torch.bfloat16), fp.autocast():
-        _bert_loss(model, batch).backward()
-    fp.update_pending_scales(model)
-    model.zero_grad()
+    _fp8_training_step(model, batch)
     reference = _grads(model, batch, fp8=False)
     config = ReferenceCheck(policy="fallback")
     with pytest.warns(UserWarning, match="moved to blockwise scaling"):
@@ -114,11 +121,7 @@ def test_massive_activation_is_fixed_by_blockwise_scaling_with_every_gemm_still_
 
 def test_massive_activation_is_localised_by_verified_replays_to_one_layer():
     model, batch = _massive_activation_bert()
-    with count_fp8_gemms() as gemms, torch.autocast("cpu", torch.bfloat16), fp.autocast():
-        _bert_loss(model, batch).backward()  # a training step's backward: delayed scales for the check
-    fp.update_pending_scales(model)
-    model.zero_grad()
-    assert gemms.count == 24 * 3  # 24 FP8 linear layers, each fprop, dgrad and wgrad in FP8
+    assert _fp8_training_step(model, batch) == 24 * 3  # 24 FP8 linear layers, each fprop, dgrad and wgrad in FP8
     # By hand, outside the check: FP8 gradients against FP8-off ones, float64 cosine.
     reference = _grads(model, batch, fp8=False)
     config = ReferenceCheck(policy="fallback", fallback_blockwise=False)
@@ -159,10 +162,7 @@ def test_massive_activation_without_candidates_escalates_to_fprop_the_first_step
     # with its replay. The forward's E4M3 noise, amplified through the planted LayerNorm, is
     # what turns the gradient: every dgrad in high precision does not restore it, every fprop does.
     model, batch = _massive_activation_bert()
-    with torch.autocast("cpu", torch.bfloat16), fp.autocast():
-        _bert_loss(model, batch).backward()
-    fp.update_pending_scales(model)
-    model.zero_grad()
+    _fp8_training_step(model, batch)
     config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=0)
     with pytest.warns(UserWarning) as caught:
         result = fp.reference_check(model, batch, _bert_loss, config=config)
