@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..numerics.decode import decode_fp8
 from ..numerics.device_kind import fp8_family
 from ..numerics.formats import fp8_dtype, fp8_max
 from ..numerics.quantizers import WEIGHT, QuantizedTensor
@@ -171,7 +172,7 @@ class FP8GatheredWeight(torch.Tensor):
             # Views keep the FP8 payload: FSDP views the gathered weight at its unpadded size.
             return cls(func(first._data, *args[1:], **kwargs), first._scale_inv, first.dtype)
         dequantized_args, dequantized_kwargs = pytree.tree_map_only(
-            cls, lambda t: (t._data.to(torch.float32) * t._scale_inv).to(t.dtype), (args, kwargs)
+            cls, lambda t: (decode_fp8(t._data) * t._scale_inv).to(t.dtype), (args, kwargs)
         )
         return func(*dequantized_args, **dequantized_kwargs)
 

@@ -64,6 +64,7 @@ from functools import lru_cache
 import torch
 
 from . import gemm as _gemm
+from .decode import decode_fp8
 from .device_kind import cuda_capability, device_kind
 from .scaling import quantize
 
@@ -218,14 +219,14 @@ def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 def _dequantized_rows(x: torch.Tensor, scale_inv: torch.Tensor, group_of_row: torch.Tensor) -> torch.Tensor:
     # FP8 rows times their group's scale_inv, in float32 (QuantizedTensor.dequantize's product).
-    return x.to(torch.float32) * scale_inv[group_of_row].unsqueeze(1)
+    return decode_fp8(x) * scale_inv[group_of_row].unsqueeze(1)
 
 
 def _emulated(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     with torch.autocast(device_kind(a.device), enabled=False):
         a32 = _dequantized_rows(a, sa, _row_groups(offsets, a.shape[0]))
-        b32 = b.to(torch.float32) * sb.view(-1, 1, 1)
+        b32 = decode_fp8(b) * sb.view(-1, 1, 1)
         return _grouped_mm_float32(a32, b32, offsets).to(out_dtype)
 
 

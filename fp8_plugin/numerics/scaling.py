@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .decode import decode_fp8
 from .formats import fp8_max, has_infinity
 
 __all__ = ["amax", "scale_from_amax", "quantize", "saturate", "dequantize", "divide"]
@@ -116,7 +117,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype =
         saturate: False gives the plain product, one multiply (the emulated GEMM, whose sums
             can overflow anyway, skips the clamp on its hot path).
     """
-    values = data.to(torch.float32)
+    values = decode_fp8(data)
     product = values * scale_inv
     if not saturate:
         return product.to(dtype)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..numerics.decode import decode_fp8
 from ..numerics.formats import fp8_max
 from ..numerics.quantizers import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, ScalingState, make_quantizer
 
@@ -94,7 +95,7 @@ def cast_statistics(x: torch.Tensor, q: QuantizedTensor, dtype: torch.dtype) -> 
         zero; it saturates when ``|x| * scale`` exceeds the format's largest finite value.
     """
     xf = x.detach().to(torch.float32)
-    data = q.data.to(torch.float32)
+    data = decode_fp8(q.data)
     if q.block is None:
         scale_inv = q.scale_inv
     else:
