@@ -19,6 +19,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(_FOLDERS + [p for p in os.environ.get
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# CPU FP8 GEMMs in the exact float32 emulation on every machine, whatever its BF16 speed, so that
+# the suite's bounds and bit-for-bit comparisons mean the same everywhere; the BF16 emulation's
+# own tests force it (numerics/cpu_emulation.py).
+os.environ.setdefault("FP8_PLUGIN_CPU_EMULATION", "float32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..numerics.cpu_emulation import cpu_emulation
 from ..numerics.device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
 from ..numerics.device_kind import device_kind, fp8_family
 from ..numerics.gemm import native_gemm
@@ -473,7 +474,8 @@ def convert_model(
     kind = recipe_gemm_kind(report.recipe)
     support = native_gemm(kind, target)
     if support.native and kind == "tensorwise" and target.type == "cpu":
-        report.gemm = "tensorwise GEMMs: torch._scaled_mm or the exact float32 emulation per operand pairing, as python -m fp8_plugin reports"
+        emulation = "the BF16 emulation" if cpu_emulation().bf16 else "the exact float32 emulation"
+        report.gemm = f"tensorwise GEMMs: torch._scaled_mm or {emulation} per operand pairing, as python -m fp8_plugin reports"
     else:
         report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
     fnuz = fp8_family(target) == "fnuz"

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 
+from .cpu_emulation import bf16_matmul_speedup, cpu_emulation
 from .device_kind import cuda_capability, device_kind, fp8_family
 from .formats import Format, parse_format
 from . import gemm as _gemm
@@ -160,6 +160,8 @@ class DeviceReport:
     casts: str = ""
     # The FP8 formats the recipes' names stand for here (device_kind.fp8_family).
     formats: str = ""
+    # CPU: the emulation tensorwise GEMMs run where they are emulated (numerics/cpu_emulation.py).
+    emulation: str = ""
 
     def __str__(self) -> str:
         header = ("recipe", "scaling", "GEMM", "native")
@@ -179,6 +181,8 @@ class DeviceReport:
         if self.gemm_paths:
             lines.append("tensorwise GEMM path per operand pairing (what training runs here):")
             lines += [f"  {p}" for p in self.gemm_paths]
+        if self.emulation:
+            lines.append(f"tensorwise emulation: {self.emulation}")
         return "\n".join(lines)
 
 
@@ -226,6 +230,10 @@ def describe_device(device: Device = None) -> DeviceReport:
             row.native_pairings = [p.operands for p in report.pairings if p.native]
         report.recipes.append(row)
     report.auto = auto_recipe(Format.HYBRID, target)
+    if device_kind(target) == "cpu" and target.type == "cpu":
+        choice = cpu_emulation()
+        report.emulation = (f"{'BF16 GEMMs of the FP8 values' if choice.bf16 else 'float32 GEMMs of the dequantized operands'}"
+                            f" ({choice.why})")
     fused, why = fused_casts(target)
     report.casts = ("fused Triton kernels (cast-transpose with the amax folded in; current scaling: an amax pass "
                     "first)" if fused else f"torch ops ({why})")
@@ -284,34 +292,3 @@ def bf16_matmul_is_fast(device_type: str = "cpu", k: int = 384) -> tuple[bool, s
         return True, "CUDA GPU"
     speedup, why = bf16_matmul_speedup(device_type, k)
     return speedup >= 0.5, why
-
-
-def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, str]:
-    """How many times faster a BF16 matmul runs than a float32 one on ``device_type``, and why.
-
-    One ``[256, k] x [k, 1536]`` matmul per dtype (about 1.2 GFLOP), timed as the mean of 3
-    after a warm-up, on a generator of its own (the caller's random stream is left as it was).
-    Above 1 on CPUs with AVX512-BF16 or AMX (measured 1.6 to 1.8 on an AMD EPYC with
-    AVX512-BF16 at MiniLM's GEMM shapes), far below it on CPUs without (tens of times slower).
-
-    Returns:
-        ``(float32 seconds / BF16 seconds, why)``, ``why`` a sentence with the timings.
-    """
-    cuda = device_type == "cuda" and torch.cuda.is_available()  # any other device type: timed on CPU
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(256, k, generator=gen), torch.randn(k, 1536, generator=gen)
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = a.to("cuda" if cuda else "cpu", dtype), b.to("cuda" if cuda else "cpu", dtype)
-        x @ y  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(3):
-            x @ y
-        if cuda:
-            torch.cuda.synchronize()
-        timings[dtype] = (time.perf_counter() - start) / 3
-    bf16_ms, fp32_ms = timings[torch.bfloat16] * 1e3, timings[torch.float32] * 1e3
-    why = f"BF16 matmul {bf16_ms:.1f} ms vs float32 {fp32_ms:.1f} ms on this {'GPU' if cuda else 'CPU'}"
-    return timings[torch.float32] / timings[torch.bfloat16], why

@@ -36,6 +36,10 @@ scales to the accumulator and sums in its own order: there the paths agree bit f
 float32 accumulation is exact with power-of-two scales, and otherwise within the float32
 accumulation error bound. Native kernels run outside torch autocast (under it, CPU
 ``_scaled_mm`` takes a path about 40x slower). :func:`force_path` pins one path, for tests.
+
+On CPUs whose BF16 GEMMs are fast (AVX512-BF16, AMX), per-tensor operands are emulated instead
+as one BF16 GEMM of their FP8 values, one bfloat16 rounding of each output away from the float32
+emulation: :mod:`~fp8_plugin.numerics.cpu_emulation` says which emulation a process runs, and why.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ import torch.nn.functional as F
 
 from .decode import decode_fp8
 from .device_kind import cuda_capability, device_kind, presented_device
+from .cpu_emulation import cpu_emulation
 from .gemm_kernels import emulated as _emulated
+from .gemm_kernels import emulated_bf16 as _emulated_bf16
 from .gemm_kernels import kernel_bias as _kernel_bias
 from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
 from .gemm_kernels import scaled_mm_tensorwise as _scaled_mm_tensorwise
@@ -164,7 +170,7 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
     kind = gemm_kind(a, b)
     if kind not in GEMM_KINDS:
         return kind, None, f"no native GEMM for {a.block} x {b.block} blocks"
-    if _forced == "emulated":
+    if _forced in ("emulated", "emulated-bf16"):
         return kind, None, ""
     # A tensor's device carries its index.
     support = NativeGemm(*_native_support(kind, a.data.device, _forced != "native"))
@@ -262,7 +268,23 @@ def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, s
 
 
 _forced: Optional[str] = None
-_PATHS = ("auto", "native", "emulated")
+_PATHS = ("auto", "native", "emulated", "emulated-bf16")
+
+
+@torch.compiler.assume_constant_result
+def _cpu_bf16_emulation() -> bool:
+    # The process's CPU emulation (a timing on first use): a constant for torch.compile.
+    return cpu_emulation().bf16
+
+
+def _emulate(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+    # The emulation of this call: BF16 GEMMs for per-tensor operands on a CPU whose process chose
+    # them (numerics/cpu_emulation.py) or under force_path("emulated-bf16"); float32 otherwise.
+    per_tensor = a.block is None and b.block is None and a.data.device.type == "cpu"
+    if per_tensor and (_forced == "emulated-bf16" or (_forced != "emulated" and _cpu_bf16_emulation())):
+        return _emulated_bf16(a, b, out_dtype, bias)
+    return _emulated(a, b, out_dtype, bias)
 
 
 @contextlib.contextmanager
@@ -273,8 +295,10 @@ def force_path(path: str) -> Iterator[None]:
         path: ``"native"`` (the native kernel wherever the device and shape allow one, even if
             the timed probe found it slower; a block kind's kernel is taken from the device's
             compute capability alone, without its probe GEMM, and assumed to write float32,
-            bfloat16 and float16), ``"emulated"`` (always the float32 emulation) or ``"auto"``
-            (the default: the fastest exact path).
+            bfloat16 and float16), ``"emulated"`` (always the float32 emulation),
+            ``"emulated-bf16"`` (the BF16 emulation for per-tensor operands on CPU, the float32
+            one elsewhere; :mod:`~fp8_plugin.numerics.cpu_emulation`) or ``"auto"`` (the
+            default: the native kernel where it is faster, else the CPU's chosen emulation).
 
     Raises:
         ValueError: unknown ``path``.
@@ -317,9 +341,11 @@ class TensorwiseChoice:
 
     def describe(self) -> str:
         m, k, n = self.shape
+        emulation = "BF16 emulation" if cpu_emulation().bf16 else "float32 emulation"
         if self.same_computation:
-            return f"float32 emulation (same bits as torch._scaled_mm on a {m}x{k}x{n} check: not timed)"
-        path = "torch._scaled_mm" if self.native else "float32 emulation"
+            same = "same bits" if emulation == "float32 emulation" else "the float32 emulation's bits"
+            return f"{emulation} ({same} as torch._scaled_mm on a {m}x{k}x{n} check: not timed)"
+        path = "torch._scaled_mm" if self.native else emulation
         return (f"{path} ({m}x{k}x{n}: _scaled_mm {self.native_s * 1e3:.2f} ms, "
                 f"emulation {self.emulated_s * 1e3:.2f} ms)")
 
@@ -356,7 +382,7 @@ def _time_gemm(path: str, a: QuantizedTensor, b: QuantizedTensor, out_dtype: tor
     if path == "native":
         _scaled_mm_tensorwise(a, b, out_dtype, None)
     else:
-        _emulated(a, b, out_dtype)
+        _emulate(a, b, out_dtype)
     if a.data.device.type == "cuda":
         torch.cuda.synchronize(a.data.device)
     return time.perf_counter() - start
@@ -489,7 +515,7 @@ def fp8_gemm(
     if support is None:
         if reason:
             _warn_once(reason)
-        return _emulated(a, b, out_dtype, bias)
+        return _emulate(a, b, out_dtype, bias)
     m, n = a.data.shape[0], b.data.shape[0]
     device_type = device_kind(a.data.device)
     if device_type == "cuda":
@@ -525,8 +551,9 @@ def fp8_gemm_in_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
     far below the quantisation error of E5M2 (unit roundoff 2^-3) and E4M3 (2^-4): an SQNR
     figure of a GEMM near its healthy band (about 25 dB, an error of 6% rms) moves by under
     0.01 dB. On CPUs whose BF16 GEMMs outrun float32 ones (AVX512-BF16, AMX) it is faster than
-    the float32 emulation; the reference checks' per-GEMM figures use it there. Training GEMMs
-    never do.
+    the float32 emulation; the reference checks' per-GEMM figures use it there, and training
+    GEMMs where :mod:`~fp8_plugin.numerics.cpu_emulation` chose it
+    (:func:`~fp8_plugin.numerics.gemm_kernels.emulated_bf16`, the same computation).
 
     Args:
         a: ``[M, K]`` FP8 data with a per-tensor (0-dim float32) ``scale_inv``; the data may also
@@ -542,9 +569,7 @@ def fp8_gemm_in_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
     """
     if a.block is not None or b.block is not None:
         raise ValueError(f"fp8_gemm_in_bf16 takes per-tensor scales only, got blocks {a.block} x {b.block}")
-    with torch.autocast(device_kind(a.data.device), enabled=False):
-        out = fp8_values_in_bf16(a.data) @ fp8_values_in_bf16(b.data).t()
-    return out.float().mul_(a.scale_inv * b.scale_inv)
+    return _emulated_bf16(a, b, torch.float32)
 
 
 def fp8_values_in_bf16(data: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The FP8 GEMM calls themselves: the exact float32 emulation and the native scaled-GEMM kernels.
+"""The FP8 GEMM calls themselves: the exact float32 emulation, the BF16 one, and the native scaled-GEMM kernels.
 
 Which of them runs is decided in :mod:`fp8_plugin.numerics.gemm`; what a GPU's block kernels accept
 is probed in :mod:`fp8_plugin.numerics.gemm_support`. Each function takes
@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .decode import decode_fp8
 from .device_kind import device_kind
 from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
-__all__ = ["emulated", "kernel_bias", "scaled_mm_tensorwise", "scaled_mm_blocks"]
+__all__ = ["emulated", "emulated_bf16", "kernel_bias", "scaled_mm_tensorwise", "scaled_mm_blocks"]
 
 
 def emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -34,6 +35,33 @@ def emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bia
         out = a.dequantize(saturate=False) @ b.dequantize(saturate=False).t().contiguous()
     if bias is not None:
         out = out + kernel_bias(bias, out_dtype).to(torch.float32)
+    return out.to(out_dtype)
+
+
+def emulated_bf16(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` as one BF16 GEMM of the FP8 values, for per-tensor scales.
+
+    Every E4M3 and E5M2 value is exact in bfloat16, so the products are exact; torch's BF16 GEMMs
+    accumulate them in float32 and round each output once to bfloat16 (relative error at most
+    2^-8, bfloat16's unit roundoff). Then, in float32: the product of the two ``scale_inv``
+    (rounded once), and the bias as :func:`kernel_bias` gives it; the sum is cast to
+    ``out_dtype``. Against :func:`emulated` that is one more rounding per output, the one
+    :mod:`~fp8_plugin.numerics.cpu_emulation` describes. Runs outside torch autocast.
+
+    ``a.data`` and ``b.data`` may be FP8 in any layout, or already their bfloat16 values
+    (:func:`~fp8_plugin.numerics.decode.decode_fp8`'s, for an operand of several GEMMs).
+
+    Raises:
+        ValueError: an operand with block scales (their scales vary along K, inside the sum).
+    """
+    if a.block is not None or b.block is not None:
+        raise ValueError(f"a BF16 emulated GEMM takes per-tensor scales only, got blocks {a.block} x {b.block}")
+    with torch.autocast(device_kind(a.data.device), enabled=False):
+        out = decode_fp8(a.data, torch.bfloat16) @ decode_fp8(b.data, torch.bfloat16).t()
+    out = out.to(torch.float32).mul_(a.scale_inv * b.scale_inv)
+    if bias is not None:
+        out = out.add_(kernel_bias(bias, out_dtype).to(torch.float32))
     return out.to(out_dtype)
 
 

@@ -281,7 +281,7 @@ def native_grouped_gemm(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
     device and its cached support (dtypes and shapes pick between the two native kernels);
     under ``force_path("native")`` without the probe."""
     forced = _gemm.forced_path()
-    if forced == "emulated":
+    if forced in ("emulated", "emulated-bf16"):
         return False, "forced emulation"
     kind = device_kind(a.device)
     if kind != "cuda":

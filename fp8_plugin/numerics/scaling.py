@@ -2,10 +2,13 @@
 
 Sources: Transformer Engine's scale update (``transformer_engine/pytorch/fp8.py``,
 ``_default_sf_compute``) and the OCP OFP8 spec rev 1.0 for the saturating conversion.
-No function here synchronises with the host: every result stays a device tensor.
+No function here synchronises with a GPU: every result stays a device tensor (on CPU,
+:func:`quantize` reads a CPU amax back, which costs nothing there).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -58,7 +61,7 @@ def scale_from_amax(
     return torch.where(valid, scale, previous)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Saturating cast of ``x * scale`` to the FP8 ``dtype``; infinities of ``x`` are kept.
 
     Finite values beyond the format's range become +-max (OCP OFP8 "saturating" conversion):
@@ -72,6 +75,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
         x: any floating dtype and shape.
         scale: float32 tensor broadcastable to ``x`` (0-dim for per-tensor scaling).
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        amax: :func:`amax` of ``x``, where the caller has it. On CPU, outside code that
+            ``torch.compile`` traces, a finite one says that ``x`` holds no inf or NaN, and the
+            passes that keep them are skipped (reading it back costs nothing on CPU). Elsewhere
+            it is not read: no function here synchronises with a GPU.
 
     Returns:
         Tensor of ``x``'s shape in ``dtype``, row-major (contiguous) whatever the layout of ``x``
@@ -81,6 +88,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     # One float32 temporary, scaled and saturated in place: on CPU each further full-size
     # temporary costs about as much as the arithmetic (fresh pages).
     scaled = x * scale if x.dtype == torch.float32 else x.to(torch.float32).mul_(scale)
+    if (amax is not None and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool(torch.isfinite(amax)) and not scaled.requires_grad):
+        bound = fp8_max(dtype)  # finite x: saturate() would only clamp
+        return scaled.clamp_(-bound, bound).to(dtype, memory_format=torch.contiguous_format)
     return saturate(scaled, x, dtype).to(dtype, memory_format=torch.contiguous_format)
 
 

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 import fp8_plugin as fp
+from fp8_plugin.numerics import gemm
 from fp8_plugin.numerics.gemm import force_path
+from fp8_plugin.numerics.gemm_kernels import emulated_bf16
 from fp8_plugin import DelayedScaling, Float8CurrentScaling, Format
 from reference import assert_within_bound, fp8_operand, gemm_error_bound, te_scale
 
@@ -18,17 +20,21 @@ def _amax(t):
     return t.detach().abs().max().item()
 
 
-@pytest.mark.parametrize("path", ["native", "emulated"])
+@pytest.mark.parametrize("path", ["native", "emulated", "emulated-bf16"])
 @pytest.mark.parametrize("fmt, grad_dtype", [(Format.HYBRID, E5M2), (Format.E4M3, E4M3)])
 @pytest.mark.parametrize("recipe_cls", [DelayedScaling, Float8CurrentScaling])
-def test_forward_dgrad_wgrad_match_float64_reference(recipe_cls, fmt, grad_dtype, path):
+def test_forward_dgrad_wgrad_match_float64_reference(recipe_cls, fmt, grad_dtype, path, monkeypatch):
     layer = fp.FP8Linear(48, 32, recipe=recipe_cls(fp8_format=fmt))
     x = (torch.randn(4, 8, 48) * 3).requires_grad_()
     g = torch.randn(4, 8, 32) * 1e-3
+    bf16_gemms = []
+    monkeypatch.setattr(gemm, "_emulated_bf16", lambda *a: bf16_gemms.append(1) or emulated_bf16(*a))
     with force_path(path), fp.autocast():
         y = layer(x)
     with force_path(path):
         y.backward(g)
+    bf16 = path == "emulated-bf16"
+    assert len(bf16_gemms) == (3 if bf16 else 0)  # fprop, dgrad, wgrad each a BF16 GEMM, or none
 
     # First step of delayed scaling and every step of current scaling: scale from own amax.
     xq = fp8_operand(x.detach(), te_scale(_amax(x), E4M3), E4M3)
@@ -38,9 +44,11 @@ def test_forward_dgrad_wgrad_match_float64_reference(recipe_cls, fmt, grad_dtype
     bias = layer.bias.detach().double()
     # Tolerances from float32 accumulation error bounds (reference.gemm_error_bound), not from
     # what one CPU's kernel happened to give.
-    assert_within_bound(y.reshape(-1, 32), x2 @ wq.t() + bias, gemm_error_bound(x2, wq, torch.float32, bias))
-    assert_within_bound(x.grad.reshape(-1, 48), g2 @ wq, gemm_error_bound(g2, wq.t().contiguous()))
-    assert_within_bound(layer.weight.grad, g2.t() @ x2, gemm_error_bound(g2.t().contiguous(), x2.t().contiguous()))
+    # The BF16 emulation adds one bfloat16 rounding of each output (reference.bf16_rounding).
+    assert_within_bound(y.reshape(-1, 32), x2 @ wq.t() + bias, gemm_error_bound(x2, wq, torch.float32, bias, bf16))
+    assert_within_bound(x.grad.reshape(-1, 48), g2 @ wq, gemm_error_bound(g2, wq.t().contiguous(), bf16_gemm=bf16))
+    assert_within_bound(layer.weight.grad, g2.t() @ x2,
+                        gemm_error_bound(g2.t().contiguous(), x2.t().contiguous(), bf16_gemm=bf16))
     # The bias gradient is a float32 sum of the 32 unquantized grad_output rows.
     bias_grad_bound = 32 * 2.0**-24 * g.double().abs().sum((0, 1))
     assert_within_bound(layer.bias.grad, g.double().sum((0, 1)), bias_grad_bound)

@@ -24,7 +24,7 @@ def fp8_operand(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
 
 
 def gemm_error_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                     bias: torch.Tensor = None) -> torch.Tensor:
+                     bias: torch.Tensor = None, bf16_gemm: bool = False) -> torch.Tensor:
     """Per-element bound on |fl(a @ b.T + bias) - (a @ b.T + bias)| for float32 accumulation.
 
     ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are float64 copies of the dequantized FP8 operands (their
@@ -32,6 +32,9 @@ def gemm_error_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = 
     gamma_K * sum_k |a_ik b_jk| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, "Accuracy and
     Stability of Numerical Algorithms", 3.1); the bias add and the rounding to ``out_dtype`` add
     one rounding each of the result (u = 2^-24 float32, 2^-8 bfloat16, 2^-11 float16).
+
+    ``bf16_gemm``: the BF16 emulation (numerics/cpu_emulation.py), which rounds each sum of raw
+    products once to bfloat16 before the scales and the bias are applied: :func:`bf16_rounding`.
     """
     k = a.shape[1] + (1 if bias is not None else 0)
     u32 = 2.0**-24
@@ -39,11 +42,23 @@ def gemm_error_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = 
     magnitude = a.abs() @ b.abs().t() + (bias.abs() if bias is not None else 0)
     exact = a @ b.t() + (bias if bias is not None else 0)
     u_out = {torch.float32: u32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 0.0}[out_dtype]
-    return gamma * magnitude + (u_out + u32) * exact.abs()
+    bound = gamma * magnitude + (u_out + u32) * exact.abs()
+    if bf16_gemm:
+        bound = bound + bf16_rounding(a @ b.t(), gamma * magnitude, magnitude) * (1 + u_out + u32)
+    return bound
+
+
+def bf16_rounding(product: torch.Tensor, accumulation: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """The BF16 emulation's one more rounding, as a bound: the float32 sum of the raw products
+    (within ``accumulation`` of the scaled ``product``, the GEMM without bias) rounded to
+    bfloat16 (unit roundoff 2^-8), then multiplied by the float32 product of the two scales
+    (two roundings of 2^-24 each, taken on ``magnitude``, the sum of |products|)."""
+    return 2.0**-8 * (product.abs() + accumulation) + 4 * 2.0**-24 * magnitude
 
 
 def scaled_gemm_error_bound(data_a: torch.Tensor, scale_a: float, data_b: torch.Tensor, scale_b: float,
-                            out_dtype: torch.dtype = torch.float32, bias: torch.Tensor = None) -> torch.Tensor:
+                            out_dtype: torch.dtype = torch.float32, bias: torch.Tensor = None,
+                            bf16_gemm: bool = False) -> torch.Tensor:
     """Per-element bound on |got - exact| for an FP8 GEMM with any float32 scales, on either path.
 
     ``data_a`` ``[M, K]`` and ``data_b`` ``[N, K]`` are the FP8 data, ``scale_a`` / ``scale_b``
@@ -57,7 +72,8 @@ def scaled_gemm_error_bound(data_a: torch.Tensor, scale_a: float, data_b: torch.
     m = sum_k |a_ik b_jk| + |bias_j| and u = 2^-24 (Higham, "Accuracy and Stability of Numerical
     Algorithms", 3.1 and lemma 3.3). The cast to ``out_dtype`` adds u_out * |s| <=
     u_out * (|exact| + E), and half the smallest subnormal of float16. The float64 reference
-    itself errs by at most gamma64_{K+1} * m, added too.
+    itself errs by at most gamma64_{K+1} * m, added too. ``bf16_gemm``: the BF16 emulation's
+    rounding of each raw sum (:func:`bf16_rounding`) comes before the cast.
     """
     a = data_a.double() * scale_a
     b = data_b.double() * scale_b
@@ -66,6 +82,8 @@ def scaled_gemm_error_bound(data_a: torch.Tensor, scale_a: float, data_b: torch.
     magnitude = a.abs() @ b.abs().t() + (bias.double().abs() if bias is not None else 0)
     exact = a @ b.t() + (bias.double() if bias is not None else 0)
     before_cast = (k * u32 / (1 - k * u32) + 3 * u32 + u32**2) * magnitude
+    if bf16_gemm:
+        before_cast = before_cast + bf16_rounding(a @ b.t(), before_cast, magnitude)
     u_out = {torch.float32: u32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 0.0}[out_dtype]
     tiny = 2.0**-25 if out_dtype == torch.float16 else 0.0
     reference = 2 * k * u64 * magnitude

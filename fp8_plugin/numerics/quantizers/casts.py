@@ -70,7 +70,7 @@ class PerTensorQuantizer(_LayerQuantizer):
                 scale = current
                 if self.record:
                     self.state.observe_current(self.role, amax, scale)
-            q = QuantizedTensor(quantize(x, scale, self.dtype), divide(1.0, scale))
+            q = QuantizedTensor(quantize(x, scale, self.dtype, amax), divide(1.0, scale))
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)
         return q
