@@ -13,13 +13,16 @@ call, so on CPU this module rebuilds each value's float16 bits with integer oper
   float32 widening and the multiply by 2^8 are exact. E4M3's NaN (S.1111.111) reads as +-480,
   beyond E4M3's max of 448, and is put back as NaN.
 
-The FNUZ formats (bias 8 and 16, the 0x80 NaN) and every other device take torch's cast, as does
-code being traced by ``torch.compile`` (whose generated casts are vectorised already).
+The FNUZ formats (bias 8 and 16, the 0x80 NaN) and every other device take torch's cast, as do
+code being traced by ``torch.compile`` (whose generated casts are vectorised already) and calls
+under a dispatch mode (``FakeTensorMode``: the NaN check reads a value back).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .._private.torch_api import in_dispatch_mode
 
 __all__ = ["decode_fp8"]
 
@@ -44,15 +47,21 @@ def decode_fp8(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
     if data.dtype == dtype:
         return data
     if (data.device.type != "cpu" or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
-            or data.numel() == 0 or torch.compiler.is_compiling()):
-        return data.to(dtype)
+            or data.numel() == 0 or torch.compiler.is_compiling() or in_dispatch_mode()):
+        return data.to(dtype)  # a mode (FakeTensorMode, a recorder) cannot read the NaN check back
     if data.dtype == torch.float8_e5m2:
         half = (data.view(torch.uint8).to(torch.int16) << 8).view(torch.float16)
         # float16 -> bfloat16 is torch's slow path on CPU; through float32 both casts are vectorised.
         return half.to(dtype) if dtype in (torch.float16, torch.float32) else half.to(torch.float32).to(dtype)
     bits = (data.view(torch.int8).to(torch.int16) << 7).bitwise_and_(_CLEAR_BIT_14)
     wide = bits.view(torch.float16).to(torch.float32).mul_(256.0)
+    return _put_back_nan(wide).to(dtype)
+
+
+def _put_back_nan(wide: torch.Tensor) -> torch.Tensor:
+    # E4M3's NaN bytes decoded as +-480: only they decode past 448. CPU tensors only, outside
+    # dispatch modes: the range read back waits for nothing there.
     low, high = torch.aminmax(wide)
-    if high > _E4M3_MAX or low < -_E4M3_MAX:  # a NaN byte: only they decode past 448
+    if high > _E4M3_MAX or low < -_E4M3_MAX:
         wide.masked_fill_(wide.abs() > _E4M3_MAX, float("nan"))
-    return wide.to(dtype)
+    return wide

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .._private.torch_api import in_dispatch_mode
 from .decode import decode_fp8
 from .formats import fp8_max, has_infinity
 
@@ -76,9 +77,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: Opt
         scale: float32 tensor broadcastable to ``x`` (0-dim for per-tensor scaling).
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         amax: :func:`amax` of ``x``, where the caller has it. On CPU, outside code that
-            ``torch.compile`` traces, a finite one says that ``x`` holds no inf or NaN, and the
-            passes that keep them are skipped (reading it back costs nothing on CPU). Elsewhere
-            it is not read: no function here synchronises with a GPU.
+            ``torch.compile`` traces and outside dispatch modes (``FakeTensorMode`` has no value
+            to read), a finite one says that ``x`` holds no inf or NaN, and the passes that keep
+            them are skipped (reading it back costs nothing on CPU). Elsewhere it is not read: no
+            function here synchronises with a GPU.
 
     Returns:
         Tensor of ``x``'s shape in ``dtype``, row-major (contiguous) whatever the layout of ``x``
@@ -89,7 +91,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: Opt
     # temporary costs about as much as the arithmetic (fresh pages).
     scaled = x * scale if x.dtype == torch.float32 else x.to(torch.float32).mul_(scale)
     if (amax is not None and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and bool(torch.isfinite(amax)) and not scaled.requires_grad):
+            and not in_dispatch_mode() and not scaled.requires_grad and bool(torch.isfinite(amax))):
         bound = fp8_max(dtype)  # finite x: saturate() would only clamp
         return scaled.clamp_(-bound, bound).to(dtype, memory_format=torch.contiguous_format)
     return saturate(scaled, x, dtype).to(dtype, memory_format=torch.contiguous_format)
