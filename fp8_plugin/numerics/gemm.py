@@ -529,6 +529,8 @@ def fp8_gemm(
     # where autocast is on (the forward, under the integrations): a context costs microseconds
     # of CPU, and backward GEMMs run with autocast off.
     fast = not use_split_accumulator and device_type == "cuda"
+    if device_type == "cpu":  # a columnwise copy may be a transposed view (quantizers/casts.py)
+        a, b = _row_major(a), _row_major(b)
     if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
             out = _native(kind, support, a, b, out_dtype, bias, fast)
@@ -537,6 +539,11 @@ def fp8_gemm(
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
     return out
+
+
+def _row_major(q: QuantizedTensor) -> QuantizedTensor:
+    # The kernels read their operands' FP8 data row-major.
+    return q if q.data.is_contiguous() else QuantizedTensor(q.data.contiguous(), q.scale_inv, q.block, q.gemm_scale)
 
 
 def fp8_gemm_in_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:

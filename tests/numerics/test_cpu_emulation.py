@@ -102,3 +102,30 @@ def test_bf16_emulation_keeps_nan_and_inf_and_refuses_block_scales():
     blocked = QuantizedTensor(a.data, torch.ones(4, 1), (1, 128))
     with pytest.raises(ValueError, match="per-tensor scales only"):
         emulated_bf16(blocked, b, torch.float32)
+
+
+@pytest.mark.parametrize("setting", ["bfloat16", "float32"])
+def test_under_bf16_the_columnwise_copy_is_a_view_and_native_gemms_still_read_row_major(fresh_choice, setting):
+    from fp8_plugin.numerics.quantizers import ScalingState, make_quantizer
+
+    fresh_choice.setenv("FP8_PLUGIN_CPU_EMULATION", setting)
+    quantizer = make_quantizer(fp.DelayedScaling(), 0, ScalingState(16), record=False)
+    x = torch.randn(24, 40)
+    row, col = quantizer.quantize_pair(x, columnwise=True)
+    assert torch.equal(col.data.view(torch.uint8), row.data.t().view(torch.uint8))
+    assert (col.data.data_ptr() == row.data.data_ptr()) == (setting == "bfloat16")  # a view, or a copy
+    assert col.data.is_contiguous() == (setting == "float32")
+
+    # torch._scaled_mm reads the view made row-major: the bits of the row-major copy's GEMM.
+    layer = fp.FP8Linear(40, 16)
+    grads = {}
+    for emulation in ("float32", setting):
+        fresh_choice.setenv("FP8_PLUGIN_CPU_EMULATION", emulation)
+        layer.zero_grad()
+        x = torch.randn(24, 40, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with force_path("native"), fp.autocast():
+            y = layer(x)
+        with force_path("native"):
+            y.backward(torch.ones_like(y))
+        grads[emulation] = (y.detach(), x.grad, layer.weight.grad.clone())
+    assert all(torch.equal(a, b) for a, b in zip(grads["float32"], grads[setting]))

@@ -9,7 +9,9 @@ from typing import Optional
 
 import torch
 
+from ..._private.torch_api import in_dispatch_mode
 from ..block_scaling import block_amax, blockwise_scale, mx_scale_inv, quantize_blocks
+from ..cpu_emulation import cpu_emulation
 from ..device_kind import fp8_family, presented_device
 from ..formats import fp8_dtype, fp8_max
 from ..kernels import fusable
@@ -20,6 +22,13 @@ from .state import ScalingState, recipe_key
 from .tensor import GRAD_OUTPUT, QuantizedTensor, Quantizer
 
 __all__ = ["PerTensorQuantizer", "BlockQuantizer", "make_quantizer", "mark_recorded"]
+
+def _views_suffice(data: torch.Tensor) -> bool:
+    # CPU tensors in a process whose emulation is BF16, in eager code (traced code and dispatch
+    # modes keep the row-major copies a GPU's kernels need).
+    return (data.device.type == "cpu" and not torch.compiler.is_compiling() and not in_dispatch_mode()
+            and cpu_emulation().bf16)
+
 
 class _LayerQuantizer(Quantizer):
     # What every cast of one role of one layer holds (the arguments of both quantizers below).
@@ -78,7 +87,13 @@ class PerTensorQuantizer(_LayerQuantizer):
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         if fusable(x, self.dtype):
             return self._fused(x, columnwise)
-        return super().quantize_pair(x, columnwise)
+        row, col = self.quantize(x), None
+        if columnwise:
+            # The BF16 emulation multiplies operands of any layout: there the columnwise copy is
+            # a transposed view of the rowwise bytes (no copy; a native CPU GEMM that reads it
+            # makes it row-major first, numerics/gemm.py).
+            col = QuantizedTensor(row.data.t(), row.scale_inv) if _views_suffice(row.data) else row.t()
+        return row, col
 
     def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
                               ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:
