@@ -43,7 +43,7 @@ from .._private.peft_api import ADAPTER_DTYPE_ATTRIBUTE
 from ..numerics.device import recipe_gemm_kind
 from ..numerics.device_kind import fp8_family
 from ..numerics.formats import fp8_dtype, is_fp8
-from ..numerics.quantizers import WEIGHT, QuantizedTensor, ScalingState, make_quantizer
+from ..numerics.quantizers import WEIGHT, QuantizedTensor, ScalingState, columnwise_copy, make_quantizer
 from ..numerics.recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["FrozenLayout", "FrozenWeightMixin", "frozen_layout", "quantize_frozen", "frozen_columnwise", "layout_problem"]
@@ -129,11 +129,12 @@ def layout_problem(layout: FrozenLayout, recipe: Recipe, device: torch.device) -
 def frozen_columnwise(q: QuantizedTensor, recipe: Recipe) -> QuantizedTensor:
     """The transposed copy ``[in, out]`` dgrad reads, from a frozen weight's FP8 ``q`` ``[out, in]``.
 
-    One scale and square blocks transpose exactly (a copy of the bytes); 1-D blocks re-cast the
-    dequantized weight's transpose with the recipe (see the module docstring).
+    One scale and square blocks transpose exactly (a copy of the bytes, or for one scale under
+    the CPU's BF16 emulation a view: :func:`~fp8_plugin.numerics.quantizers.columnwise_copy`);
+    1-D blocks re-cast the dequantized weight's transpose with the recipe (see the module docstring).
     """
     if q.block is None or q.block[0] == q.block[1]:
-        return q.t()
+        return columnwise_copy(q)
     with torch.no_grad():
         return _weight_quantizer(recipe, q.data.device).quantize(q.dequantize(torch.float32).t())
 

@@ -55,11 +55,11 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .decode import decode_fp8
 from .device_kind import cuda_capability, device_kind, presented_device
 from .cpu_emulation import cpu_emulation
 from .gemm_kernels import emulated as _emulated
 from .gemm_kernels import emulated_bf16 as _emulated_bf16
+from .gemm_kernels import fp8_gemm_in_bf16, fp8_values_in_bf16  # noqa: F401  (public here too)
 from .gemm_kernels import kernel_bias as _kernel_bias
 from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
 from .gemm_kernels import scaled_mm_tensorwise as _scaled_mm_tensorwise
@@ -343,8 +343,9 @@ class TensorwiseChoice:
         m, k, n = self.shape
         emulation = "BF16 emulation" if cpu_emulation().bf16 else "float32 emulation"
         if self.same_computation:
-            same = "same bits" if emulation == "float32 emulation" else "the float32 emulation's bits"
-            return f"{emulation} ({same} as torch._scaled_mm on a {m}x{k}x{n} check: not timed)"
+            if emulation == "float32 emulation":
+                return f"{emulation} (same bits as torch._scaled_mm on a {m}x{k}x{n} check: not timed)"
+            return f"{emulation} (torch._scaled_mm gave the float32 emulation's bits on a {m}x{k}x{n} check: not timed)"
         path = "torch._scaled_mm" if self.native else emulation
         return (f"{path} ({m}x{k}x{n}: _scaled_mm {self.native_s * 1e3:.2f} ms, "
                 f"emulation {self.emulated_s * 1e3:.2f} ms)")
@@ -544,48 +545,6 @@ def fp8_gemm(
 def _row_major(q: QuantizedTensor) -> QuantizedTensor:
     # The kernels read their operands' FP8 data row-major.
     return q if q.data.is_contiguous() else QuantizedTensor(q.data.contiguous(), q.scale_inv, q.block, q.gemm_scale)
-
-
-def fp8_gemm_in_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-    """``(a.data @ b.data.T) * (a.scale_inv * b.scale_inv)`` as a BF16 GEMM of the FP8 values.
-
-    Every E4M3 and E5M2 value is exact in bfloat16 (3 or 2 mantissa bits of its 7, exponents
-    within its range), so the products are exact; torch's BF16 GEMMs (oneDNN's on CPU, cuBLAS's)
-    accumulate them in float32 and round the sum once to bfloat16, a relative error of at most
-    2^-8 per output (bfloat16's unit roundoff); the product of the two per-tensor scales, rounded
-    once in float32, is then applied in float32. Against :func:`fp8_gemm` in float32 that is one
-    more rounding, the size of the BF16 output rounding of a training GEMM under bf16-mixed and
-    far below the quantisation error of E5M2 (unit roundoff 2^-3) and E4M3 (2^-4): an SQNR
-    figure of a GEMM near its healthy band (about 25 dB, an error of 6% rms) moves by under
-    0.01 dB. On CPUs whose BF16 GEMMs outrun float32 ones (AVX512-BF16, AMX) it is faster than
-    the float32 emulation; the reference checks' per-GEMM figures use it there, and training
-    GEMMs where :mod:`~fp8_plugin.numerics.cpu_emulation` chose it
-    (:func:`~fp8_plugin.numerics.gemm_kernels.emulated_bf16`, the same computation).
-
-    Args:
-        a: ``[M, K]`` FP8 data with a per-tensor (0-dim float32) ``scale_inv``; the data may also
-            be :func:`fp8_values_in_bf16`'s bfloat16 copy (an operand of two GEMMs, converted
-            once), and any layout (a transposed view multiplies as it is).
-        b: ``[N, K]``, the same.
-
-    Returns:
-        ``[M, N]`` float32 tensor.
-
-    Raises:
-        ValueError: an operand with block scales (their scales vary along K, inside the sum).
-    """
-    if a.block is not None or b.block is not None:
-        raise ValueError(f"fp8_gemm_in_bf16 takes per-tensor scales only, got blocks {a.block} x {b.block}")
-    return _emulated_bf16(a, b, torch.float32)
-
-
-def fp8_values_in_bf16(data: torch.Tensor) -> torch.Tensor:
-    """FP8 ``data`` (any shape and layout, kept) as bfloat16, exactly; bfloat16 data is returned as is.
-
-    On CPU through :func:`~fp8_plugin.numerics.decode.decode_fp8`'s integer path (torch's own
-    CPU cast from FP8 decodes with scalar code).
-    """
-    return decode_fp8(data, torch.bfloat16)
 
 
 def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,

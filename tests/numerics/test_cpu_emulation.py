@@ -115,6 +115,11 @@ def test_under_bf16_the_columnwise_copy_is_a_view_and_native_gemms_still_read_ro
     assert torch.equal(col.data.view(torch.uint8), row.data.t().view(torch.uint8))
     assert (col.data.data_ptr() == row.data.data_ptr()) == (setting == "bfloat16")  # a view, or a copy
     assert col.data.is_contiguous() == (setting == "float32")
+    from fp8_plugin.modules.frozen_weight import frozen_columnwise  # a frozen FP8 weight's dgrad operand
+
+    frozen_t = frozen_columnwise(row, fp.DelayedScaling())
+    assert torch.equal(frozen_t.data.view(torch.uint8), col.data.view(torch.uint8))
+    assert (frozen_t.data.data_ptr() == row.data.data_ptr()) == (setting == "bfloat16")
 
     # torch._scaled_mm reads the view made row-major: the bits of the row-major copy's GEMM.
     layer = fp.FP8Linear(40, 16)

@@ -16,7 +16,7 @@ per-tensor and block quantizers, ``make_quantizer``, ``mark_recorded``), :mod:`.
 
 from __future__ import annotations
 
-from .casts import BlockQuantizer, PerTensorQuantizer, make_quantizer, mark_recorded
+from .casts import BlockQuantizer, PerTensorQuantizer, columnwise_copy, make_quantizer, mark_recorded
 from .delayed_update import update_delayed_scaling
 from .state import SCALINGS, STATE_VERSION, ScalingState, check_saved_state, is_scaling_state_key, recipe_key
 from .tensor import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, QuantizedTensor, Quantizer  # noqa: F401  (the roles, for the layers)
@@ -28,6 +28,7 @@ __all__ = [
     "PerTensorQuantizer",
     "BlockQuantizer",
     "make_quantizer",
+    "columnwise_copy",
     "ScalingState",
     "is_scaling_state_key",
     "update_delayed_scaling",

@@ -21,13 +21,22 @@ from ..scaling import divide, quantize, scale_from_amax
 from .state import ScalingState, recipe_key
 from .tensor import GRAD_OUTPUT, QuantizedTensor, Quantizer
 
-__all__ = ["PerTensorQuantizer", "BlockQuantizer", "make_quantizer", "mark_recorded"]
+__all__ = ["PerTensorQuantizer", "BlockQuantizer", "make_quantizer", "mark_recorded", "columnwise_copy"]
 
-def _views_suffice(data: torch.Tensor) -> bool:
-    # CPU tensors in a process whose emulation is BF16, in eager code (traced code and dispatch
-    # modes keep the row-major copies a GPU's kernels need).
-    return (data.device.type == "cpu" and not torch.compiler.is_compiling() and not in_dispatch_mode()
-            and cpu_emulation().bf16)
+def columnwise_copy(row: QuantizedTensor) -> QuantizedTensor:
+    """The transposed operand ``[cols, rows]`` of a per-tensor (or square-block) cast ``row``.
+
+    A row-major copy of the bytes (:meth:`QuantizedTensor.t`), as the kernels read their
+    operands; on CPU in a process whose emulation is BF16 (:mod:`~fp8_plugin.numerics.cpu_emulation`),
+    a transposed view of ``row``'s bytes instead, no copy: a BF16 GEMM reads either layout, and a
+    native CPU GEMM handed one makes it row-major first (:mod:`~fp8_plugin.numerics.gemm`). Traced
+    code and dispatch modes keep the copy a GPU's kernels need.
+    """
+    data = row.data
+    if (row.block is None and data.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not in_dispatch_mode() and cpu_emulation().bf16):
+        return QuantizedTensor(data.t(), row.scale_inv)
+    return row.t()
 
 
 class _LayerQuantizer(Quantizer):
@@ -87,13 +96,8 @@ class PerTensorQuantizer(_LayerQuantizer):
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         if fusable(x, self.dtype):
             return self._fused(x, columnwise)
-        row, col = self.quantize(x), None
-        if columnwise:
-            # The BF16 emulation multiplies operands of any layout: there the columnwise copy is
-            # a transposed view of the rowwise bytes (no copy; a native CPU GEMM that reads it
-            # makes it row-major first, numerics/gemm.py).
-            col = QuantizedTensor(row.data.t(), row.scale_inv) if _views_suffice(row.data) else row.t()
-        return row, col
+        row = self.quantize(x)
+        return row, (columnwise_copy(row) if columnwise else None)
 
     def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
                               ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:

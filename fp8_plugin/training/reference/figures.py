@@ -17,7 +17,8 @@ from ...modules.linear import FP8Linear
 from ...numerics.device import bf16_matmul_speedup
 from ...numerics.device_kind import device_kind, fp8_family
 from ...numerics.formats import fp8_dtype
-from ...numerics.gemm import forced_path, fp8_gemm, fp8_gemm_in_bf16, fp8_values_in_bf16, scaled_mm_supported
+from ...numerics.gemm import forced_path, fp8_gemm, scaled_mm_supported
+from ...numerics.gemm_kernels import fp8_gemm_in_bf16, fp8_values_in_bf16
 from ...numerics.quantizers import GRAD_OUTPUT, INPUT, PerTensorQuantizer, QuantizedTensor, make_quantizer
 from ...numerics.recipes import Recipe
 
@@ -79,7 +80,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
     :data:`BF16_FIGURES_SPEEDUP_REQUIRED` times faster than float32 ones (timed once per process,
     :func:`~fp8_plugin.numerics.device.bf16_matmul_speedup`), where the FP8 GEMM would be the
     float32 emulation, per-tensor operands are multiplied as a BF16 GEMM of their FP8 values
-    (:func:`~fp8_plugin.numerics.gemm.fp8_gemm_in_bf16`: one more rounding, of at most 2^-8
+    (:func:`~fp8_plugin.numerics.gemm_kernels.fp8_gemm_in_bf16`: one more rounding, of at most 2^-8
     relative per output). ``energy``: float64 ``[3, 2]`` (:data:`GEMMS` order; row 0, fprop, is
     :func:`sqnr_hook`'s), no host sync.
 
