@@ -96,12 +96,10 @@ def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, 
 
     One ``[256, k] x [k, 1536]`` matmul per dtype (about 1.2 GFLOP), timed as the mean of 3
     after a warm-up, on a generator of its own (the caller's random stream is left as it was).
-    A BF16 warm-up call 8 times slower than the float32 mean is the answer itself (a CPU
-    without BF16 instructions: no need to wait for three more). Above 1 on CPUs with
-    AVX512-BF16 or AMX (measured 1.6 to 2.3 on an AMD EPYC with AVX512-BF16 at MiniLM's GEMM
-    shapes), far below it on CPUs without (tens of times slower). Timed once per process and
-    kept, so that its callers (the CPU emulation, the reference checks' figures, the examples'
-    reference precision) agree.
+    Above 1 on CPUs with AVX512-BF16 or AMX (measured 1.6 to 2.3 on an AMD EPYC with
+    AVX512-BF16 at MiniLM's GEMM shapes), far below it on CPUs without (tens of times slower).
+    Timed once per process and kept, so that its callers (the CPU emulation, the reference
+    checks' figures, the examples' reference precision) agree.
 
     Returns:
         ``(float32 seconds / BF16 seconds, why)``, ``why`` a sentence with the timings.
@@ -112,14 +110,9 @@ def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, 
     timings = {}
     for dtype in (torch.float32, torch.bfloat16):
         x, y = a.to("cuda" if cuda else "cpu", dtype), b.to("cuda" if cuda else "cpu", dtype)
-        start = time.perf_counter()
-        x @ y  # warm-up
+        x @ y  # warm-up, never timed: a first BF16 call also builds oneDNN's kernel (one took 78 ms here)
         if cuda:
             torch.cuda.synchronize()
-        warm_up = time.perf_counter() - start
-        if dtype == torch.bfloat16 and warm_up > 8 * timings[torch.float32]:
-            timings[dtype] = warm_up
-            break
         start = time.perf_counter()
         for _ in range(3):
             x @ y
