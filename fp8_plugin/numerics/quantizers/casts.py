@@ -23,14 +23,19 @@ from .tensor import GRAD_OUTPUT, QuantizedTensor, Quantizer
 
 __all__ = ["PerTensorQuantizer", "BlockQuantizer", "make_quantizer", "mark_recorded", "columnwise_copy"]
 
+
 def columnwise_copy(row: QuantizedTensor) -> QuantizedTensor:
     """The transposed operand ``[cols, rows]`` of a per-tensor (or square-block) cast ``row``.
 
     A row-major copy of the bytes (:meth:`QuantizedTensor.t`), as the kernels read their
-    operands; on CPU in a process whose emulation is BF16 (:mod:`~fp8_plugin.numerics.cpu_emulation`),
-    a transposed view of ``row``'s bytes instead, no copy: a BF16 GEMM reads either layout, and a
-    native CPU GEMM handed one makes it row-major first (:mod:`~fp8_plugin.numerics.gemm`). Traced
-    code and dispatch modes keep the copy a GPU's kernels need.
+    operands. For a per-tensor cast on CPU in a process whose emulation is BF16
+    (:mod:`~fp8_plugin.numerics.cpu_emulation`), a transposed view of ``row``'s bytes instead, no
+    copy: a BF16 GEMM reads either layout, and a native CPU GEMM handed one makes it row-major
+    first (:mod:`~fp8_plugin.numerics.gemm`). Traced code and dispatch modes keep the copy a
+    GPU's kernels need.
+
+    Raises:
+        ValueError: 1-D block scaling (:meth:`QuantizedTensor.t`).
     """
     data = row.data
     if (row.block is None and data.device.type == "cpu" and not torch.compiler.is_compiling()
