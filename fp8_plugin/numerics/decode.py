@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._private.torch_api import in_dispatch_mode
+from .device_kind import eager_on_cpu
 
 __all__ = ["decode_fp8"]
 
@@ -46,8 +46,7 @@ def decode_fp8(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
     """
     if data.dtype == dtype:
         return data
-    if (data.device.type != "cpu" or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
-            or data.numel() == 0 or torch.compiler.is_compiling() or in_dispatch_mode()):
+    if not eager_on_cpu(data) or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or data.numel() == 0:
         return data.to(dtype)  # a mode (FakeTensorMode, a recorder) cannot read the NaN check back
     if not data.is_contiguous():
         # A permuted dense tensor (a transposed view): decoded in its memory order, where torch's

@@ -23,8 +23,10 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["device_kind", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm", "presented_device",
-           "FNUZ_ARCHS"]
+from .._private.torch_api import in_dispatch_mode
+
+__all__ = ["device_kind", "eager_on_cpu", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm",
+           "presented_device", "FNUZ_ARCHS"]
 
 # The compute capability meta tensors present while meta_as_cuda is active (None: they are meta).
 _meta_capability: Optional[tuple[int, int]] = None
@@ -46,6 +48,14 @@ def device_kind(device: Union[str, torch.device]) -> str:
     if device.type == "meta" and _meta_capability is not None:
         return "cuda"
     return device.type
+
+
+def eager_on_cpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a CPU tensor in plain eager code: not traced by ``torch.compile``,
+    under no dispatch mode (``FakeTensorMode``, a recorder of ops). There a value read back waits
+    for nothing and the layout of an operand is the caller's to choose; the CPU emulation's
+    shortcuts (the FP8 decode's NaN check, a cast's finite-amax check, transposed views) ask this."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and not in_dispatch_mode()
 
 
 def presented_device() -> tuple[Optional[tuple[int, int]], Optional[str]]:

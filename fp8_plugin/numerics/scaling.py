@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from .._private.torch_api import in_dispatch_mode
 from .decode import decode_fp8
+from .device_kind import eager_on_cpu
 from .formats import fp8_max, has_infinity
 
 __all__ = ["amax", "scale_from_amax", "quantize", "saturate", "dequantize", "divide"]
@@ -90,8 +90,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: Opt
     # One float32 temporary, scaled and saturated in place: on CPU each further full-size
     # temporary costs about as much as the arithmetic (fresh pages).
     scaled = x * scale if x.dtype == torch.float32 else x.to(torch.float32).mul_(scale)
-    if (amax is not None and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not in_dispatch_mode() and not scaled.requires_grad and bool(torch.isfinite(amax))):
+    if amax is not None and eager_on_cpu(x) and not scaled.requires_grad and bool(torch.isfinite(amax)):
         bound = fp8_max(dtype)  # finite x: saturate() would only clamp
         return scaled.clamp_(-bound, bound).to(dtype, memory_format=torch.contiguous_format)
     return saturate(scaled, x, dtype).to(dtype, memory_format=torch.contiguous_format)

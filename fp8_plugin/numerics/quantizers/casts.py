@@ -9,10 +9,9 @@ from typing import Optional
 
 import torch
 
-from ..._private.torch_api import in_dispatch_mode
 from ..block_scaling import block_amax, blockwise_scale, mx_scale_inv, quantize_blocks
 from ..cpu_emulation import cpu_emulation
-from ..device_kind import fp8_family, presented_device
+from ..device_kind import eager_on_cpu, fp8_family, presented_device
 from ..formats import fp8_dtype, fp8_max
 from ..kernels import fusable
 from ..recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
@@ -37,10 +36,8 @@ def columnwise_copy(row: QuantizedTensor) -> QuantizedTensor:
     Raises:
         ValueError: 1-D block scaling (:meth:`QuantizedTensor.t`).
     """
-    data = row.data
-    if (row.block is None and data.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not in_dispatch_mode() and cpu_emulation().bf16):
-        return QuantizedTensor(data.t(), row.scale_inv)
+    if row.block is None and eager_on_cpu(row.data) and cpu_emulation().bf16:
+        return QuantizedTensor(row.data.t(), row.scale_inv)
     return row.t()
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..._private.torch_api import in_backward_pass
 from ...modules.linear import FP8Linear
+from ...numerics.cpu_emulation import BF16_EMULATION_SPEEDUP_REQUIRED
 from ...numerics.device import bf16_matmul_speedup
 from ...numerics.device_kind import device_kind, fp8_family
 from ...numerics.formats import fp8_dtype
@@ -205,8 +206,9 @@ class _Removal:
         self.hooks.clear()
 
 
-# A BF16 GEMM must be this many times faster than a float32 one for the figures to use it.
-BF16_FIGURES_SPEEDUP_REQUIRED = 1.25
+# A BF16 GEMM must be this many times faster than a float32 one for the figures to use it: the
+# threshold of the CPU emulation's own choice.
+BF16_FIGURES_SPEEDUP_REQUIRED = BF16_EMULATION_SPEEDUP_REQUIRED
 
 
 def _figures_in_bf16(grad_quantizer, device: torch.device) -> bool:
@@ -242,8 +244,7 @@ def _figure_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
     return fp8_gemm(a, b, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_bf16_is_faster() -> bool:
+def _cpu_bf16_is_faster() -> bool:  # bf16_matmul_speedup times once per process
     return bf16_matmul_speedup("cpu")[0] >= BF16_FIGURES_SPEEDUP_REQUIRED
 
 

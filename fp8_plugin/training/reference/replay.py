@@ -234,8 +234,7 @@ def reference_gemm_dtype(compute_dtype: torch.dtype, device_type: str) -> Option
     return None if _cpu_bf16_is_fast() else torch.float32
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_bf16_is_fast() -> bool:
+def _cpu_bf16_is_fast() -> bool:  # bf16_matmul_speedup times once per process
     return bf16_matmul_is_fast("cpu")[0]
 
 
