@@ -12,19 +12,22 @@
 #                     compiled, each run a process of its own, the missing figures first; torchao's
 #                     wheel is installed for this step alone where one was carried in
 #                     (TORCHAO_WHEEL_DIR, default wheels/);
-#   4. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling; a graph
+#   4. memory.json    benchmarks/memory_fit.py check: the memory tool's traced peak (meta tensors as
+#                     this GPU) against torch.cuda.max_memory_allocated of the same step, 125M and 1B,
+#                     bf16-mixed / fp8-hybrid, AdamW / FP8AdamW (issue 46: within 10%);
+#   5. compiled.md/json  the larger layer shape compiled (BF16, delayed and current scaling; a graph
 #                     break is reported with its reason and the user line it broke at);
-#   5. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
+#   6. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
 #                     time goes, per recipe, against nn.Linear (HOST_RECIPES narrows the recipes);
-#   6. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
-#   7. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
-#   8. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
+#   7. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
+#   8. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
+#   9. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
 #                     against the emulation, one line each (crash-isolated);
-#   9. contract_meta.log  the contract suite on meta tensors against this machine's torch, with the
+#  10. contract_meta.log  the contract suite on meta tensors against this machine's torch, with the
 #                     time left (GPU run only).
 #
 # What each step cost on the H100 of 2026-11-27, its cap in brackets: device 13 s [45]; contract
-# over 120 s [150]; models 234 s [240, its runs stop 10 s before]; compiled 29 s [60]; host 36 s
+# over 120 s [150]; models 234 s [240, its runs stop 10 s before]; memory not measured yet [45]; compiled 29 s [60]; host 36 s
 # [45]; layer 22 s [70]; model 29 s [60]; probe 22 s [90]; contract_meta 47 s [120] gets what is
 # left. A step stopped at its cap gets SIGINT (pytest then reports the failures so far), SIGKILL
 # 10 s later.
@@ -173,9 +176,10 @@ export PYTHON WORK CONTRACT_TESTS DEVICE MODEL_RUNS TORCHAO_WHEEL_DIR TORCHAO_SI
 
 if [ "$DEVICE" = cuda ]; then
     SHAPES=4096x2048x2048,16384x8192x8192; BIG=16384x8192x8192; MODEL="--models 125m --batch-size 4 --seq-len 1024"
-    CONTRACT=cuda
+    CONTRACT=cuda; MEMORY="--device cuda"
 else
     SHAPES=128x128x128,256x256x256; BIG=256x256x256; MODEL="--models tiny"; CONTRACT=meta
+    MEMORY="--device meta --models suite-125m"
 fi
 if [ -n "$LAYER_SHAPES" ]; then SHAPES=$LAYER_SHAPES; BIG=${LAYER_SHAPES##*,}; fi
 
@@ -189,6 +193,8 @@ cp "$WORK/device.log" "$WORK/device.txt"
 step contract 150 contract "$CONTRACT"
 cp "$WORK/contract.log" "$WORK/contract.txt"
 step models 240 models
+# shellcheck disable=SC2086  # MEMORY holds several arguments
+step memory 45 "$PYTHON" benchmarks/memory_fit.py check $MEMORY --output "$WORK/memory.json"
 step compiled 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$BIG" \
     --steps 5 --warmup 2 --compile --compile-variants "$COMPILE_VARIANTS" --output "$WORK/compiled.json"
 step host 45 host_profiles

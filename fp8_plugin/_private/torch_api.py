@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode as _is_in_torch_dispatch_mode
+# The base class of a dispatch mode (an object that sees every aten op below autograd): torch's
+# documented extension point ("Extending PyTorch", __torch_dispatch__), in a private module. The
+# memory tool's trace (tools/memory_trace.py) is one.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 # torch's pytree (flatten nested tuples, lists and dicts to leaves and back) has no public module;
 # the CUDA graphs' call signatures use it as torch's own make_graphed_callables does. ``None`` is
 # a leaf, dict keys keep their order, and two specs of one structure compare equal.
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401
 
-__all__ = ["in_backward_pass", "has_tensor_hooks", "in_dispatch_mode", "tree_flatten", "tree_unflatten", "tree_map"]
+__all__ = ["TorchDispatchMode", "in_backward_pass", "has_tensor_hooks", "in_dispatch_mode", "tree_flatten", "tree_unflatten", "tree_map"]
 
 
 def in_backward_pass() -> bool:

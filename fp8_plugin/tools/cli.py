@@ -25,6 +25,8 @@ from typing import Any, Iterator, Optional
 import typer
 
 from ..training.precision_strings import PRECISION_STRINGS
+from .hf_models import model_class
+from .memory_cli import memory
 from .quiet import quiet_foreign_output
 
 __all__ = ["app", "main", "RECIPE_NAMES"]
@@ -88,6 +90,14 @@ SkipSmallOption = typer.Option(SkipSmall.auto, "--skip-small", case_sensitive=Fa
                                "only), true, false.")
 DeviceOption = typer.Option(None, "--device", help="Device the model is converted for and the sample batch runs "
                             "on (default: the current CUDA device if any, else cpu).")
+
+
+app.command(help=(
+    "The peak memory of one training step of a Hugging Face model, every byte accounted for, precisions "
+    "side by side.\n\nTwo steps run (forward with the loss, backward, optimizer step) and the second one's "
+    "peak is broken down: parameters, FP8 weight copies, gradients, optimizer states, activations saved for "
+    "backward by kind, transients. --device meta (default) traces the step on tensors without data presented as "
+    "a GPU, on any machine; --device cuda runs it on the GPU and prints torch.cuda.max_memory_allocated beside."))(memory)
 
 
 def main() -> None:
@@ -198,34 +208,6 @@ def _warning_lines(caught: list) -> list[str]:
 # --- loading ---------------------------------------------------------------------------------
 
 
-def _model_class(config: Any) -> type:
-    """The model class for ``config``: the Auto class whose mapping gives ``config.architectures[0]``,
-    else that class from transformers by name, else ``AutoModel``."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    architectures = getattr(config, "architectures", None) or []
-    if not architectures:
-        return transformers.AutoModel
-    wanted = architectures[0]
-    names = ["AutoModel"] + sorted(n for n in dir(modeling_auto) if n.startswith("AutoModelFor"))
-    for name in names:
-        auto = getattr(modeling_auto, name, None)
-        mapping = getattr(auto, "_model_mapping", None)
-        if mapping is None:
-            continue
-        try:
-            cls = mapping[type(config)]
-        except (KeyError, ValueError, ImportError, AttributeError):
-            continue
-        if getattr(cls, "__name__", None) == wanted:
-            return auto
-    cls = getattr(transformers, wanted, None)
-    if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
-        return cls
-    return transformers.AutoModel
-
-
 def _load_model(path: Path, dtype: Any):
     import torch
     from transformers import AutoConfig
@@ -237,7 +219,7 @@ def _load_model(path: Path, dtype: Any):
     except (OSError, ValueError, KeyError) as err:
         raise _bad(f"{str(path)!r} has a config.json that transformers cannot read ({err}); valid: a folder "
                    "written by save_pretrained()", "MODEL_PATH") from None
-    cls = _model_class(config)
+    cls = model_class(config)
     qc = getattr(config, "quantization_config", None)
     fp8 = (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) == "fp8"
     try:

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
 PROBE = ROOT / "benchmarks" / "gpu_probe.py"
-STEPS = ("device", "contract", "models", "compiled", "host", "layer", "model", "probe")
+STEPS = ("device", "contract", "models", "memory", "compiled", "host", "layer", "model", "probe")
 
 
 def run_script(tmp_path, *args, **env):
@@ -50,7 +50,7 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
         names = {Path(n).name for n in archive.getnames()}
         read = lambda name: archive.extractfile(f"./{name}").read().decode()  # noqa: E731
         assert {"device.txt", "probe.txt", "contract.txt", "host.md", "host.json", "layer.md", "model.md",
-                "models.json", "models.md", "compiled.md", "summary.txt"} <= names
+                "models.json", "models.md", "memory.json", "compiled.md", "summary.txt"} <= names
         device, probe, layer = read("device.txt"), read("probe.txt"), read("compiled.md")
         contract, models, host = read("contract.txt"), read("models.md"), read("host.md")
     assert "torch " in device and "cuda available: False" in device and "commit: " in device

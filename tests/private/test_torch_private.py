@@ -48,6 +48,25 @@ def test_in_dispatch_mode_sees_fake_tensor_mode_and_a_dispatch_mode():
     assert not in_dispatch_mode()
 
 
+def test_a_storage_is_one_python_object_while_it_lives_and_a_weak_reference_sees_it_freed():
+    # What the memory tool's trace relies on (tools/memory_trace.py): storages are followed by
+    # their Python object, which torch keeps while any tensor or view holds the storage.
+    import weakref
+
+    from fp8_plugin._private.torch_api import TorchDispatchMode
+
+    assert isinstance(TorchDispatchMode, type)
+    t = torch.empty(4, device="meta")
+    assert t.untyped_storage() is t.untyped_storage()
+    freed = []
+    ref = weakref.ref(t.untyped_storage(), lambda _: freed.append(True))
+    view = t.view(2, 2)
+    del t
+    assert not freed and ref() is view.untyped_storage()
+    del view
+    assert freed == [True]
+
+
 def test_pytree_flattens_calls_to_leaves_with_none_a_leaf_and_specs_that_compare():
     # What the CUDA graphs' call signatures rely on (modules/cuda_graphs.py, training/graphing.py).
     from fp8_plugin._private.torch_api import tree_flatten, tree_map, tree_unflatten

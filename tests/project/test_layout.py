@@ -27,7 +27,7 @@ MAY_IMPORT = {
     "fabric": set(BELOW_TRAINING),
     "accelerate": set(BELOW_TRAINING),
     "hf_trainer": {"accelerate"} | BELOW_TRAINING,  # the Trainer runs its loop on Accelerate
-    "tools": set(BELOW_TRAINING),
+    "tools": {"optim"} | BELOW_TRAINING,  # the memory tool traces FP8AdamW
 }
 # Training libraries the loop-neutral layers must never import.
 LOOP_LIBRARIES = ("lightning", "pytorch_lightning", "accelerate")

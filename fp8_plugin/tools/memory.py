@@ -1,0 +1,315 @@
+"""The memory of one training step, every byte accounted for: ``estimate_memory`` and ``compare_memory``.
+
+For a Hugging Face model (a checkpoint folder or a config), a precision, an optimizer, a batch
+size and a sequence length, :func:`estimate_memory` runs two real training steps (forward with
+the loss, backward, optimizer step, the FP8 scale update) and gives the peak of the second, the
+steady one, broken down by :class:`~fp8_plugin.tools.memory_trace.MemoryTrace`: parameters and
+master weights, FP8 weight copies (rowwise and columnwise), gradients, optimizer states,
+activations saved for backward by kind, transients and the largest of them.
+
+Where it runs:
+
+- ``device="meta"`` (default, any machine): the model is built on ``meta`` tensors presented as a
+  GPU of compute ``capability`` (:func:`~fp8_plugin.numerics.device_kind.meta_as_cuda`): the CUDA
+  code paths run (fused casts, ``torch._scaled_mm``'s operand layouts, flash attention), with CUDA
+  autocast's dtype policy (:mod:`fp8_plugin.tools.autocast_on_meta`), without allocating a byte;
+  an 8B model's step traces in seconds.
+- ``device="cuda"``: the same step on the GPU, with torch autocast; the estimate then also gives
+  ``torch.cuda.max_memory_allocated`` over the second step (``measured_peak_bytes``), against which
+  the trace is checked.
+
+What the step does is what the project's loops do (``fp8_plugin/training/core.py``): FP32
+parameters (master weights) converted with ``convert_model``, the forward under torch autocast in
+BF16 and :func:`fp8_plugin.autocast`, the FP8 weight caches cleared before the optimizer step,
+``zero_grad(set_to_none=True)`` after it, then the pending scales settled. torch's AdamW and SGD
+run their ``foreach`` implementation, their default on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from ..modules.autocast import autocast, new_step_id
+from ..modules.convert import convert_model
+from ..modules.experts import FP8ExpertsMixin
+from ..modules.linear import FP8Linear
+from ..modules.scaling_group import update_pending_scales
+from ..numerics.device_kind import meta_as_cuda
+from ..optim import FP8AdamW
+from ..training.precision_strings import PRECISION_STRINGS
+from .autocast_on_meta import cuda_autocast_on_meta
+from .hf_models import model_class
+from .memory_trace import CATEGORIES, MemoryTrace, Peak
+
+__all__ = ["estimate_memory", "compare_memory", "MemoryEstimate", "PRECISIONS", "OPTIMIZERS"]
+
+# precision -> (parameter dtype, autocast dtype or None, FP8 or not). The FP8 strings with FP16
+# compute need a loss scaler, whose step reads the gradients' finiteness on the host: not here.
+PRECISIONS: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
+    "32-true": (torch.float32, None, False),
+    "bf16-true": (torch.bfloat16, None, False),
+    "bf16-mixed": (torch.float32, torch.bfloat16, False),
+    **{name: (torch.float32, dtype, True) for name, (_, dtype) in PRECISION_STRINGS.items() if dtype == torch.bfloat16},
+}
+OPTIMIZERS = ("adamw", "fp8-adamw", "sgd")
+# The aten ops of FP8 GEMMs (each allocates its output once per call).
+SCALED_GEMMS = frozenset({"_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
+
+
+@dataclass
+class MemoryEstimate:
+    """One training step's memory.
+
+    Attributes:
+        model: the model's name (its folder, or its config's class).
+        precision, optimizer, batch_size, seq_len: the step traced.
+        device: what ran it ("meta as sm90", or the GPU's name).
+        parameters, trainable_parameters: counts.
+        fp8_layers: FP8 linear layers after conversion (0 without FP8).
+        fp8_gemms: FP8 GEMMs the second step ran (``torch._scaled_mm`` and its kin): 3 per FP8 layer
+            (fprop, dgrad, wgrad) when every layer ran in FP8.
+        peak: the breakdown at the peak of the second step (bytes).
+        after_forward: the breakdown when the second step's forward has ended: everything saved
+            for backward is held then.
+        resident_bytes: bytes held between steps (parameters, states, buffers).
+        measured_peak_bytes: ``torch.cuda.max_memory_allocated`` over the second step (GPU only).
+    """
+
+    model: str
+    precision: str
+    optimizer: str
+    batch_size: int
+    seq_len: int
+    device: str
+    parameters: int
+    trainable_parameters: int
+    fp8_layers: int
+    fp8_gemms: int
+    peak: Peak
+    after_forward: Peak
+    resident_bytes: int
+    measured_peak_bytes: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The estimate as JSON-ready values (bytes as ints)."""
+        largest = self.peak.largest_transient
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("peak", "after_forward")}
+        out["peak"] = {
+            "bytes": self.peak.bytes, "phase": self.peak.phase, "categories": self.peak.categories,
+            "saved_by_kind": self.peak.saved_by_kind,
+            "largest_transient": None if largest is None else {
+                "bytes": largest.nbytes, "op": largest.op, "shape": list(largest.shape),
+                "dtype": str(largest.dtype).replace("torch.", ""), "phase": largest.phase},
+        }
+        out["after_forward"] = {"bytes": self.after_forward.bytes, "categories": self.after_forward.categories,
+                                "saved_by_kind": self.after_forward.saved_by_kind}
+        return out
+
+
+def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid", optimizer: str = "adamw", *,
+                    batch_size: int = 8, seq_len: int = 1024, device: str = "meta",
+                    capability: tuple[int, int] = (9, 0), skip_small: Union[str, bool] = "auto") -> MemoryEstimate:
+    """Trace two training steps of ``model`` and break the second one's peak down.
+
+    Args:
+        model: a Hugging Face checkpoint folder (its ``config.json`` is read; no weights are
+            loaded) or a ``transformers.PretrainedConfig``. The class is the one
+            ``config.architectures`` names (``AutoModelForCausalLM`` when it names none); it must
+            take ``labels`` and return a loss: causal and masked LMs get the tokens as labels,
+            sequence classifiers class 0.
+        precision: one of :data:`PRECISIONS` (``"bf16-mixed"``, ``"fp8-hybrid"``, ...).
+        optimizer: ``"adamw"`` (``torch.optim.AdamW``), ``"fp8-adamw"``
+            (:class:`fp8_plugin.optim.FP8AdamW`) or ``"sgd"`` (momentum 0.9).
+        batch_size, seq_len: the batch, in sequences of ``seq_len`` tokens.
+        device: ``"meta"`` (a traced step, no memory used) or ``"cuda"`` (the current GPU).
+        capability: the compute capability meta tensors present (``(9, 0)``: H100 / H200).
+        skip_small: ``convert_model``'s: ``"auto"`` keeps in BF16 the layers FP8 would not make
+            faster on the GPU (as the loops do), False converts every layer but the heads.
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Raises:
+        ValueError: an unknown precision, optimizer or device, a batch size or sequence length
+            below 1, a folder without a readable ``config.json``, or a model class without a loss.
+    """
+    param_dtype, autocast_dtype, fp8 = _check(precision, optimizer, batch_size, seq_len, device)
+    config, name = _config(model)
+    presented = meta_as_cuda(capability) if device == "meta" else contextlib.nullcontext()
+    with presented:
+        net = _build(config, param_dtype, device)
+        report = convert_model(net, skip_small=skip_small) if fp8 else None
+        params = list(net.parameters())
+        opt = _optimizer(optimizer, [p for p in params if p.requires_grad])
+        batch = _batch(net, batch_size, seq_len, device)
+        trace = MemoryTrace(device)
+        _register(trace, net, batch)
+        hooks = trace.watch_gradients(params)
+        measured = None
+        try:
+            with trace:
+                _step(net, opt, batch, trace, device, autocast_dtype, fp8)
+                resident = trace.live_bytes
+                trace.reset_peak()
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                second = len(trace.allocations)
+                after_forward = _step(net, opt, batch, trace, device, autocast_dtype, fp8)
+                if device == "cuda":
+                    measured = torch.cuda.max_memory_allocated()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    fp8_layers = len(report.swapped) if report is not None else 0
+    fp8_gemms = sum(1 for record in trace.allocations[second:] if record.op in SCALED_GEMMS)
+    label = f"meta as sm{capability[0]}{capability[1]}" if device == "meta" else torch.cuda.get_device_name()
+    return MemoryEstimate(name, precision, optimizer, batch_size, seq_len, label, sum(p.numel() for p in params),
+                          sum(p.numel() for p in params if p.requires_grad), fp8_layers, fp8_gemms, trace.peak(), after_forward, resident,
+                          measured)
+
+
+def compare_memory(model: Union[str, Path, Any], precisions: tuple[str, ...] = ("bf16-mixed", "fp8-hybrid"),
+                   optimizers: Union[str, tuple[str, ...]] = "adamw", **kwargs: Any) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` for each precision (with the optimizer of the same position, or the
+    one ``optimizers`` names for all), the same model and batch: the columns of ``fp8-plugin memory``."""
+    if isinstance(optimizers, str):
+        optimizers = (optimizers,) * len(precisions)
+    if len(optimizers) != len(precisions):
+        raise ValueError(f"compare_memory: {len(optimizers)} optimizers for {len(precisions)} precisions; "
+                         "valid: one optimizer, or one per precision")
+    return [estimate_memory(model, p, o, **kwargs) for p, o in zip(precisions, optimizers)]
+
+
+def _check(precision: str, optimizer: str, batch_size: int, seq_len: int, device: str):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one the memory tool traces; valid: {', '.join(PRECISIONS)} "
+                         "(the FP16 ones need a loss scaler, which reads the gradients on the host)")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)}")
+    for setting, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{setting}={value!r} is not a size; valid: an int >= 1")
+    if device not in ("meta", "cuda"):
+        raise ValueError(f"device={device!r} is not one the memory tool runs on; valid: 'meta' (traced, any "
+                         "machine), 'cuda' (the current GPU)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch.cuda.is_available() is False; valid here: 'meta'")
+    return PRECISIONS[precision]
+
+
+def _config(model: Any) -> tuple[Any, str]:
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model, type(model).__name__
+    path = Path(model)
+    try:
+        if path.is_file() and path.suffix == ".json":  # a config.json of its own
+            values = json.loads(path.read_text())
+            return AutoConfig.for_model(values.pop("model_type"), **values), path.stem
+        if (path / "config.json").is_file():
+            return AutoConfig.from_pretrained(path, local_files_only=True), path.name
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"model={str(path)!r}: transformers cannot read its config ({type(err).__name__}: "
+                         f"{err}); valid: a config.json written by save_pretrained()") from None
+    raise ValueError(f"model={str(path)!r} is neither a folder with a config.json nor a .json file; valid: a "
+                     "Hugging Face checkpoint folder, its config.json, or a transformers PretrainedConfig")
+
+
+def _build(config: Any, dtype: torch.dtype, device: str) -> nn.Module:
+    import transformers
+
+    cls = model_class(config) if getattr(config, "architectures", None) else transformers.AutoModelForCausalLM
+    if not any(task in cls.__name__ for task in ("CausalLM", "MaskedLM", "SequenceClassification")):
+        raise ValueError(f"{cls.__name__} has no training loss the memory tool can drive; valid: a config whose "
+                         "architectures name a *ForCausalLM, *ForMaskedLM or *ForSequenceClassification class")
+    with torch.device(device):
+        net = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls(config).to(dtype)
+    net.train()
+    return net
+
+
+def _batch(net: nn.Module, batch_size: int, seq_len: int, device: str) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    if "SequenceClassification" in type(net).__name__:
+        return {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long, device=device)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+    return FP8AdamW(params, lr=1e-5)
+
+
+def _register(trace: MemoryTrace, net: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    for param in net.parameters():
+        trace.register(param, "parameters" if param.requires_grad else "frozen weights")
+    for module in net.modules():
+        for buffer in module.buffers(recurse=False):
+            trace.register(buffer, "frozen weights" if buffer.dtype.itemsize == 1 else "buffers")
+        state = getattr(module, "fp8_state", None)
+        for value in (vars(state).values() if state is not None else ()):
+            if isinstance(value, torch.Tensor):
+                trace.register(value, "FP8 scaling state")
+    for tensor in batch.values():
+        trace.register(tensor, "batch")
+
+
+def _step(net: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], trace: MemoryTrace,
+          device: str, autocast_dtype: Optional[torch.dtype], fp8: bool) -> Peak:
+    # One training step, as the loops run it; returns the breakdown when its forward has ended.
+    if autocast_dtype is None:
+        torch_autocast: Any = contextlib.nullcontext()
+    elif device == "meta":
+        torch_autocast = cuda_autocast_on_meta(autocast_dtype)
+    else:
+        torch_autocast = torch.autocast("cuda", dtype=autocast_dtype)
+    fp8_autocast = autocast(step=new_step_id()) if fp8 else contextlib.nullcontext()
+    with trace.phase("forward"), trace.saving(), torch_autocast, fp8_autocast:
+        loss = net(**batch).loss
+    _mark_weight_caches(trace, net)
+    after_forward = trace.snapshot()
+    with trace.phase("backward"):
+        loss.backward()
+    del loss
+    with trace.phase("optimizer step"):
+        for module in net.modules():  # as FP8Training.before_optimizer_step: the stale FP8 copies go
+            if isinstance(module, (FP8Linear, FP8ExpertsMixin)):
+                module.clear_weight_cache()
+        optimizer.step()
+        trace.mark_optimizer_states(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    with trace.phase("scale update"):
+        if fp8:
+            update_pending_scales(net)
+    return after_forward
+
+
+def _mark_weight_caches(trace: MemoryTrace, net: nn.Module) -> None:
+    # The FP8 layers' cached weight copies say which is which (the trace only knows "made from a weight").
+    for module in net.modules():
+        cache = getattr(module, "_weight_cache", None) if isinstance(module, FP8Linear) else None
+        if cache is None:
+            continue
+        for copy, category in ((cache.rowwise, "FP8 weight copies, rowwise"),
+                               (cache.columnwise, "FP8 weight copies, columnwise")):
+            if copy is not None:
+                trace.mark(copy.data, category)
+
+
+def category_table(estimates: list[MemoryEstimate]) -> list[tuple[str, list[int]]]:
+    """Rows ``(category, bytes per estimate)`` at each estimate's peak, the empty categories left out."""
+    return [(name, [e.peak.categories[name] for e in estimates]) for name in CATEGORIES
+            if any(e.peak.categories[name] for e in estimates)]
