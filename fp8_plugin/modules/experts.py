@@ -51,7 +51,7 @@ import functools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -68,6 +68,7 @@ from .autocast import current_context, note_fp8_forward
 from .expert_casts import cast_expert_weights, cast_rows  # noqa: F401  (cast_expert_weights: public here too)
 from .frozen_experts import FrozenExpertsMixin
 from .scaling_group import ScalingGroup
+from .weight_cache import keeps_weight_casts
 
 __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module",
            "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
@@ -315,9 +316,10 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         fp8_experts: each expert's own switch, a tuple of E bools (the reference checks' fallback
             moves one expert to high precision without the others); saved with each expert's
             scaling state.
-        cache_fp8_weights: keep each projection's FP8 weight cast while the weights, scales and
-            recipe are unchanged (default True), as ``FP8Linear`` does; :meth:`clear_weight_cache`
-            drops them.
+        cache_fp8_weights: ``"auto"`` (default), True or False: whether a forward keeps each
+            projection's FP8 weight cast for the next while the weights, scales and recipe are
+            unchanged, as ``FP8Linear`` does (:mod:`fp8_plugin.modules.weight_cache`);
+            :meth:`clear_weight_cache` drops them.
 
     Forward: ``(hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k]) -> [T, H]``
     in ``hidden_states``' dtype, as the experts module's own. Outside the autocast, with
@@ -375,7 +377,7 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
             group.add(member)
         self._forward_context: Optional[_ForwardContext] = None
         self._fp8_observers: OrderedDict[int, Callable] = OrderedDict()  # weakly referenced by the handles
-        self.cache_fp8_weights = True
+        self.cache_fp8_weights: Union[bool, str] = "auto"
         self._fp8_weight_cache: dict[str, tuple[tuple, bool, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._fp8_tables: dict = {}  # the fused casts' address tables of the experts' states
 
@@ -392,7 +394,10 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         # scaling every expert's scale (object and version), inference mode, and for a recording
         # cast the training step whose amax slot it filled.
         transposed = bool(self.is_transposed)
-        if not self.cache_fp8_weights or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
+        if not keeps_weight_casts(self, self.scaling_group.step if record else None):
+            self._fp8_weight_cache.pop(proj, None)  # what an earlier forward kept goes
             return cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
         scales = tuple(t for st in states for t in (st.scale, st.scale._version, st.initialized,
                                                        st.initialized._version)) if recipe.delayed() else ()

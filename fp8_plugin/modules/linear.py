@@ -15,7 +15,7 @@ Any of the three GEMMs (fprop, dgrad, wgrad) can run in high precision instead, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
 from .scaling_group import ScalingGroup
+from .weight_cache import keeps_weight_casts
 
 __all__ = ["FP8Linear"]
 
@@ -235,9 +236,10 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         fp8_state: :class:`~fp8_plugin.numerics.quantizers.ScalingState` with amax history and scales.
         scaling_group: the :class:`~fp8_plugin.modules.scaling_group.ScalingGroup` whose layers update
             their delayed scales together (one per ``convert_model`` call).
-        cache_fp8_weights: keep the weight's FP8 copies while the weight, its delayed scale and
-            the recipe are unchanged (default True): the micro-batches of gradient accumulation
-            and consecutive evaluation batches cast the weight once, with identical numerics.
+        cache_fp8_weights: ``"auto"`` (default), True or False: whether a forward keeps the
+            weight's FP8 copies for the next while the weight, its scale and the recipe are
+            unchanged (:mod:`fp8_plugin.modules.weight_cache`: evaluation batches, and the micro-
+            batches of gradient accumulation once seen), with identical numerics.
             :meth:`clear_weight_cache` drops them (training loops do before each optimizer step).
 
     Forwards inside an autocast entered with grad enabled are training forwards: they record
@@ -268,7 +270,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         self.fp8_state = ScalingState(self._history_len(self.recipe), device=device)
         self.fp8_state.recipe = recipe_key(self.recipe)
         self._forward_context: Optional[_ForwardContext] = None
-        self.cache_fp8_weights = True
+        self.cache_fp8_weights: Union[str, bool] = "auto"
         self._weight_cache: Optional[_WeightCache] = None
         self._frozen: Optional[FrozenLayout] = None  # set while the weight is kept only in FP8
         # A layer of its own; convert_model puts all the layers of a model in one group.
@@ -451,7 +453,6 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         need_dgrad = grad and x2d.requires_grad
         need_wgrad = grad and self.weight.requires_grad
         need_bgrad = grad and self.bias is not None and self.bias.requires_grad
-        # The transposed FP8 copies serve only the backward GEMMs that run in FP8.
         quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
         qx, qx_t = quantizer.quantize_pair(x2d, columnwise=need_wgrad and gemms[2])
         # A frozen weight's transposed copy is made by the backward (and freed after), not kept from here.
@@ -516,8 +517,11 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             return rowwise, (rowwise.t() if columnwise else None)
         w = self.weight.t() if self.weight_transposed else self.weight
         quantizer = make_quantizer(recipe, WEIGHT, self.fp8_state, record)
-        if not self.cache_fp8_weights or torch.compiler.is_compiling() or capturing():
+        if torch.compiler.is_compiling() or capturing():
             # Compiled or captured into a CUDA graph: the cast is part of the graph, run every time.
+            return quantizer.quantize_pair(w, columnwise=columnwise)
+        if not keeps_weight_casts(self, self.scaling_group.step if record else None):
+            self._weight_cache = None  # what an earlier forward kept goes (modules/weight_cache.py)
             return quantizer.quantize_pair(w, columnwise=columnwise)
         key = self._weight_cache_key(recipe, record)
         cached = self._weight_cache

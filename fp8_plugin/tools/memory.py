@@ -279,7 +279,6 @@ def _step(net: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, tor
     fp8_autocast = autocast(step=new_step_id()) if fp8 else contextlib.nullcontext()
     with trace.phase("forward"), trace.saving(), torch_autocast, fp8_autocast:
         loss = net(**batch).loss
-    _mark_weight_caches(trace, net)
     after_forward = trace.snapshot()
     with trace.phase("backward"):
         loss.backward()
@@ -295,18 +294,6 @@ def _step(net: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, tor
         if fp8:
             update_pending_scales(net)
     return after_forward
-
-
-def _mark_weight_caches(trace: MemoryTrace, net: nn.Module) -> None:
-    # The FP8 layers' cached weight copies say which is which (the trace only knows "made from a weight").
-    for module in net.modules():
-        cache = getattr(module, "_weight_cache", None) if isinstance(module, FP8Linear) else None
-        if cache is None:
-            continue
-        for copy, category in ((cache.rowwise, "FP8 weight copies, rowwise"),
-                               (cache.columnwise, "FP8 weight copies, columnwise")):
-            if copy is not None:
-                trace.mark(copy.data, category)
 
 
 def category_table(estimates: list[MemoryEstimate]) -> list[tuple[str, list[int]]]:

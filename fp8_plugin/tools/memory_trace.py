@@ -12,7 +12,8 @@ What each storage is, from the strongest evidence:
 2. a parameter's gradient (``register_post_accumulate_grad_hook``), an optimizer state (found in
    ``optimizer.state`` after a step);
 3. a copy of a weight: an FP8 tensor, or a dtype cast (``_to_copy``, autocast's BF16 copies), made
-   from a parameter or buffer; an FP8 layer's cached copies say whether rowwise or columnwise;
+   from a parameter or buffer. An FP8 copy saved for backward, or made in it, is the columnwise
+   copy dgrad reads; the others are rowwise (fprop's; the forward reads them only);
 4. saved for backward (``torch.autograd.graph.saved_tensors_hooks``), by kind: the op that made it
    and its dtype;
 5. else a transient.
@@ -31,14 +32,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .._private.torch_api import TorchDispatchMode, tree_flatten
+from .._private.torch_api import TorchDispatchMode, in_backward_pass, tree_flatten
 
 __all__ = ["MemoryTrace", "Peak", "Allocation", "CATEGORIES"]
 
 # The breakdown's categories, in the order reports list them.
 CATEGORIES = (
     "parameters", "frozen weights", "buffers", "FP8 scaling state", "gradients", "optimizer states",
-    "FP8 weight copies, rowwise", "FP8 weight copies, columnwise", "FP8 weight copies", "BF16 weight copies",
+    "FP8 weight copies, rowwise", "FP8 weight copies, columnwise", "BF16 weight copies",
     "FP16 weight copies", "weight copies", "batch", "activations saved for backward", "transients",
 )
 _REGISTERED = ("parameters", "frozen weights", "buffers", "FP8 scaling state", "batch", "optimizer states")
@@ -63,6 +64,7 @@ class Allocation:
     category: Optional[str] = None  # set by a registration or a mark; None: decided at the breakdown
     saved: bool = False
     weight_copy: bool = False  # an FP8 tensor or a dtype cast made from a parameter or buffer
+    in_backward: bool = False  # made while the autograd engine ran a backward
 
     def kind(self) -> str:
         """What a saved activation is: the op that made it and its dtype (``"mm bfloat16"``)."""
@@ -199,7 +201,8 @@ class MemoryTrace(TorchDispatchMode):
             return known
         storage = tensor.untyped_storage()
         self._event += 1
-        record = Allocation(storage.nbytes(), op, tuple(tensor.shape), tensor.dtype, self._phase, self._event)
+        record = Allocation(storage.nbytes(), op, tuple(tensor.shape), tensor.dtype, self._phase, self._event,
+                            in_backward=in_backward_pass())
         key = id(storage)
 
         def freed(_ref: Any, record: Allocation = record, key: int = key) -> None:
@@ -247,8 +250,11 @@ def category_of(record: Allocation) -> str:
     """The category of one traced storage, by the precedence of the module docstring."""
     if record.category is not None:
         return record.category
+    if record.weight_copy and record.dtype in _FP8_DTYPES:
+        columnwise = record.saved or record.in_backward
+        return "FP8 weight copies, columnwise" if columnwise else "FP8 weight copies, rowwise"
     if record.weight_copy:
-        return "FP8 weight copies" if record.dtype in _FP8_DTYPES else _WEIGHT_COPY.get(record.dtype, "weight copies")
+        return _WEIGHT_COPY.get(record.dtype, "weight copies")
     return "activations saved for backward" if record.saved else "transients"
 
 

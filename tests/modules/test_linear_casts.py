@@ -90,9 +90,11 @@ def test_evaluation_output_is_the_training_forward_output(recipe):
 @pytest.mark.filterwarnings("ignore:FP8 GEMM emulated")
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_gradient_accumulation_casts_each_weight_once_per_optimizer_step(recipe):
-    cached, uncached = _layer(recipe), _layer(recipe)
-    uncached.cache_fp8_weights = False
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cached, uncached)]
+    cached, auto, uncached = _layer(recipe), _layer(recipe), _layer(recipe)
+    cached.cache_fp8_weights, uncached.cache_fp8_weights = True, False
+    assert auto.cache_fp8_weights == "auto"
+    layers = (cached, auto, uncached)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in layers]
     torch.manual_seed(1)
     batches = [torch.randn(64, 256) for _ in range(6)]
     for optimizer_step in range(3):
@@ -100,20 +102,40 @@ def test_gradient_accumulation_casts_each_weight_once_per_optimizer_step(recipe)
         for micro in range(2):
             x = batches[2 * optimizer_step + micro]
             counts = []
-            for layer in (cached, uncached):
+            for layer in layers:
                 count, y = _forward_copies(layer, x.clone().requires_grad_(), step=step)
                 (y.float() ** 2).mean().backward()
                 counts.append(count)
-            # The first micro-batch casts W and W.T; the second reuses them: x and x.T only.
-            assert counts == [4 if micro == 0 else 2, 4]
+            # A micro-batch that casts makes x, x.T, W, W.T; one that reuses the weight's casts
+            # makes x and x.T only. "auto" keeps the casts once it has seen a second micro-batch.
+            reused = micro == 1
+            assert counts == [2 if reused else 4, 2 if reused and optimizer_step > 0 else 4, 4]
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+            for layer in layers:
+                layer.clear_weight_cache()  # as the loops do before each optimizer step
         # Same numerics as casting every time: weights, scales and histories bit for bit.
-        assert torch.equal(cached.weight, uncached.weight)
-        assert torch.equal(cached.bias, uncached.bias)
-        for name, tensor in cached.fp8_state.tensors().items():
-            assert torch.equal(tensor, uncached.fp8_state.tensors()[name]), name
+        for layer in (cached, auto):
+            assert torch.equal(layer.weight, uncached.weight)
+            assert torch.equal(layer.bias, uncached.bias)
+            for name, tensor in layer.fp8_state.tensors().items():
+                assert torch.equal(tensor, uncached.fp8_state.tensors()[name]), name
+
+
+@pytest.mark.filterwarnings("ignore:FP8 GEMM emulated")
+def test_a_training_step_without_accumulation_keeps_no_weight_cast_and_evaluation_keeps_its_own():
+    # "auto": the rowwise copy is not held through the backward that never reads it, nor the
+    # columnwise one after its dgrad (modules/weight_cache.py).
+    layer = _layer(DelayedScaling())
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        _forward_copies(layer, x)
+    assert layer._weight_cache is not None and layer._weight_cache.columnwise is None  # evaluation: W only
+    for _ in range(2):  # two steps of one micro-batch each
+        count, y = _forward_copies(layer, x.clone().requires_grad_())
+        assert count == 4 and layer._weight_cache is None  # the evaluation cast dropped, nothing kept
+        y.float().sum().backward()
 
 
 @pytest.mark.filterwarnings("ignore:FP8 GEMM emulated")

@@ -1,0 +1,53 @@
+"""When an FP8 layer keeps its weight's FP8 casts for the next forward: ``cache_fp8_weights``.
+
+An FP8 layer's weight casts (rowwise for fprop, columnwise for dgrad: 2 bytes per weight element
+in E4M3, plus their scales) can be kept while the weight, its scale and the recipe are unchanged,
+so that the next forward skips the cast. That pays where forwards repeat on the same weights:
+evaluation batches, and the micro-batches of gradient accumulation (Transformer Engine keeps them
+when told ``is_first_microbatch``). In a training step without accumulation it only costs
+memory: the rowwise copy would stay through the backward, which never reads it, and every
+columnwise copy until the optimizer step, after the layer's dgrad has read it.
+
+``cache_fp8_weights`` (on ``FP8Linear`` and the FP8 MoE experts):
+
+- ``"auto"`` (default): evaluation forwards (grad off) keep their casts; training forwards keep
+  them once the layer has seen two forwards in one training step (gradient accumulation: the
+  loops share one step id across a step's micro-batches); until then each training forward casts
+  afresh and frees the rowwise copy after fprop, the columnwise one after dgrad. The first
+  accumulated step thus casts each weight once more.
+- ``True``: every forward keeps its casts (micro-batches from the first step on).
+- ``False``: none does.
+
+A training forward that does not keep its casts drops what an earlier forward kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["CACHE_CHOICES", "keeps_weight_casts"]
+
+CACHE_CHOICES = ("auto", True, False)
+
+
+def keeps_weight_casts(module: Any, step: Optional[int]) -> bool:
+    """Whether this forward of ``module`` keeps its weight casts (module docstring).
+
+    Args:
+        module: an FP8 layer with a ``cache_fp8_weights`` attribute.
+        step: the training step of a recording (training) forward; None for any other forward.
+    """
+    setting = module.cache_fp8_weights
+    if setting != "auto":
+        return bool(setting)
+    if step is None:
+        # Evaluation keeps them; a forward with grad that records nothing (a replay, a
+        # checkpoint's recomputation) casts afresh, as the training forward it repeats did.
+        return not torch.is_grad_enabled() or module.__dict__.get("_micro_batches", False)
+    state = module.__dict__
+    if state.get("_last_step") == step:
+        state["_micro_batches"] = True  # a second forward in one step: gradient accumulation
+    state["_last_step"] = step
+    return state.get("_micro_batches", False)
