@@ -281,3 +281,19 @@ def pytest_collect_file(file_path: Path, parent):
     if file_path == ROOT / "README.md" or file_path.parent == ROOT / "docs":
         return _collect(file_path, parent)
     return None
+
+
+# Fixtures several test files share whose set-up costs tens of seconds: their tests run on one
+# worker, so that it is built once (tests/conftest.py).
+_SHARED_FIXTURES = ("distributed_runs", "smollm2_path")
+
+
+def pytest_collection_modifyitems(config, items):
+    # The suite runs on two pytest-xdist workers (pyproject's addopts, --dist loadgroup): each
+    # file's tests on one worker (its module fixtures are built once; a page's blocks share one
+    # namespace), and the tests of each shared fixture together, whatever their file.
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        shared = next((name for name in _SHARED_FIXTURES if name in names), None)
+        item.add_marker(pytest.mark.xdist_group(shared or item.nodeid.split("::")[0]))
+

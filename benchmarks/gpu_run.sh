@@ -137,7 +137,8 @@ EOF
 
 contract() {
     # --confcutdir tests: the root conftest.py (the docs' examples, Sybil) is not needed here.
-    FP8_CONTRACT_DEVICE=$1 "$PYTHON" -m pytest -q -ra -p no:cacheprovider --confcutdir tests \
+    # -n 0: in one process, as the GPU is one (pyproject's addopts would start two workers).
+    FP8_CONTRACT_DEVICE=$1 "$PYTHON" -m pytest -q -ra -n 0 -p no:cacheprovider --confcutdir tests \
         --junitxml "$WORK/contract_$1.xml" $CONTRACT_TESTS
 }
 

@@ -10,7 +10,8 @@ activations saved for backward by kind, transients and the largest of them.
 Where it runs:
 
 - ``device="meta"`` (default, any machine): the model is built on ``meta`` tensors presented as a
-  GPU of compute ``capability`` (:func:`~fp8_plugin.numerics.device_kind.meta_as_cuda`): the CUDA
+  GPU of compute ``capability`` (:func:`~fp8_plugin.numerics.device_kind.meta_as_cuda`, with the
+  GPU's native FP8 GEMMs taken without their probe, ``force_path("native")``): the CUDA
   code paths run (fused casts, ``torch._scaled_mm``'s operand layouts, flash attention), with CUDA
   autocast's dtype policy (:mod:`fp8_plugin.tools.autocast_on_meta`), without allocating a byte;
   an 8B model's step traces in seconds.
@@ -32,7 +33,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from ..modules.scaling_group import update_pending_scales
 from ..numerics.device_kind import meta_as_cuda
+from ..numerics.gemm import clear_plans, force_path
+from ..numerics.recipes import Recipe
 from ..optim import FP8AdamW
 from ..training.precision_strings import PRECISION_STRINGS
 from .autocast_on_meta import cuda_autocast_on_meta
@@ -51,13 +54,15 @@ from .memory_trace import CATEGORIES, MemoryTrace, Peak
 
 __all__ = ["estimate_memory", "compare_memory", "MemoryEstimate", "PRECISIONS", "OPTIMIZERS"]
 
-# precision -> (parameter dtype, autocast dtype or None, FP8 or not). The FP8 strings with FP16
-# compute need a loss scaler, whose step reads the gradients' finiteness on the host: not here.
-PRECISIONS: dict[str, tuple[torch.dtype, Optional[torch.dtype], bool]] = {
-    "32-true": (torch.float32, None, False),
-    "bf16-true": (torch.bfloat16, None, False),
-    "bf16-mixed": (torch.float32, torch.bfloat16, False),
-    **{name: (torch.float32, dtype, True) for name, (_, dtype) in PRECISION_STRINGS.items() if dtype == torch.bfloat16},
+# precision -> (parameter dtype, autocast dtype or None, the FP8 recipe's factory or None). The FP8
+# strings with FP16 compute need a loss scaler, whose step reads the gradients' finiteness on the
+# host: not here.
+PRECISIONS: dict[str, tuple[torch.dtype, Optional[torch.dtype], Optional[Callable[[], Recipe]]]] = {
+    "32-true": (torch.float32, None, None),
+    "bf16-true": (torch.bfloat16, None, None),
+    "bf16-mixed": (torch.float32, torch.bfloat16, None),
+    **{name: (torch.float32, dtype, recipe) for name, (recipe, dtype) in PRECISION_STRINGS.items()
+       if dtype == torch.bfloat16},
 }
 OPTIMIZERS = ("adamw", "fp8-adamw", "sgd")
 # The aten ops of FP8 GEMMs (each allocates its output once per call).
@@ -73,6 +78,9 @@ class MemoryEstimate:
         precision, optimizer, batch_size, seq_len: the step traced.
         device: what ran it ("meta as sm90", or the GPU's name).
         parameters, trainable_parameters: counts.
+        recipe: the FP8 layers' recipe class, as ``convert_model`` resolved the precision's for the
+            device (``"fp8-hybrid"``: DelayedScaling on sm90, MXFP8BlockScaling on sm100); None
+            without FP8.
         fp8_layers: FP8 linear layers after conversion (0 without FP8).
         fp8_gemms: FP8 GEMMs the second step ran (``torch._scaled_mm`` and its kin): 3 per FP8 layer
             (fprop, dgrad, wgrad) when every layer ran in FP8.
@@ -91,6 +99,7 @@ class MemoryEstimate:
     device: str
     parameters: int
     trainable_parameters: int
+    recipe: Optional[str]
     fp8_layers: int
     fp8_gemms: int
     peak: Peak
@@ -142,12 +151,21 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
         ValueError: an unknown precision, optimizer or device, a batch size or sequence length
             below 1, a folder without a readable ``config.json``, or a model class without a loss.
     """
-    param_dtype, autocast_dtype, fp8 = _check(precision, optimizer, batch_size, seq_len, device)
+    param_dtype, autocast_dtype, recipe = _check(precision, optimizer, batch_size, seq_len, device)
+    fp8 = recipe is not None
     config, name = _config(model)
-    presented = meta_as_cuda(capability) if device == "meta" else contextlib.nullcontext()
-    with presented:
+    with contextlib.ExitStack() as presented:
+        if device == "meta":
+            # The GEMM decisions cached for the meta device belong to the GPU presented: cleared
+            # before and after, as another call may present another GPU.
+            clear_plans()
+            presented.callback(clear_plans)
+            presented.enter_context(meta_as_cuda(capability))
+            # The GPU's own kernels, block-scaled ones included, without the probe GEMM that
+            # checks them against the emulation (it reads its result, which meta tensors lack).
+            presented.enter_context(force_path("native"))
         net = _build(config, param_dtype, device)
-        report = convert_model(net, skip_small=skip_small) if fp8 else None
+        report = convert_model(net, recipe(), skip_small=skip_small) if fp8 else None
         params = list(net.parameters())
         opt = _optimizer(optimizer, [p for p in params if p.requires_grad])
         batch = _batch(net, batch_size, seq_len, device)
@@ -170,10 +188,12 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
             for hook in hooks:
                 hook.remove()
     fp8_layers = len(report.swapped) if report is not None else 0
+    layer = next((m for m in net.modules() if isinstance(m, FP8Linear)), None)
+    recipe_name = type(layer.recipe).__name__ if layer is not None else None
     fp8_gemms = sum(1 for record in trace.allocations[second:] if record.op in SCALED_GEMMS)
     label = f"meta as sm{capability[0]}{capability[1]}" if device == "meta" else torch.cuda.get_device_name()
     return MemoryEstimate(name, precision, optimizer, batch_size, seq_len, label, sum(p.numel() for p in params),
-                          sum(p.numel() for p in params if p.requires_grad), fp8_layers, fp8_gemms, trace.peak(), after_forward, resident,
+                          sum(p.numel() for p in params if p.requires_grad), recipe_name, fp8_layers, fp8_gemms, trace.peak(), after_forward, resident,
                           measured)
 
 

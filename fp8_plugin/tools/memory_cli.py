@@ -108,6 +108,7 @@ def memory_text(estimates: list) -> str:
     if any(e.measured_peak_bytes is not None for e in estimates):
         lines.append(f"{'measured (max_memory_allocated)':<34}" + "".join(
             f"{(e.measured_peak_bytes or 0) / _MIB:>{width + 2}.1f}" for e in estimates))
+    lines.append(f"{'FP8 recipe':<34}" + "".join(f"{e.recipe or '-':>{width + 2}}" for e in estimates))
     lines.append(f"{'FP8 linear layers':<34}" + "".join(f"{e.fp8_layers:>{width + 2}}" for e in estimates))
     lines.append(f"{'FP8 GEMMs in the step':<34}" + "".join(f"{e.fp8_gemms:>{width + 2}}" for e in estimates))
     for name, estimate in zip(names, estimates):

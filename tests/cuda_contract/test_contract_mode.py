@@ -120,7 +120,7 @@ def test_a_kernel_refusal_is_exactly_its_modes_type_and_words(device):
 def test_collection_stops_when_cuda_is_asked_without_a_gpu():
     env = {**os.environ, "FP8_CONTRACT_DEVICE": "cuda", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "--confcutdir", str(HERE),
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "--collect-only", "-p", "no:cacheprovider", "--confcutdir", str(HERE),
          str(HERE / "test_cuda_contract.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr

@@ -65,7 +65,7 @@ def test_bf16_mixed_holds_fp32_master_weights_adamw_moments_and_one_bf16_copy_of
     assert held["gradients"] == 0  # zero_grad(set_to_none=True) after each step
     assert held["BF16 weight copies"] == 2 * (LINEAR_NUMEL + HEAD_NUMEL)
     assert held["FP8 weight copies, rowwise"] == held["FP8 weight copies, columnwise"] == 0
-    assert e.fp8_layers == e.fp8_gemms == 0
+    assert e.fp8_layers == e.fp8_gemms == 0 and e.recipe is None
     # Between steps: weights and moments, the int64 token ids (labels are the same tensor), the buffers.
     assert e.resident_bytes == 12 * NUMEL + 8 * TOKENS + _rotary_buffer_bytes()
 
@@ -115,6 +115,19 @@ def test_a_small_batch_peaks_in_the_optimizer_step_with_every_gradient_and_momen
     assert e.peak.categories["gradients"] == 4 * NUMEL
     assert e.peak.categories["optimizer states"] == 8 * NUMEL
     assert e.peak.categories["FP8 weight copies, rowwise"] == 0  # the caches are cleared before the step
+
+
+@pytest.mark.parametrize("precision,capability,recipe", [
+    ("fp8-current", (9, 0), "Float8CurrentScaling"), ("fp8-blockwise", (9, 0), "Float8BlockScaling"),
+    ("fp8-hybrid", (9, 0), "DelayedScaling"), ("fp8-hybrid", (10, 0), "MXFP8BlockScaling"),
+])
+def test_each_precision_traces_its_own_recipe_as_the_gpu_resolves_it(precision, capability, recipe):
+    # The recipe of the precision string (training/precision_strings.py), "auto" resolved for the
+    # GPU presented: MXFP8 on Blackwell (TE's default there), delayed scaling on Hopper.
+    e = estimate_memory(tiny_llama(), precision, "sgd", batch_size=1, seq_len=64, capability=capability,
+                        skip_small=False)
+    assert e.recipe == recipe
+    assert e.fp8_gemms == 3 * 7 * LAYERS
 
 
 def test_the_json_form_is_plain_values(estimates):
