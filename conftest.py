@@ -250,6 +250,7 @@ def _enter_scratch_folder(namespace: dict[str, Any]) -> None:
 def _leave_scratch_folder(namespace: dict[str, Any]) -> None:
     os.chdir(namespace["__docs_cwd__"])
     shutil.rmtree(namespace["__docs_scratch__"], ignore_errors=True)
+    _fresh_accelerate()  # a page's Accelerator leaves nothing to the tests after it
     for key, value in namespace["__docs_environ__"].items():
         if value is None:
             os.environ.pop(key, None)
@@ -281,19 +282,3 @@ def pytest_collect_file(file_path: Path, parent):
     if file_path == ROOT / "README.md" or file_path.parent == ROOT / "docs":
         return _collect(file_path, parent)
     return None
-
-
-# Fixtures several test files share whose set-up costs tens of seconds: their tests run on one
-# worker, so that it is built once (tests/conftest.py).
-_SHARED_FIXTURES = ("distributed_runs", "smollm2_path")
-
-
-def pytest_collection_modifyitems(config, items):
-    # The suite runs on two pytest-xdist workers (pyproject's addopts, --dist loadgroup): each
-    # file's tests on one worker (its module fixtures are built once; a page's blocks share one
-    # namespace), and the tests of each shared fixture together, whatever their file.
-    for item in items:
-        names = getattr(item, "fixturenames", ())
-        shared = next((name for name in _SHARED_FIXTURES if name in names), None)
-        item.add_marker(pytest.mark.xdist_group(shared or item.nodeid.split("::")[0]))
-

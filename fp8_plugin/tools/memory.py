@@ -278,7 +278,9 @@ def _register(trace: MemoryTrace, net: nn.Module, batch: dict[str, torch.Tensor]
         trace.register(param, "parameters" if param.requires_grad else "frozen weights")
     for module in net.modules():
         for buffer in module.buffers(recurse=False):
-            trace.register(buffer, "frozen weights" if buffer.dtype.itemsize == 1 else "buffers")
+            # A frozen weight kept only in FP8 may be a buffer (its E4M3 bytes); masks and scales are not.
+            frozen = buffer.dtype.is_floating_point and buffer.dtype.itemsize == 1
+            trace.register(buffer, "frozen weights" if frozen else "buffers")
         state = getattr(module, "fp8_state", None)
         for value in (vars(state).values() if state is not None else ()):
             if isinstance(value, torch.Tensor):
