@@ -36,6 +36,24 @@ def _seed():
     yield
 
 
+def _reset_accelerate() -> None:
+    # Only where Accelerate is imported already: some tests check what importing fp8_plugin imports.
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _no_accelerate_state_between_tests():
+    """Every test starts and ends without Accelerate's process-wide state: the suite's workers run
+    tests of many files in one process, in an order that varies, and an Accelerator left behind
+    makes the next one refuse its own settings (or ignore its dynamo plugin)."""
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
 @pytest.fixture
 def fresh_accelerate(monkeypatch):
     """No ACCELERATE_* variables and fresh Accelerate singletons (Accelerate keeps its state
