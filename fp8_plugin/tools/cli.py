@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 import typer
 
 from ..training.precision_strings import PRECISION_STRINGS
+from .cli_options import SkipSmall, skip_small_value
 from .hf_models import model_class
 from .memory_cli import memory
 from .quiet import quiet_foreign_output
@@ -60,12 +61,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-
-
-class SkipSmall(str, Enum):
-    auto = "auto"
-    true = "true"
-    false = "false"
 
 
 # The --recipe choices, as an Enum so that the help and the error for an unknown name list them.
@@ -136,10 +131,6 @@ def _make_recipe(name: Any):
     except ValueError:
         raise _bad(f"{name!r} is not a recipe; valid: {', '.join(RECIPE_NAMES)}", "'--recipe'") from None
     return make_recipe()
-
-
-def _skip_small_value(value: SkipSmall) -> Any:
-    return {"auto": "auto", "true": True, "false": False}[SkipSmall(value).value]
 
 
 def _check_device(device: Optional[str]):
@@ -249,7 +240,7 @@ def _convert(model: Any, recipe_name: Any, include: Optional[list[str]], exclude
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             report = convert_model(model, recipe, include=include or None, exclude=exclude or None,
-                                   device=device, skip_small=_skip_small_value(skip_small))
+                                   device=device, skip_small=skip_small_value(skip_small))
     except ValueError as err:  # a pattern that matches no layer, or a recipe that cannot read FP8 weights
         text = str(err)
         setting = ("'--include'" if "include pattern" in text else "'--exclude'" if "exclude pattern" in text

@@ -193,8 +193,8 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
     fp8_gemms = sum(1 for record in trace.allocations[second:] if record.op in SCALED_GEMMS)
     label = f"meta as sm{capability[0]}{capability[1]}" if device == "meta" else torch.cuda.get_device_name()
     return MemoryEstimate(name, precision, optimizer, batch_size, seq_len, label, sum(p.numel() for p in params),
-                          sum(p.numel() for p in params if p.requires_grad), recipe_name, fp8_layers, fp8_gemms, trace.peak(), after_forward, resident,
-                          measured)
+                          sum(p.numel() for p in params if p.requires_grad), recipe_name, fp8_layers, fp8_gemms,
+                          trace.peak(), after_forward, resident, measured)
 
 
 def compare_memory(model: Union[str, Path, Any], precisions: tuple[str, ...] = ("bf16-mixed", "fp8-hybrid"),
@@ -232,6 +232,8 @@ def _config(model: Any) -> tuple[Any, str]:
     if isinstance(model, PretrainedConfig):
         return model, type(model).__name__
     path = Path(model)
+    if path.name == "config.json":  # a checkpoint folder's: read as the folder, named after it
+        path = path.parent
     try:
         if path.is_file() and path.suffix == ".json":  # a config.json of its own
             values = json.loads(path.read_text())

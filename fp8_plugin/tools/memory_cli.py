@@ -11,10 +11,11 @@ from typing import Optional
 
 import typer
 
+from .cli_options import SkipSmall, skip_small_value
+
 __all__ = ["memory", "memory_text"]
 
 _MIB = 2**20
-_SKIP_SMALL = {"auto": "auto", "true": True, "false": False}
 
 
 def memory(
@@ -34,9 +35,9 @@ def memory(
                                "beside the trace."),
     capability: str = typer.Option("9.0", "--capability", help="Compute capability meta tensors present: 9.0 "
                                    "(H100, H200), 8.9 (L4, L40S), 10.0 (B200)."),
-    skip_small: str = typer.Option("auto", "--skip-small", help="auto: layers FP8 would not make faster on the "
-                                   "GPU stay in BF16, as in training; false: every layer but the heads in FP8; true: "
-                                   "torchao's size rule."),
+    skip_small: SkipSmall = typer.Option(
+        SkipSmall.auto, "--skip-small", case_sensitive=False, help="auto: layers FP8 would not make faster on the "
+        "GPU stay in BF16, as in training; false: every layer but the heads in FP8; true: torchao's size rule."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     """The peak memory of one steady training step of MODEL, broken down: parameters (FP32 master
@@ -52,13 +53,9 @@ def memory(
         raise typer.BadParameter(f"{len(optimizers)} --optimizer values for {len(precisions)} --precision values; "
                                  "valid: one, or one per --precision", param_hint="--optimizer")
     cap = _capability(capability)
-    if skip_small not in _SKIP_SMALL:
-        raise typer.BadParameter(f"{skip_small!r} is not a choice; valid: {', '.join(_SKIP_SMALL)}",
-                                 param_hint="--skip-small")
-    path = _config_path(model)
     try:
-        estimates = compare_memory(path, precisions, optimizers, batch_size=batch_size, seq_len=seq_len,
-                                   device=device, capability=cap, skip_small=_SKIP_SMALL[skip_small])
+        estimates = compare_memory(model, precisions, optimizers, batch_size=batch_size, seq_len=seq_len,
+                                   device=device, capability=cap, skip_small=skip_small_value(skip_small))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     if as_json:
@@ -74,15 +71,6 @@ def _capability(text: str) -> tuple[int, int]:
         raise typer.BadParameter(f"{text!r} is not a compute capability; valid: MAJOR.MINOR, e.g. 9.0",
                                  param_hint="--capability") from None
     return major, minor
-
-
-def _config_path(model: Path) -> Path:
-    if model.is_file() and model.name.endswith(".json"):
-        return model.parent if model.name == "config.json" else model
-    if not (model / "config.json").is_file():
-        raise typer.BadParameter(f"{str(model)!r} is neither a folder with a config.json nor a config.json file",
-                                 param_hint="MODEL")
-    return model
 
 
 def memory_text(estimates: list) -> str:
