@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_plugin.tools.memory import estimate_memory  # noqa: E402
+from fp8_suite.models import MODEL_SIZES  # noqa: E402  (benchmarks/fp8_suite: the suite's model sizes)
 
 GIB = 2**30
 RUNS = (("bf16-mixed", "adamw"), ("fp8-hybrid", "adamw"), ("fp8-hybrid", "fp8-adamw"))
@@ -38,10 +39,8 @@ SHAPES = {
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "suite-125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                       intermediate_size=2048, vocab_size=32000),
-    "suite-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=8192, vocab_size=32000),
+    "suite-125m": MODEL_SIZES["125m"],
+    "suite-1b": MODEL_SIZES["1b"],
 }
 
 

@@ -56,18 +56,13 @@ def _no_accelerate_state_between_tests():
 
 @pytest.fixture
 def fresh_accelerate(monkeypatch):
-    """No ACCELERATE_* variables and fresh Accelerate singletons (Accelerate keeps its state
-    process-wide; its own tests reset it the same way)."""
-    from accelerate.state import AcceleratorState, GradientState
-
+    """No ACCELERATE_* variables, and fresh Accelerate singletons (Accelerate keeps its state
+    process-wide; its own tests reset it the same way; every test gets those from
+    ``_no_accelerate_state_between_tests``)."""
     for key in list(os.environ):
         if key.startswith("ACCELERATE_"):
             monkeypatch.delenv(key)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="session")

@@ -156,9 +156,9 @@ def test_lightning_trains_a_fullgraph_compiled_module_in_fp8():
     assert len(layers) == 2 and all(_recorded_in_fp8(m) for m in layers)
 
 
-def test_accelerate_compiles_the_fp8_forward_without_a_graph_break(fresh_accelerate):
-    # fresh_accelerate: an Accelerator made earlier in this process would keep its state, and
-    # with it a dynamo plugin that compiles nothing.
+def test_accelerate_compiles_the_fp8_forward_without_a_graph_break():
+    # An Accelerator made earlier in this process would keep its state, and with it a dynamo
+    # plugin that compiles nothing: tests/conftest.py resets that state around every test.
     from accelerate.utils import TorchDynamoPlugin
 
     from fp8_plugin.accelerate import Accelerator
