@@ -263,6 +263,16 @@ class Accelerator(_AccelerateAccelerator):
             prepared._fp8_accelerator = weakref.ref(self)
         return prepared
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's ``backward``; on a step a reference check is due on, the check may take
+        this backward's gradients as its FP8 side (:mod:`fp8_plugin.training.reference.training_pass`)."""
+        runs = [] if self.distributed_type == DistributedType.DEEPSPEED else self.fp8_runs
+        for run in runs:
+            run.before_backward(loss, loss_scaled=self.scaler is not None)
+        super().backward(loss, **kwargs)
+        for run in runs:
+            run.after_backward()
+
     def _attach_deepspeed(self) -> None:
         # Under DeepSpeed, the engine prepare() built ends each FP8 training step at its step()
         # (which accelerator.backward() calls at the accumulation boundary) and carries the FP8
@@ -474,7 +484,10 @@ def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval
             loss_of = run.reference.config.output_loss or output_loss
             run.capture_replay(lambda: loss_of(replayed(self, args, kwargs)))
         with run.forward_context(device_type):
-            return call(self, *args, **kwargs)
+            output = call(self, *args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            run.training_output(output)
+        return output
 
     forward.__wrapped__ = function if function is not None else original  # type: ignore[attr-defined]
     module.forward = MethodType(forward, module)

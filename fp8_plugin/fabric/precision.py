@@ -138,6 +138,25 @@ class FP8Precision(MixedPrecision):
         return data
 
     @override
+    def convert_output(self, data: Any) -> Any:
+        data = super().convert_output(data)
+        module = self.fp8.module
+        if module is not None and module.training and torch.is_grad_enabled():
+            self.fp8.training_output(data)  # a check may take this forward's backward as its FP8 side
+        return data
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Optional[nn.Module]) -> Any:
+        self.fp8.before_backward(tensor, loss_scaled=self.scaler is not None)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def post_backward(self, tensor: torch.Tensor, module: Optional[nn.Module]) -> Any:
+        output = super().post_backward(tensor, module)
+        self.fp8.after_backward()
+        return output
+
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         scale = getattr(self.scaler, "_scale", None)
         before = scale.clone() if scale is not None else None

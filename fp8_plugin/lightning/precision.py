@@ -114,6 +114,19 @@ class _FP8Behaviour:
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.fp8.forward_context(self._device_type)
 
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        # Without accumulation the loss backpropagated is the training_step loss a check's replay
+        # reruns: the check may take this backward as its FP8 side (training/reference/training_pass.py).
+        trainer = getattr(module, "_trainer", None)
+        vouched = trainer is not None and trainer.accumulate_grad_batches == 1
+        self.fp8.before_backward(tensor, loss_scaled=self.scaler is not None, vouched=vouched)
+        return super().pre_backward(tensor, module)  # type: ignore[misc]
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        output = super().post_backward(tensor, module)  # type: ignore[misc]
+        self.fp8.after_backward()
+        return output
+
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         # The scale the backward used, kept on device: a lower scale after update() means the
         # step was skipped for inf/NaN gradients (GradScaler only backs off then). No sync.

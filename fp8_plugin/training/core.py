@@ -263,6 +263,30 @@ class FP8Training:
         if self.reference is not None and torch.is_grad_enabled():
             self.reference.capture(run_replay, self._device())
 
+    # The three calls below let a due step's training pass be its check's FP8 side instead of a
+    # replay (training/reference/training_pass.py: where that is the same computation).
+    def training_output(self, output: Any) -> None:
+        """The output of a training forward offered by :meth:`capture_replay`, right after it ran."""
+        if self.reference is not None:
+            self.reference.training_pass.forward_output(output)
+
+    def before_backward(self, loss: torch.Tensor, loss_scaled: bool = False, vouched: bool = False) -> None:
+        """The loop is about to backpropagate ``loss``.
+
+        Args:
+            loss: the tensor backpropagated.
+            loss_scaled: a loss scaler scales it.
+            vouched: the loop knows ``loss`` is the loss of the forward :meth:`capture_replay`
+                offered (its replay computes exactly it), which need not be the same object.
+        """
+        if self.reference is not None and self.module is not None:
+            self.reference.training_pass.backward_starts(self.module, loss, loss_scaled, vouched)
+
+    def after_backward(self) -> None:
+        """The backward :meth:`before_backward` announced has ended."""
+        if self.reference is not None and self.module is not None:
+            self.reference.training_pass.backward_ended(self.module)
+
     def before_optimizer_step(self, loss_scaled: bool = False) -> bool:
         """Check the step for non-finite gradients and amax outliers (:mod:`fp8_plugin.training.faults`),
         run the reference check due on this step, then ``before_step_hooks`` (each called with

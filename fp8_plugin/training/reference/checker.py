@@ -16,8 +16,9 @@ from ...numerics.device_kind import device_kind
 from ..reference_report import summary_text, with_written, write_reports
 from .config import ReferenceCheck
 from .policy import apply_policy
-from .replay import _RNGState, capture_rng_state, compare, reference_gemm_dtype
+from .replay import _RNGState, capture_rng_state, compare, output_loss, reference_gemm_dtype
 from .result import FP8ReferenceCheckError, ReferenceResult, judge
+from .training_pass import TrainingPassRecorder
 
 # How close (relative) a failed check's figures must be to the last "not FP8" check's for its
 # replays not to be repeated.
@@ -29,7 +30,9 @@ class ReferenceChecker:
 
     Loops feed it through :class:`~fp8_plugin.training.core.FP8Training`: ``capture`` at each
     training forward (kept only on a step that is due), ``run`` before the optimizer step,
-    ``end_step`` after it.
+    ``end_step`` after it. Loops that also report the forward's output and the backward's start
+    and end (:attr:`training_pass`) let a check take the training pass as its FP8 side where it
+    is the same computation (:mod:`.training_pass`), instead of replaying it.
 
     Attributes:
         config: the :class:`ReferenceCheck`.
@@ -51,6 +54,7 @@ class ReferenceChecker:
         # The last check whose verdict was "not FP8": later checks failing the same way skip the
         # replays that could not pass then.
         self._not_fp8: Optional[ReferenceResult] = None
+        self.training_pass = TrainingPassRecorder(config.output_loss or output_loss, enabled=config.training_pass)
 
     def due(self) -> bool:
         """Whether the step in progress is one a check runs on."""
@@ -62,6 +66,7 @@ class ReferenceChecker:
         of the step is the one replayed."""
         if self.due():
             self._capture = (run_replay, capture_rng_state(device))
+            self.training_pass.forward_started()
 
     def run(self, model: nn.Module, compute_dtype: torch.dtype, group: Optional["dist.ProcessGroup"]) -> None:
         """Check the captured micro-batch, if any, and apply the policy.
@@ -73,13 +78,15 @@ class ReferenceChecker:
             return
         run_replay, rng_state = self._capture
         self._capture = None
+        training_pass, self.training_pass.taken = self.training_pass.taken, None
         device_type = device_kind(rng_state.device) if rng_state.device is not None else "cpu"
-        def check() -> Optional[ReferenceResult]:
+        def check(fp8_pass=None) -> Optional[ReferenceResult]:
             return compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
                            device_type=device_type, step=self.steps, group=group,
-                           reference_dtype=reference_gemm_dtype(compute_dtype, device_type))
+                           reference_dtype=reference_gemm_dtype(compute_dtype, device_type), fp8_pass=fp8_pass)
 
-        result = check()
+        # The verification replays of a move (apply_policy) replay the FP8 side: the moves change it.
+        result = check(training_pass)
         if result is None:
             return
         self.results.append(result)
@@ -120,6 +127,7 @@ class ReferenceChecker:
         self._last_step_end = now
         self.steps += 1
         self._capture = None
+        self.training_pass.reset()
 
     def pop_metrics(self) -> dict[str, float]:
         """The figures of the check the last step ran, once (empty when none ran)."""

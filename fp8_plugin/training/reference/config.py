@@ -25,7 +25,9 @@ class ReferenceCheck:
     Args:
         every: optimizer steps between checks (the check runs on steps ``every``, ``2 * every``,
             ...); 0 turns checks off. The default, 200, keeps their cost near 1% of training
-            time (a check costs about one FP8 and one BF16 forward and backward of a micro-batch).
+            time (a check costs about one FP8 and one BF16 forward and backward of a micro-batch,
+            and the FP8 GEMMs of its per-GEMM figures; the FP8 side is the training pass itself
+            where ``training_pass`` allows it).
         policy: what a failed check does: ``"log"`` (record it), ``"warn"`` (also a warning),
             ``"fallback"`` (also move layers or single GEMMs to high precision from the next
             step on, on every rank, each move kept only when a replay with it passes, see
@@ -73,6 +75,13 @@ class ReferenceCheck:
             dgrad in high precision, fprop in high precision, dgrad and wgrad in high
             precision, FP8 off), one replay each; the first that passes is kept. 0: no
             escalation.
+        training_pass: take the due step's training forward and backward as the check's FP8
+            side, instead of replaying the micro-batch in FP8, where the loop shows that they
+            are the same computation (one forward in the step, the backward of its loss into
+            empty ``.grad``, one process, whole parameters, no loss scaler:
+            :mod:`~fp8_plugin.training.reference.training_pass`): the same figures for a third
+            less work. False always replays (for a loop whose backward the check cannot see,
+            such as a ``LightningModule.backward`` that scales the loss). Default True.
         output_loss: how the replay reads the loss from the model's output (Fabric and
             Accelerate replay the model's forward); default :func:`output_loss` (the output's
             ``loss``, its ``"loss"`` entry, or the output itself when it is a 0-dim tensor).
@@ -97,6 +106,7 @@ class ReferenceCheck:
     max_fallback_replays: int = 6
     max_escalation_replays: int = 4
     fallback_blockwise: bool = True
+    training_pass: bool = True
     output_loss: Optional[Callable[[Any], torch.Tensor]] = None
     log_layers: bool = True
     json_path: Optional[str] = None
@@ -107,8 +117,9 @@ class ReferenceCheck:
         _check_int("fallback_worst_k", self.fallback_worst_k, 1)
         _check_int("max_fallback_replays", self.max_fallback_replays, 0)
         _check_int("max_escalation_replays", self.max_escalation_replays, 0)
-        if not isinstance(self.fallback_blockwise, bool):
-            raise TypeError(f"ReferenceCheck(fallback_blockwise={self.fallback_blockwise!r}) must be a bool")
+        for name in ("fallback_blockwise", "training_pass"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ReferenceCheck({name}={getattr(self, name)!r}) must be a bool")
         if self.policy not in POLICIES:
             raise ValueError(f"ReferenceCheck(policy={self.policy!r}) is not valid; valid: {', '.join(POLICIES)}")
         for name, low, high in (("min_sqnr_db", -math.inf, math.inf), ("min_gemm_sqnr_db", -math.inf, math.inf),

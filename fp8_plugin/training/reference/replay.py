@@ -25,6 +25,7 @@ from .expert_layers import ExpertLayer, checked_layers, expert_gemm_names, exper
 from .figures import _cosine, _has_gemm_figures, _rel_error, _shared_weights, gemm_sqnr_hooks, sqnr_db, sqnr_hook
 from .gradients import FSDP2, WHOLE, fp8_weights, grad_stats, gradient_layout, take_gradients
 from .result import ReferenceResult
+from .training_pass import TrainingPass
 
 
 def output_loss(output: Any) -> torch.Tensor:
@@ -44,7 +45,7 @@ def output_loss(output: Any) -> torch.Tensor:
             f"The reference check found no scalar loss in the model's output ({type(output).__name__}); valid: an "
             "output with .loss or ['loss'], or a 0-dim tensor. Pass ReferenceCheck(output_loss=fn) to read it"
         )
-    return loss.reshape(())
+    return loss if loss.dim() == 0 else loss.reshape(())  # the tensor itself where it can: training_pass.py
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def _restore_rng_state(state: _RNGState) -> None:
 def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_state: _RNGState,
             compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
             recipe: Optional[Recipe] = None, reference_dtype: Optional[torch.dtype] = None,
-            group: Optional["dist.ProcessGroup"] = None) -> Optional[ReferenceResult]:
+            group: Optional["dist.ProcessGroup"] = None,
+            fp8_pass: Optional[TrainingPass] = None) -> Optional[ReferenceResult]:
     """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
 
     Returns None, comparing nothing, when ``run_replay`` returns None (a loop that skips the
@@ -105,6 +107,10 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             ``compute_dtype`` either way.
         group: process group whose ranks' figures are summed; None means the world when
             torch.distributed is initialised (every rank of it must call this together).
+        fp8_pass: the training step's own FP8 pass of this micro-batch (:mod:`.training_pass`):
+            its loss and gradients are the FP8 side, and only the reference is replayed. Taken
+            only with ``recipe`` None and for the parameters compared here (else the FP8 side
+            is replayed).
 
     Raises:
         ValueError: the replay's loss is not a scalar tensor, or ``model`` is partly sharded, or
@@ -123,12 +129,18 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
     replay_step = functools.partial(_replay, layout=layout, group=group)
     try:
         with torch.random.fork_rng(devices=devices, device_type=device_kind(devices[0]) if devices else "cuda"):
-            # The FP8 replay's high-precision GEMMs (a move being verified) in reference_dtype, as training runs them.
-            replayed = replay_step(run_replay, params, rng_state, True, compute_dtype, device_type, recipe,
-                               reference_dtype, fp8_layers=_ran_fp8(layers))
-            if replayed is None:
-                return None
-            loss_fp8, grads_fp8 = replayed
+            if fp8_pass is not None and recipe is None and fp8_pass.matches(names):
+                # The training pass ran this micro-batch in FP8 already: the same guard as a replay's.
+                _check_fp8_forwards(True, fp8_pass.fp8_forwards, _ran_fp8(layers))
+                loss_fp8, grads_fp8 = fp8_pass.loss, fp8_pass.grads
+            else:
+                # The FP8 replay's high-precision GEMMs (a move being verified) in reference_dtype, as
+                # training runs them.
+                replayed = replay_step(run_replay, params, rng_state, True, compute_dtype, device_type, recipe,
+                                       reference_dtype, fp8_layers=_ran_fp8(layers))
+                if replayed is None:
+                    return None
+                loss_fp8, grads_fp8 = replayed
             recipes = {name: layer._forward_context.recipe if layer._forward_context else None
                        for name, layer in layers}
             # Per layer: output signal and noise; per GEMM (fprop, dgrad, wgrad) signal and noise.
