@@ -6,9 +6,11 @@ CPUs have no FP8 GEMMs; the emulation multiplies the operands' FP8 values in a w
   cast once to the output dtype: the exact computation of torch's CPU ``_scaled_mm``.
 - ``"bfloat16"``: the FP8 values themselves, exact in bfloat16 (3 or 2 mantissa bits of its 7),
   in one BF16 GEMM. Their products are exact in float32, and torch's BF16 GEMMs (oneDNN's)
-  accumulate in float32. Each output is then rounded once to bfloat16, the scales' product
-  applied in float32, and the result cast to the output dtype. So the result differs from
-  ``"float32"``'s by that one bfloat16 rounding (relative 2^-8 of each output): the rounding
+  accumulate in float32. A bfloat16 output gets the scales' product and the bias inside the GEMM
+  (``torch.addmm``'s alpha and addend, applied to the float32 sums) and is rounded once, as a
+  GPU's scaled GEMM rounds. Any other output is each sum rounded once to bfloat16, the scales'
+  product applied in float32, and the result cast to the output dtype: it differs from
+  ``"float32"``'s by that one bfloat16 rounding (relative 2^-8 of each output), the rounding
   bf16-mixed applies to every GEMM output, 8 and 16 times finer than the unit roundoff of E4M3
   and E5M2 that quantized the operands. torch's CPU GEMMs have no BF16-in, float32-out form, or
   this rounding would not be there.

@@ -11,7 +11,10 @@ call, so on CPU this module rebuilds each value's float16 bits with integer oper
   cleared: the float16 reads the E4M3 value times 2^-8, subnormals included (both formats'
   subnormals scale by the same power of two). float16 holds every such value exactly, and the
   float32 widening and the multiply by 2^8 are exact. E4M3's NaN (S.1111.111) reads as +-480,
-  beyond E4M3's max of 448, and is put back as NaN.
+  beyond E4M3's max of 448, and is put back as NaN. Into bfloat16 (the BF16 emulation's GEMM
+  operands) the byte shifted by 4 lands in bfloat16's fields instead, and the value is read times
+  2^-120: multiplied back in bfloat16, exactly, with no float32 temporary (measured 0.85 to 1.2 ms
+  against 1.5 ms for 1.5 million values on the same machine).
 
 The FNUZ formats (bias 8 and 16, the 0x80 NaN) and every other device take torch's cast, as do
 code being traced by ``torch.compile`` (whose generated casts are vectorised already) and calls
@@ -29,6 +32,8 @@ __all__ = ["decode_fp8"]
 # 0xBFFF as int16: clears bit 14, where an E4M3 byte's sign bit lands after sign extension and
 # the shift by 7 (bit 15 holds its other copy, the float16 sign).
 _CLEAR_BIT_14 = -16385
+# 0x87FF as int16: clears bits 11 to 14, where the sign copies land after the shift by 4.
+_CLEAR_BITS_11_TO_14 = -30721
 _E4M3_MAX = 448.0
 
 
@@ -61,6 +66,11 @@ def decode_fp8(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
         half = (data.view(torch.uint8).to(torch.int16) << 8).view(torch.float16)
         # float16 -> bfloat16 is torch's slow path on CPU; through float32 both casts are vectorised.
         return half.to(dtype) if dtype in (torch.float16, torch.float32) else half.to(torch.float32).to(dtype)
+    if dtype == torch.bfloat16:
+        # Into bfloat16's fields directly (bias 127 against E4M3's 7, shift 4, sign copies in bits
+        # 11 to 14 cleared), then times 2^120: no float32 temporary of the tensor's size.
+        bits = (data.view(torch.int8).to(torch.int16) << 4).bitwise_and_(_CLEAR_BITS_11_TO_14)
+        return _put_back_nan(bits.view(torch.bfloat16).mul_(2.0**120))
     bits = (data.view(torch.int8).to(torch.int16) << 7).bitwise_and_(_CLEAR_BIT_14)
     wide = bits.view(torch.float16).to(torch.float32).mul_(256.0)
     return _put_back_nan(wide).to(dtype)

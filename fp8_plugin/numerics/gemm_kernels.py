@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode import decode_fp8
-from .device_kind import device_kind
+from .device_kind import device_kind, eager_on_cpu
 from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
@@ -43,11 +43,14 @@ def emulated_bf16(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     """``a @ b.T (+ bias)`` as one BF16 GEMM of the FP8 values, for per-tensor scales.
 
     Every E4M3 and E5M2 value is exact in bfloat16, so the products are exact; torch's BF16 GEMMs
-    accumulate them in float32 and round each output once to bfloat16 (relative error at most
-    2^-8, bfloat16's unit roundoff). Then, in float32: the product of the two ``scale_inv``
-    (rounded once), and the bias as :func:`kernel_bias` gives it; the sum is cast to
-    ``out_dtype``. Against :func:`emulated` that is one more rounding per output, the one
-    :mod:`~fp8_plugin.numerics.cpu_emulation` describes. Runs outside torch autocast.
+    accumulate them in float32. A bfloat16 ``out_dtype`` (in eager code on CPU) takes the product
+    of the two ``scale_inv`` (rounded once in float32) as the GEMM's ``alpha`` and the bias as
+    :func:`kernel_bias` gives it as its addend (``torch.addmm``), applied to the float32 sums:
+    one rounding per output, as :func:`emulated`. Otherwise each sum is rounded once to bfloat16
+    (relative error at most 2^-8, bfloat16's unit roundoff), then the scales and the bias are
+    applied in float32 and the result is cast to ``out_dtype``: one more rounding per output than
+    :func:`emulated`, the one :mod:`~fp8_plugin.numerics.cpu_emulation` describes. Runs outside
+    torch autocast.
 
     ``a.data`` and ``b.data`` may be FP8 in any layout, or already their bfloat16 values
     (:func:`~fp8_plugin.numerics.decode.decode_fp8`'s, for an operand of several GEMMs).
@@ -57,9 +60,18 @@ def emulated_bf16(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     """
     if a.block is not None or b.block is not None:
         raise ValueError(f"a BF16 emulated GEMM takes per-tensor scales only, got blocks {a.block} x {b.block}")
+    scale = a.scale_inv * b.scale_inv
     with torch.autocast(device_kind(a.data.device), enabled=False):
-        out = decode_fp8(a.data, torch.bfloat16) @ decode_fp8(b.data, torch.bfloat16).t()
-    out = out.to(torch.float32).mul_(a.scale_inv * b.scale_inv)
+        a16, b16 = decode_fp8(a.data, torch.bfloat16), decode_fp8(b.data, torch.bfloat16).t()
+        if out_dtype == torch.bfloat16 and eager_on_cpu(a16):
+            # The scales' product applied to the float32 sums inside the GEMM (addmm's alpha, read
+            # back: free on CPU), and the bias added there: one rounding per output, as a GPU's
+            # scaled GEMM rounds, and no float32 temporary of the output's size.
+            if bias is None:
+                return torch.addmm(a16.new_zeros(()), a16, b16, beta=0, alpha=float(scale))
+            return torch.addmm(kernel_bias(bias, out_dtype), a16, b16, alpha=float(scale))
+        out = a16 @ b16
+    out = out.to(torch.float32).mul_(scale)
     if bias is not None:
         out = out.add_(kernel_bias(bias, out_dtype).to(torch.float32))
     return out.to(out_dtype)
