@@ -69,7 +69,8 @@ from .quantizers import QuantizedTensor
 
 __all__ = [
     "fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
-    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "forced_path", "pad_to_alignment",
+    "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "forced_path", "emulates_in_bf16",
+    "pad_to_alignment",
     "fp8_gemm_in_bf16", "fp8_values_in_bf16",
 ]
 
@@ -277,12 +278,19 @@ def _cpu_bf16_emulation() -> bool:
     return cpu_emulation().bf16
 
 
+def emulates_in_bf16(device: torch.device) -> bool:
+    """Whether an emulated per-tensor FP8 GEMM on ``device`` multiplies the FP8 values in BF16
+    GEMMs (a CPU whose process chose them, :mod:`~fp8_plugin.numerics.cpu_emulation`, or
+    :func:`force_path` ``("emulated-bf16")``) rather than in the float32 emulation. The experts'
+    grouped GEMMs follow it too."""
+    return device.type == "cpu" and (_forced == "emulated-bf16" or (_forced != "emulated" and _cpu_bf16_emulation()))
+
+
 def _emulate(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
              ) -> torch.Tensor:
-    # The emulation of this call: BF16 GEMMs for per-tensor operands on a CPU whose process chose
-    # them (numerics/cpu_emulation.py) or under force_path("emulated-bf16"); float32 otherwise.
-    per_tensor = a.block is None and b.block is None and a.data.device.type == "cpu"
-    if per_tensor and (_forced == "emulated-bf16" or (_forced != "emulated" and _cpu_bf16_emulation())):
+    # The emulation of this call: BF16 GEMMs for per-tensor operands where emulates_in_bf16 says
+    # so; float32 otherwise.
+    if a.block is None and b.block is None and emulates_in_bf16(a.data.device):
         return _emulated_bf16(a, b, out_dtype, bias)
     return _emulated(a, b, out_dtype, bias)
 

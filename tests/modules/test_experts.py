@@ -682,6 +682,34 @@ def test_grouped_gemms_follow_force_path_through_the_public_accessor():
     assert gemm.forced_path() is None
 
 
+@pytest.mark.parametrize("path", ["emulated-bf16", "emulated"])
+def test_grouped_gemms_on_cpu_follow_the_dense_gemms_emulation(path):
+    # Under the CPU's BF16 emulation the experts take the bfloat16 grouped kernel on the FP8
+    # values (test_bfloat16_grouped_kernel_path_matches_float64 bounds it against float64), and
+    # the float32 emulation otherwise: bit for bit the function each path names.
+    from fp8_plugin.numerics import gemm
+    from fp8_plugin.numerics import grouped_gemm as gg
+
+    gen = torch.Generator().manual_seed(7)
+    counts = [5, 0, 37, 16]
+    a = (torch.randn(sum(counts), 32, generator=gen) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(4, 48, 32, generator=gen) * 8).to(torch.float8_e4m3fn)
+    g = (torch.randn(sum(counts), 48, generator=gen) * 8).to(torch.float8_e5m2)
+    sa, sb = torch.exp2(torch.randn(4, generator=gen)), torch.exp2(torch.randn(4, generator=gen))
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    fprop, wgrad = (gg._bf16_grouped, gg._bf16_grouped_wgrad) if path == "emulated-bf16" else \
+        (gg._emulated, gg._emulated_wgrad)
+    with gemm.force_path(path):
+        assert gemm.emulates_in_bf16(a.device) == (path == "emulated-bf16")
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(gg.grouped_gemm(a, sa, b, sb, offsets, out_dtype),
+                               fprop(a, sa, b, sb, offsets, out_dtype))
+            assert torch.equal(gg.grouped_gemm_wgrad(g, sa, a, sb, offsets, out_dtype),
+                               wgrad(g, sa, a, sb, offsets, out_dtype))
+    assert not torch.equal(gg._bf16_grouped(a, sa, b, sb, offsets, torch.float32),
+                           gg._emulated(a, sa, b, sb, offsets, torch.float32))  # the two paths differ
+
+
 @pytest.mark.parametrize("bad_id", [-1, 4])
 def test_routing_ids_outside_the_experts_are_refused_on_cpu(bad_id):
     # The offsets are device-side and would silently drop such rows; on the CPU (eager) the sorted
