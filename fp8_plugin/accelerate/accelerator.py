@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import os
 import weakref
-from types import MethodType
 from typing import Any, Optional, Union
 
 import torch
@@ -55,17 +54,17 @@ from accelerate.utils import (
 from accelerate.utils.dataclasses import FP8BackendType
 from torch import nn
 
-from ..modules.autocast import in_replay
 from ..modules.convert import ConversionReport
 from ..numerics.device_kind import device_kind
 from ..numerics.recipes import Recipe
 from ..training.core import FP8Training, Patterns, check_calibration_steps
 from ..training.deepspeed_engine import attach_to_engine, check_frozen_fp8_partitioning
 from ..training.graphing import check_cuda_graphs
-from ..training.reference import METRIC_PREFIX, ReferenceCheck, output_loss
+from ..training.reference import METRIC_PREFIX, ReferenceCheck
 from ..training.reference_report import with_written
 from ..training.statistics import METRIC_PREFIX as STATS_PREFIX
 from ..training.statistics import FP8Statistics, statistics_config
+from .forward_wrapper import wrap_forward
 from .settings import BASE_PRECISION, FP8Kwargs, FP8Settings, resolve_settings
 from .setup_checks import _check_deepspeed_setup, _check_not_sharded, _check_reference_setup
 
@@ -427,7 +426,7 @@ class Accelerator(_AccelerateAccelerator):
             _load_one(run, self._fp8_state_to_load, len(self.fp8_runs) - 1)
         if self.is_main_process:
             log.info("FP8 layers:\n%s", run.report)
-        _wrap_forward(obj, run, device_kind(self.device), settings.use_autocast_during_eval)
+        wrap_forward(obj, run, device_kind(self.device), settings.use_autocast_during_eval)
 
 
 def _model_key(key: str, index: int) -> str:
@@ -451,56 +450,6 @@ def _indexed_reports(config: Optional[ReferenceCheck], index: int) -> Optional[R
         return f"{root}-model{index}{ext}"
 
     return dataclasses.replace(config, json_path=indexed(config.json_path), plot_path=indexed(config.plot_path))
-
-
-def _wrap_forward(module: nn.Module, run: FP8Training, device_type: str, in_eval: bool) -> None:
-    """Run ``module``'s forward in the FP8 context (in training; in evaluation too if ``in_eval``).
-
-    With reference checks on, a training forward (``module.training``, grad enabled) is first
-    offered to them (``FP8Training.capture_replay``, kept on due steps only, with the RNG state of
-    this moment): the replay calls the unwrapped forward with the same arguments (a module FSDP2 or
-    ZeRO-3 shards: the module itself, their hooks included, this wrapper passing straight through)
-    and reads the loss with ``ReferenceCheck.output_loss`` (default
-    :func:`~fp8_plugin.training.reference.output_loss`).
-
-    The wrapper is a method with ``__wrapped__``, as Accelerate's own autocast wrapper is, so
-    ``unwrap_model(model, keep_fp32_wrapper=False)`` removes it with Accelerate's.
-    """
-    original = module.forward
-    function = original.__func__ if isinstance(original, MethodType) else None
-
-    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return function(self, *args, **kwargs) if function is not None else original(*args, **kwargs)
-
-    def replayed(self: nn.Module, args: tuple, kwargs: dict) -> Any:
-        # FSDP2 or ZeRO-3 shards the module's own parameters: their hooks (all-gathers, and what
-        # the backward queues) run only through __call__, which reaches this wrapper again.
-        return self(*args, **kwargs) if _is_sharded(self) else call(self, *args, **kwargs)
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if in_replay() or not (self.training or in_eval):  # a reference check's replay sets FP8 itself
-            return call(self, *args, **kwargs)
-        if self.training and run.reference is not None and torch.is_grad_enabled():
-            loss_of = run.reference.config.output_loss or output_loss
-            run.capture_replay(lambda: loss_of(replayed(self, args, kwargs)))
-        with run.forward_context(device_type):
-            output = call(self, *args, **kwargs)
-        if self.training and torch.is_grad_enabled():
-            run.training_output(output)
-        return output
-
-    forward.__wrapped__ = function if function is not None else original  # type: ignore[attr-defined]
-    module.forward = MethodType(forward, module)
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    # FSDP2 (fully_shard made the module an FSDPModule) or DeepSpeed ZeRO-3 (its partitioned
-    # parameters carry their part as ds_tensor).
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without distributed support
-        return False
-    return isinstance(module, FSDPModule) or any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
 class _FP8StepOptimizer(AcceleratedOptimizer):

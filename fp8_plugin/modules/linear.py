@@ -33,7 +33,7 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
 from .scaling_group import ScalingGroup
-from .weight_cache import keeps_weight_casts
+from .weight_cache import WeightCache, keeps_weight_casts
 
 __all__ = ["FP8Linear"]
 
@@ -51,26 +51,6 @@ class _ForwardContext(NamedTuple):
     group_step: Optional[int]
     gemms: tuple[bool, bool, bool] = (True, True, True)  # which GEMMs ran in FP8 (fprop, dgrad, wgrad)
     high_precision: Optional[torch.dtype] = None  # the autocast's high_precision_dtype
-
-
-class _WeightCache:
-    # A layer's cached weight casts and what they were cast from (FP8Linear._weight_cache_key).
-    __slots__ = ("key", "recorded", "rowwise", "columnwise")
-
-    def __init__(self, key: tuple, recorded: bool, rowwise: QuantizedTensor, columnwise: Optional[QuantizedTensor]) -> None:
-        self.key, self.recorded, self.rowwise, self.columnwise = key, recorded, rowwise, columnwise
-
-    def matches(self, key: tuple, record: bool) -> bool:
-        # A recording cast needs an entry that recorded in the same step; any entry serves a
-        # cast that records nothing. Tensors in the key compare by identity, not value.
-        if record and not self.recorded:
-            return False
-        if len(key) != len(self.key):
-            return False
-        for a, b in zip(self.key[:-1], key[:-1]):
-            if a is not b and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b):
-                return False
-        return not record or self.key[-1] == key[-1]
 
 
 def _unpack(q: Optional[QuantizedTensor], rowwise: QuantizedTensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -271,7 +251,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         self.fp8_state.recipe = recipe_key(self.recipe)
         self._forward_context: Optional[_ForwardContext] = None
         self.cache_fp8_weights: Union[str, bool] = "auto"
-        self._weight_cache: Optional[_WeightCache] = None
+        self._weight_cache: Optional[WeightCache] = None
         self._frozen: Optional[FrozenLayout] = None  # set while the weight is kept only in FP8
         # A layer of its own; convert_model puts all the layers of a model in one group.
         ScalingGroup().add(self)
@@ -531,7 +511,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             return cached.rowwise, (cached.columnwise if columnwise else None)
         self._weight_cache = None  # free the stale copies before casting new ones
         rowwise, columnwise_copy = quantizer.quantize_pair(w, columnwise=columnwise)
-        self._weight_cache = _WeightCache(key, record, rowwise, columnwise_copy)
+        self._weight_cache = WeightCache(key, record, rowwise, columnwise_copy)
         return rowwise, columnwise_copy
 
     def _weight_cache_key(self, recipe: Recipe, record: bool) -> tuple:

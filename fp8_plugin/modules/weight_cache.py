@@ -1,4 +1,5 @@
-"""When an FP8 layer keeps its weight's FP8 casts for the next forward: ``cache_fp8_weights``.
+"""When an FP8 layer keeps its weight's FP8 casts for the next forward (``cache_fp8_weights``), and
+the entry it keeps them in (:class:`WeightCache`).
 
 An FP8 layer's weight casts (rowwise for fprop, columnwise for dgrad: 2 bytes per weight element
 in E4M3, plus their scales) can be kept while the weight, its scale and the recipe are unchanged,
@@ -23,11 +24,14 @@ A training forward that does not keep its casts drops what an earlier forward ke
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-__all__ = ["CACHE_CHOICES", "keeps_weight_casts"]
+if TYPE_CHECKING:
+    from ..numerics.quantizers import QuantizedTensor
+
+__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts"]
 
 CACHE_CHOICES = ("auto", True, False)
 
@@ -51,3 +55,27 @@ def keeps_weight_casts(module: Any, step: Optional[int]) -> bool:
         state["_micro_batches"] = True  # a second forward in one step: gradient accumulation
     state["_last_step"] = step
     return state.get("_micro_batches", False)
+
+
+class WeightCache:
+    """A layer's cached weight casts (rowwise ``[out, in]``, columnwise ``[in, out]`` or None) and
+    the key they were cast from (``FP8Linear._weight_cache_key``: the weight, its version, the
+    scale, the recipe, ..., and last the training step); ``recorded``: the cast recorded its amax."""
+    __slots__ = ("key", "recorded", "rowwise", "columnwise")
+
+    def __init__(self, key: tuple, recorded: bool, rowwise: "QuantizedTensor",
+                 columnwise: Optional["QuantizedTensor"]) -> None:
+        self.key, self.recorded, self.rowwise, self.columnwise = key, recorded, rowwise, columnwise
+
+    def matches(self, key: tuple, record: bool) -> bool:
+        """Whether the entry serves a cast with ``key`` (``record``: a cast that records)."""
+        # A recording cast needs an entry that recorded in the same step; any entry serves a
+        # cast that records nothing. Tensors in the key compare by identity, not value.
+        if record and not self.recorded:
+            return False
+        if len(key) != len(self.key):
+            return False
+        for a, b in zip(self.key[:-1], key[:-1]):
+            if a is not b and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b):
+                return False
+        return not record or self.key[-1] == key[-1]
