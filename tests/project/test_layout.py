@@ -201,3 +201,14 @@ def test_tests_are_arranged_as_the_package_is():
     workers = [p.relative_to(TESTS) for p in TESTS.glob("*/*_worker.py")
                if not any(p.stem.removesuffix("_worker") in t.read_text() for t in p.parent.glob("test_*.py"))]
     assert not workers, f"workers sit beside the tests that launch them: {workers}"
+
+
+# Small modules with one job each (the project's style): a package file past this many lines
+# holds more than one job and is split by job, as numerics/quantizers/ and training/reference/ were.
+MAX_MODULE_LINES = 600
+
+
+def test_no_package_module_is_longer_than_the_limit():
+    long = {str(path.relative_to(PACKAGE)): n for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"package modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
