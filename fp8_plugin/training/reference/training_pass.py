@@ -26,6 +26,7 @@ holds what the FP8 replay's gradients held, for a shorter time.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -76,7 +77,8 @@ class TrainingPassRecorder:
         self.taken: Optional[TrainingPass] = None
         self._forwards = 0
         self._count_at_start: Optional[int] = None
-        self._loss: Optional[torch.Tensor] = None
+        # A weak reference: a forward whose backward never comes must not keep its graph alive.
+        self._loss: Optional["weakref.ReferenceType[torch.Tensor]"] = None
         self._armed: Optional[torch.Tensor] = None
 
     def forward_started(self) -> None:
@@ -90,7 +92,7 @@ class TrainingPassRecorder:
         if self._count_at_start is None or self._loss is not None:
             return
         try:
-            self._loss = self._output_loss(output)
+            self._loss = weakref.ref(self._output_loss(output))
         except (ValueError, TypeError):  # no scalar loss in the output: the loop computes it outside
             self._loss = None
 
@@ -99,7 +101,7 @@ class TrainingPassRecorder:
         self._armed = None
         if not self._enabled or self._count_at_start is None or self._forwards != 1 or loss_scaled:
             return
-        if not isinstance(loss, torch.Tensor) or not (vouched or (self._loss is not None and loss is self._loss)):
+        if not isinstance(loss, torch.Tensor) or not (vouched or (self._loss is not None and loss is self._loss())):
             return
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return
