@@ -19,7 +19,7 @@ too, and both figures are printed (what FP8 evaluation costs: docs/calibration.m
 
 The FP8 run checks itself against BF16 every ``--reference-every`` optimizer steps (default 12;
 the config file's ``reference_every`` under ``accelerate launch``, unless the option is given):
-the step's last micro-batch is compared with FP8 on and off, and the loss, gradients and each
+the step's last micro-batch is run with FP8 on and off, and the loss, gradients and each
 layer's output SQNR are compared (:mod:`fp8_plugin.training.reference`). The FP8 side is the
 training step itself (one micro-batch per step, the backward of the model's own loss), so a
 check replays the micro-batch once, in BF16, with the FP8 GEMMs of its per-GEMM figures: about
