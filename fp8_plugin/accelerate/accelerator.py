@@ -265,7 +265,8 @@ class Accelerator(_AccelerateAccelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Accelerate's ``backward``; on a step a reference check is due on, the check may take
         this backward's gradients as its FP8 side (:mod:`fp8_plugin.training.reference.training_pass`)."""
-        runs = [] if self.distributed_type == DistributedType.DEEPSPEED else self.fp8_runs
+        # Not on a micro-batch that accumulates (the step has more forwards: the check replays).
+        runs = [] if self.distributed_type == DistributedType.DEEPSPEED or not self.sync_gradients else self.fp8_runs
         for run in runs:
             run.before_backward(loss, loss_scaled=self.scaler is not None)
         super().backward(loss, **kwargs)

@@ -122,6 +122,8 @@ def _accelerate(check: ReferenceCheck, backward=lambda loss: loss, zero_grad=Tru
         with accelerator.accumulate(model):
             loss = model(*_batch(seed=step))["loss"]
             accelerator.backward(backward(loss))
+            if not accelerator.sync_gradients:  # an accumulating micro-batch: no gradient copy taken
+                assert accelerator.fp8_runs[0].reference.training_pass.taken is None
             optimizer.step()
             if zero_grad:
                 optimizer.zero_grad()
