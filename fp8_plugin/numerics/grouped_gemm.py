@@ -442,4 +442,4 @@ def _cpu_bf16(a: torch.Tensor) -> bool:
     # The CPU's BF16 emulation, as the dense GEMMs take it (gemm.emulates_in_bf16): the bfloat16
     # grouped kernel on the FP8 values, where torch has a CPU _grouped_mm (2.6x faster than its
     # float32 one at SmolLM2's expert shapes on a 2-core AMD EPYC with AVX512-BF16).
-    return device_kind(a.device) == "cpu" and _has_grouped_mm(a.device) and _gemm.emulates_in_bf16(a.device)
+    return _gemm.emulates_in_bf16(a.device) and _has_grouped_mm(a.device)

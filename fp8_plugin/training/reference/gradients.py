@@ -28,6 +28,13 @@ from torch import nn
 WHOLE, FSDP2, ZERO3 = "whole", "fsdp2", "zero3"
 
 
+def trainable_parameters(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and the tensors of ``model``'s trainable parameters, in ``named_parameters``
+    order: the gradients a check compares."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, _ in trainable], [p for _, p in trainable]
+
+
 def gradient_layout(names: Sequence[str], params: Sequence[torch.Tensor], fp8_weights: dict[str, torch.Tensor]) -> str:
     """``"whole"``, ``"fsdp2"`` or ``"zero3"`` for the trainable ``params`` (named ``names``);
     ``fp8_weights``: the FP8 layers' weights by layer name.

@@ -23,7 +23,7 @@ from ...numerics.device_kind import device_kind
 from ...numerics.recipes import GEMMS, Recipe
 from .expert_layers import ExpertLayer, checked_layers, expert_gemm_names, expert_sqnr_hooks
 from .figures import _cosine, _has_gemm_figures, _rel_error, _shared_weights, gemm_sqnr_hooks, sqnr_db, sqnr_hook
-from .gradients import FSDP2, WHOLE, fp8_weights, grad_stats, gradient_layout, take_gradients
+from .gradients import FSDP2, WHOLE, fp8_weights, grad_stats, gradient_layout, take_gradients, trainable_parameters
 from .result import ReferenceResult
 from .training_pass import TrainingPass
 
@@ -117,8 +117,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             its FP8 weights are all-gathered in FP8 (:func:`.gradients.gradient_layout`).
     """
     start = time.perf_counter()
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    names, params = [n for n, _ in trainable], [p for _, p in trainable]
+    names, params = trainable_parameters(model)
     every_layer = checked_layers(model)
     layout = gradient_layout(names, params, fp8_weights(every_layer))
     layers = [(name, layer) for name, layer in every_layer if layer.use_fp8]

@@ -36,7 +36,7 @@ from torch import nn
 
 from ...modules.autocast import fp8_forward_count
 from .expert_layers import checked_layers
-from .gradients import WHOLE, fp8_weights, gradient_layout
+from .gradients import WHOLE, fp8_weights, gradient_layout, trainable_parameters
 
 
 @dataclass(frozen=True)
@@ -114,15 +114,14 @@ class TrainingPassRecorder:
         loss, self._armed = self._armed, None
         if loss is None:
             return
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        names, params = [n for n, _ in trainable], [p for _, p in trainable]
+        names, params = trainable_parameters(model)
         try:
             if gradient_layout(names, params, fp8_weights(checked_layers(model))) != WHOLE:
                 return
         except ValueError:  # a set-up the check refuses: its replay says why
             return
-        if any(hasattr(p, "ds_tensor") for p in params) or all(p.grad is None for p in params):
-            return  # DeepSpeed keeps its gradients in its own buffers
+        if all(p.grad is None for p in params):
+            return  # DeepSpeed ZeRO 1 and 2 keep their gradients in their own buffers (ZeRO-3: not WHOLE)
         forwards = fp8_forward_count() - self._count_at_start
         if forwards == 0:  # high precision (a calibration step) or compiled: the replay decides
             return
