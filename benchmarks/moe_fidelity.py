@@ -25,11 +25,14 @@ Then, per model (``--sections``):
 - ``steps``: ``--steps`` optimizer steps of FP8 training (``DelayedScaling``, AdamW as the MoE
   example) with a reference check before each, and per step the median and minimum per-GEMM
   SQNR (fprop, dgrad, wgrad) of the MLP projections (dense: gate, up, down; upcycle: each
-  expert's ``gate_up_proj`` and ``down_proj``) and of the attention projections.
+  expert's ``gate_up_proj`` and ``down_proj``) and of the attention projections; the experts'
+  token rows scaled as ``--token-scaling`` says (their own amax by default, or their per-expert
+  delayed histories).
 
     python benchmarks/moe_fidelity.py [--model-path DIR] [--seq-len 128] [--batch-size 4]
     python benchmarks/moe_fidelity.py --sections eval,blocks,steps --steps 4
     python benchmarks/moe_fidelity.py --sections steps --steps 4 --calibrate 4
+    python benchmarks/moe_fidelity.py --sections steps --token-scaling recipe   # the experts' A/B
 
 Prints tables and writes nothing; docs/moe.md records what it found.
 """
@@ -137,12 +140,17 @@ def gemm_group(name: str) -> str:
     return "MLP " + name.rpartition(".")[2]  # gate_proj / up_proj / down_proj
 
 
-def first_steps(model, train_blocks, batch_size: int, steps: int, lr: float, calibrate: int = 0) -> list[dict]:
+def first_steps(model, train_blocks, batch_size: int, steps: int, lr: float, calibrate: int = 0,
+                token_scaling: str = "current") -> list[dict]:
     """FP8 training steps (delayed scaling) with a reference check before each optimizer step;
     per step and per GEMM group, the median and minimum SQNR of fprop, dgrad and wgrad. With
     ``calibrate`` > 0, ``fp8_plugin.calibrate`` first runs that many batches of other training
-    blocks (the last ones) in high precision."""
+    blocks (the last ones) in high precision. ``token_scaling``: the experts modules' (their
+    token rows scaled by their own amax, or as the recipe says)."""
     fp.convert_model(model, fp.DelayedScaling())
+    for m in model.modules():
+        if isinstance(m, fp.modules.experts.FP8ExpertsMixin):
+            m.token_scaling = token_scaling
     if calibrate:
         held = train_blocks[-calibrate * batch_size:]
         report = fp.calibrate(model, [{"input_ids": b} for b in held.split(batch_size)])
@@ -183,6 +191,8 @@ def main(argv=None) -> list[dict]:
                    "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="FP8 training steps of the steps section")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the steps section")
+    p.add_argument("--token-scaling", default="current", choices=["current", "recipe"],
+                   help="steps section: the experts' token scaling (default: %(default)s)")
     p.add_argument("--calibrate", type=int, default=0,
                    help="steps section: fp8_plugin.calibrate on this many batches first (default: %(default)s, none)")
     args = p.parse_args(argv)
@@ -214,7 +224,8 @@ def main(argv=None) -> list[dict]:
     if "steps" in sections:
         for label, model in (("dense SmolLM2", copy.deepcopy(dense).train()),
                              ("upcycled", copy.deepcopy(moe).train())):
-            for row in first_steps(model, train_blocks, args.batch_size, args.steps, args.lr, args.calibrate):
+            for row in first_steps(model, train_blocks, args.batch_size, args.steps, args.lr, args.calibrate,
+                                   args.token_scaling):
                 parts = ", ".join(f"{group} {gemm} {med:.1f}/{low:.1f}"
                                   for (group, gemm), (med, low) in sorted(row["figures"].items()))
                 print(f"{label} step {row['step']}: grad cosine {row['grad_cosine']:.4f}; per-GEMM SQNR "

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fp8_plugin
-from fp8_plugin.numerics.kernels.ops import OP_INPUT_READS, OP_LAUNCHES
+from fp8_plugin.numerics.kernels.ops import OP_INPUT_READS, OP_LAUNCHES, op_input_reads
 
 # A tensor of at most this many elements is state (scales, amax histories, counters), not data.
 SMALL = 1 << 16
@@ -246,7 +246,8 @@ class OpCounter(TorchDispatchMode):
             # (current scaling: the amax pass, then the cast).
             op.launches = OP_LAUNCHES.get(name, 1)
             if inputs and name in OP_INPUT_READS:
-                op.reads[_key(inputs[0])] = touched_bytes(inputs[0]) * OP_INPUT_READS[name]
+                reads = op_input_reads(name, bound if schema is not None else {})
+                op.reads[_key(inputs[0])] = touched_bytes(inputs[0]) * reads
         op.created = {_key(t) for t in new_outputs}
         op.large = max(t.numel() for t in inputs + outputs) > SMALL
         if schema is not None:

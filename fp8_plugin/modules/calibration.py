@@ -11,7 +11,9 @@ calibration batches, both in high precision (FP8 off):
    computed with the recipe's ``amax_compute_algo`` and margin, and marked initialized: no layer
    casts its first steps from a guess. A MoE experts module gives every expert of a projection
    the amax of all its experts' inputs, so that an expert whose calibration batches routed it no
-   token (or no outlier token) still has a scale that covers the module's tokens.
+   token (or no outlier token) still has a scale that covers the module's tokens. (Those input
+   scales serve experts with ``token_scaling="recipe"``; by default an expert's token rows are
+   scaled by their own amax at each cast, and its weights by the calibrated scales.)
 2. **Scaling per layer.** Each ``FP8Linear`` is measured on the inputs the high-precision model
    gives it, under the recipe in force with the scales just calibrated and under its blockwise
    variant (1x128 activation tiles, 128x128 weight blocks:
@@ -51,6 +53,7 @@ from .scaling_choice import (
     CHOICES, CalibrationReport, Fidelity, LayerCalibration, all_reduce_on_host, blockwise_allowed, choose, decide,
     group_of, recomputed, scaling_candidates, sqnr_hook,
 )  # fmt: skip
+from .weight_cache import clear_weight_caches
 
 __all__ = ["calibrate", "Calibrator", "CalibrationReport", "LayerCalibration", "CHOICES", "blockwise_allowed"]
 
@@ -227,17 +230,20 @@ class Calibrator:
                           {INPUT: shared_input, WEIGHT: history[:, 1, p, e]}, updates)
             report.layers.append(LayerCalibration(name, "experts", float(history[:, 0].max()),
                                                   float(history[:, 1].max()),
-                                                  reason="experts keep the recipe; each expert's input scale covers "
-                                                         "all the module's tokens"))
+                                                  reason=_experts_reason(module)))
         _update(updates)
-        for layer in self.layers.values():  # weight casts made with the scales before
-            layer.clear_weight_cache()
-        for module in self.experts.values():
-            module.clear_weight_cache()
+        clear_weight_caches(self.model)  # weight casts made with the scales before
         self._amaxes, self._grad_amaxes = {}, {}
         if self.online:
             decide(self.layers, self._candidates, self._energies, report, process_group)
         return report
+
+
+def _experts_reason(module: FP8ExpertsMixin) -> str:
+    if module.token_scaling == "current":
+        return ("experts keep the recipe for their weights; their token rows are scaled by their own amax at each "
+                "cast (token_scaling='current')")
+    return "experts keep the recipe; each expert's input scale covers all the module's tokens"
 
 
 def _describe(recipe: Optional[Recipe], layers: dict, experts: dict) -> str:

@@ -52,6 +52,7 @@ from ..numerics.quantizers import ScalingState, mark_recorded
 from ..numerics.recipes import Recipe, check_recipe
 from .autocast import autocast, current_context, in_replay, new_step_id, note_fp8_forward
 from .scaling_group import ScalingGroup
+from .weight_cache import clear_weight_caches
 
 __all__ = ["make_graphed_callables", "StaticSignature", "check_graphable"]
 
@@ -373,7 +374,4 @@ class _OwnFirstGrad:
 
 def _clear_weight_caches(modules: Sequence[nn.Module]) -> None:
     for module in modules:
-        for layer in module.modules():
-            clear = getattr(layer, "clear_weight_cache", None)
-            if clear is not None:
-                clear()
+        clear_weight_caches(module)

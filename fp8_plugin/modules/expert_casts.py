@@ -25,12 +25,13 @@ __all__ = ["cast_rows", "cast_expert_weights"]
 
 
 def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.Tensor, dtype: torch.dtype,
-            record: bool) -> torch.Tensor:
-    # One scale per expert: delayed (its history, or its own amax before it has one) or current.
+            record: bool, own_scale: bool = False) -> torch.Tensor:
+    # One scale per expert: delayed (its history, or its own amax before it has one) or current;
+    # ``own_scale``: current whatever the recipe.
     with torch.no_grad():
         one = torch.ones((), dtype=torch.float32, device=amax.device)
         current = scale_from_amax(amax, fp8_max(dtype), recipe.margin, one)
-        if recipe.delayed():
+        if recipe.delayed() and not own_scale:
             initialized = torch.stack([s.initialized[role] for s in states])
             scale = torch.where(initialized, torch.stack([s.scale[role] for s in states]), current)
             if record:
@@ -40,7 +41,7 @@ def _scales(recipe: Recipe, role: int, states: list[ScalingState], amax: torch.T
             scale = current
             if record:
                 for g, s in enumerate(states):
-                    s.observe_current(role, amax[g], scale[g])
+                    s.observe_current(role, amax[g], scale[g], versioned=not own_scale)
     return scale
 
 
@@ -51,14 +52,17 @@ def _fused(x: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def cast_rows(x: torch.Tensor, group_of_row: torch.Tensor, states: list[ScalingState], role: int, recipe: Recipe,
-               dtype: torch.dtype, record: bool, tables: Optional[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype, record: bool, tables: Optional[dict], *, own_scale: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of token rows ``x`` ``[S, K]`` sorted by expert (``group_of_row`` int64 ``[S]``),
     one scale per expert of ``states`` for ``role``; ``record`` their amaxes; ``tables`` the
-    fused kernels' address cache (``fp8_grouped_linear``'s). Returns ``(FP8 rows [S, K],
-    scale_inv float32 [E])``."""
+    fused kernels' address cache (``fp8_grouped_linear``'s); ``own_scale``: each expert's rows
+    scaled by their own amax and recorded as current scaling does (``observe_current``), even
+    under delayed scaling. Returns ``(FP8 rows [S, K], scale_inv float32 [E])``."""
     if _fused(x, dtype):
-        return ops.cast_groups(x, group_of_row, states, role, recipe, dtype, record=record, tables=tables)
-    scale = _scales(recipe, role, states, group_amax(x, group_of_row, len(states)), dtype, record)
+        return ops.cast_groups(x, group_of_row, states, role, recipe, dtype, record=record, tables=tables,
+                               own_scale=own_scale)
+    scale = _scales(recipe, role, states, group_amax(x, group_of_row, len(states)), dtype, record, own_scale)
     return quantize_groups(x, scale, group_of_row, dtype), divide(1.0, scale)
 
 

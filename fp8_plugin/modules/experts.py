@@ -51,22 +51,23 @@ import functools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._private.torch_api import in_backward_pass
-from ..numerics.device import recipe_name
-from ..numerics.device_kind import device_kind, fp8_family
-from ..numerics.formats import fp8_dtype
-from ..numerics.grouped_gemm import EXPERT_GEMMS, group_offsets, grouped_gemm, grouped_gemm_wgrad
-from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, ScalingState, mark_recorded, recipe_key
-from ..numerics.recipes import DelayedScaling, Float8CurrentScaling, Recipe
+from ..numerics.device_kind import device_kind
+from ..numerics.grouped_gemm import EXPERT_GEMMS, group_offsets
+from ..numerics.quantizers import QuantizedTensor, ScalingState, recipe_key
+from ..numerics.recipes import DelayedScaling, Recipe
 from .autocast import current_context, note_fp8_forward
-from .expert_casts import cast_expert_weights, cast_rows  # noqa: F401  (cast_expert_weights: public here too)
+from .expert_casts import cast_expert_weights  # noqa: F401  (public here too)
 from .frozen_experts import FrozenExpertsMixin
+from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES, TOKEN_SCALINGS: public here too)
+    EXPERT_RECIPES, TOKEN_SCALINGS, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
+)
 from .scaling_group import ScalingGroup
 from .weight_cache import keeps_weight_casts
 
@@ -74,8 +75,6 @@ __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_ex
            "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
            "ROUTER_NAMES"]
 
-# Recipes whose per-expert casts and grouped GEMMs exist.
-EXPERT_RECIPES = (DelayedScaling, Float8CurrentScaling)
 # Names of the router submodules of a MoE block (transformers' naming).
 ROUTER_NAMES = ("gate", "router")
 ROUTER_REASON = "MoE router: high precision, its logits choose the experts (as Transformer Engine, Megatron-LM)"
@@ -87,29 +86,6 @@ def expert_gemm_counts() -> dict[str, int]:
     A model whose experts silently ran in high precision leaves them unchanged: tests compare
     them before and after a step."""
     return {kind: EXPERT_GEMMS[kind] for kind in ("fprop", "dgrad", "wgrad")}
-
-
-def check_experts_recipe(recipe: Recipe, owner: str = "convert_model") -> None:
-    """Raise unless ``recipe`` has FP8 experts (per-tensor delayed or current scaling).
-
-    Raises:
-        ValueError: a block-scaled recipe (MXFP8, 128-blockwise), naming it and the valid ones;
-            a recipe whose ``override_linear_precision`` keeps GEMMs in high precision (the
-            experts' grouped GEMMs have no per-GEMM switch: they would run in FP8 regardless).
-    """
-    override = getattr(recipe, "override_linear_precision", None)
-    if override is not None and any(override):
-        raise ValueError(
-            f"{owner}: {recipe_name(recipe)}(override_linear_precision={tuple(override)}) cannot be applied to MoE "
-            "experts (their grouped GEMMs have no per-GEMM high-precision switch); valid for experts: no override. "
-            "Leave the experts in high precision with exclude=['experts'], or drop the override"
-        )
-    if not isinstance(recipe, EXPERT_RECIPES):
-        raise ValueError(
-            f"{owner}: recipe {recipe_name(recipe)} is not available for MoE experts (their grouped FP8 GEMMs are "
-            "per-expert scaled only); valid for experts: DelayedScaling, Float8CurrentScaling. To keep this "
-            "recipe for the linear layers, leave the experts in high precision with exclude=['experts']"
-        )
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -157,142 +133,6 @@ class _ForwardContext:
     group_step: Optional[int]
 
 
-@dataclass(frozen=True)
-class _Info:
-    recipe: Recipe
-    record_forward: bool
-    record_backward: bool
-    transposed: bool
-    out_dtype: torch.dtype
-    observers: tuple = ()  # statistics: called with (role, high-precision rows, their cast)
-
-
-def _observe(observers: tuple, role: int, x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor,
-             group_of_row: torch.Tensor) -> None:
-    # Statistics only (observers attached): every row at once, each with its expert's scale, a
-    # (1, cols) block scale gathered on the device. No host read: experts' row counts are never
-    # needed on the host. Training without statistics never comes here.
-    if x.shape[0] == 0:  # no rows routed: nothing was cast
-        return
-    cast = QuantizedTensor(data, scale_inv[group_of_row].unsqueeze(1), (1, data.shape[1]))
-    for fn in observers:
-        fn(role, x, cast)
-
-
-class _FP8GroupedLinearFunction(torch.autograd.Function):
-    """``y[rows of e] = x_e @ W_e.T`` for the token rows ``x`` ``[S, K]`` sorted by expert;
-    ``weight`` ``[E, N, K]`` (``[E, K, N]`` when transposed). Saves the FP8 copies (1 byte per
-    value) for dgrad and wgrad, which cast grad_output per expert in the backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group_of_row: torch.Tensor, offsets: torch.Tensor,
-                states: list[ScalingState], info: _Info, qw: torch.Tensor, sw_inv: torch.Tensor,
-                tables: Optional[dict]) -> torch.Tensor:
-        # qw [E, N, K] / sw_inv [E]: the weight's cast, made (or taken from the cache) before the call.
-        recipe = info.recipe
-        dtype = fp8_dtype(recipe.fp8_format, backward=False, family=fp8_family(x.device))
-        with torch.no_grad():
-            qx, sx_inv = cast_rows(x, group_of_row, states, INPUT, recipe, dtype, info.record_forward, tables)
-            out = grouped_gemm(qx, sx_inv, qw, sw_inv, offsets, info.out_dtype, "fprop")
-            if info.observers and info.record_forward:
-                _observe(info.observers, INPUT, x, qx, sx_inv, group_of_row)
-        ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row, offsets)
-        ctx.states, ctx.info, ctx.tables = states, info, tables
-        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):
-        qx, sx_inv, qw, sw_inv, group_of_row, offsets = ctx.saved_tensors
-        info: _Info = ctx.info
-        need_x, need_w = ctx.needs_input_grad[:2]
-        grad_x = grad_w = None
-        dtype = fp8_dtype(info.recipe.fp8_format, backward=True, family=fp8_family(grad_out.device))
-        with torch.no_grad():
-            qg, sg_inv = cast_rows(grad_out, group_of_row, ctx.states, GRAD_OUTPUT, info.recipe, dtype,
-                                    info.record_backward, ctx.tables)
-        if info.observers and info.record_backward:
-            _observe(info.observers, GRAD_OUTPUT, grad_out, qg, sg_inv, group_of_row)
-        if need_x:  # dgrad: g_e [m, N] @ W_e [N, K]
-            grad_x = grouped_gemm(qg, sg_inv, qw.transpose(1, 2).contiguous(), sw_inv, offsets, ctx.x_dtype, "dgrad")
-        if need_w:  # wgrad: g_e.T [N, m] @ x_e [m, K]
-            grad_w = grouped_gemm_wgrad(qg, sg_inv, qx, sx_inv, offsets, torch.float32)
-            if info.transposed:
-                grad_w = grad_w.transpose(1, 2)
-            grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None
-
-
-def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor,
-                       offsets: Optional[torch.Tensor],
-                       states: list[ScalingState], recipe: Recipe, *, transposed: bool = False,
-                       record_forward: bool = True, record_backward: bool = True,
-                       out_dtype: Optional[torch.dtype] = None, observers: tuple = (),
-                       weight_cast: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                       tables: Optional[dict] = None, observe_weight: bool = True) -> torch.Tensor:
-    """``y[rows of e] = x_e @ W_e.T`` with FP8 grouped GEMMs (fprop; dgrad and wgrad in backward).
-
-    Args:
-        x: ``[S, K]`` token rows sorted by expert, any floating dtype (differentiable).
-        weight: ``[E, N, K]``, or ``[E, K, N]`` with ``transposed`` (differentiable).
-        expert_of_row: int64 ``[S]``, the expert of each row (non-decreasing).
-        offsets: int32 ``[E]`` on ``x``'s device, the end row of each expert's rows (torch's
-            ``offs``; an expert without rows ends where the one before it does), or None to
-            compute them from ``expert_of_row``
-            (:func:`~fp8_plugin.numerics.grouped_gemm.group_offsets`). Never read on the host
-            (except by ``observers``): the GEMMs run without a host sync and compile whole.
-        states: E :class:`~fp8_plugin.numerics.quantizers.ScalingState`, one per expert, each
-            with the rows input, weight, grad_output.
-        recipe: :class:`~fp8_plugin.numerics.recipes.DelayedScaling` or
-            :class:`~fp8_plugin.numerics.recipes.Float8CurrentScaling`: one scale per expert per
-            role, from its amax history or from the tensor being cast (TE's formula
-            ``fp8_max / amax / 2**margin``). E4M3 forward; the backward format for gradients.
-        record_forward, record_backward: record the amaxes of input and weight / of grad_output
-            (training casts).
-        out_dtype: the output dtype; None means ``x``'s.
-        observers: callables ``(role, rows, cast)`` given the high-precision rows of every
-            expert at once (``x``'s ``[S, K]``; the weight's ``[E * N, K]``) and their
-            :class:`QuantizedTensor` with each row's expert's scale (a ``(1, K)`` block scale
-            ``[rows, 1]``) at every recording cast (per-layer statistics), without a host read.
-        weight_cast: the weight's cast from :func:`cast_expert_weights` under this recipe and
-            these scales (a cache's); None casts it here.
-        tables: a dict the caller keeps between calls (its module's): the fused casts' cache of
-            the experts' state addresses (:func:`fp8_plugin.numerics.kernels.ops.cast_groups`);
-            None builds them at each call.
-        observe_weight: False leaves the weight out of ``observers`` (a frozen FP8 weight, which
-            has no high-precision rows).
-
-    Returns:
-        ``[S, N]`` in ``out_dtype``. The gradients: ``x`` in its dtype, ``weight`` in its dtype
-        (zeros for experts without rows), from FP8 GEMMs with FP32 accumulation.
-
-    Raises:
-        ValueError: a block-scaled recipe, or ``offsets`` whose shape or dtype do not fit.
-    """
-    check_experts_recipe(recipe, "fp8_grouped_linear")
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    info = _Info(recipe, record_forward, record_backward and grad, transposed, out_dtype or x.dtype, tuple(observers))
-    if weight_cast is None:
-        weight_cast = cast_expert_weights(weight, states, recipe, record_forward, transposed, tables)
-    qw, sw_inv = weight_cast
-    if info.observers and record_forward and observe_weight:
-        w = weight.detach().transpose(1, 2) if transposed else weight.detach()
-        experts, n = w.shape[0], w.shape[1]
-        rows_of = torch.arange(experts, device=w.device).repeat_interleave(n)  # each weight row's expert
-        _observe(info.observers, WEIGHT, w.reshape(experts * n, -1), qw.reshape(experts * n, -1), sw_inv, rows_of)
-    if offsets is None:
-        offsets = group_offsets(expert_of_row, weight.shape[0])
-    out = _FP8GroupedLinearFunction.apply(x, weight, expert_of_row, offsets, states, info, qw, sw_inv,
-                                          None if torch.compiler.is_compiling() else tables)
-    for state in states:
-        if record_forward:
-            mark_recorded(state, recipe, INPUT)
-            mark_recorded(state, recipe, WEIGHT)
-        if info.record_backward:
-            mark_recorded(state, recipe, GRAD_OUTPUT)
-    return out
-
-
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
     kind = device_kind(x.device)
     if torch.is_autocast_enabled(kind):
@@ -316,6 +156,12 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         fp8_experts: each expert's own switch, a tuple of E bools (the reference checks' fallback
             moves one expert to high precision without the others); saved with each expert's
             scaling state.
+        token_scaling: ``"current"`` (default) or ``"recipe"``: how each expert's token rows
+            (its input in fprop, its grad_output in the backward) are scaled: by their own amax
+            at the cast, or as the recipe says (delayed: the expert's amax history); the weights
+            always follow the recipe (:mod:`fp8_plugin.modules.grouped_linear` says why).
+            Setting another value raises ValueError. Not saved in checkpoints: a module made
+            by ``convert_model`` has the default.
         cache_fp8_weights: ``"auto"`` (default), True or False: whether a forward keeps each
             projection's FP8 weight cast for the next while the weights, scales and recipe are
             unchanged, as ``FP8Linear`` does (:mod:`fp8_plugin.modules.weight_cache`);
@@ -357,6 +203,14 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         for proj in self.fp8_scaling.values():
             for member, flag in zip(proj, flags):
                 member.fp8_state.use_fp8 = flag
+
+    @property
+    def token_scaling(self) -> str:
+        return self.__dict__.get("_token_scaling", "current")  # a module pickled before the switch: the default
+
+    @token_scaling.setter
+    def token_scaling(self, value: str) -> None:
+        self.__dict__["_token_scaling"] = check_token_scaling(value, f"{type(self).__name__}.token_scaling")
 
     @property
     def scaling_group(self) -> ScalingGroup:
@@ -524,7 +378,7 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         out = fp8_grouped_linear(x, weight, expert_ids_g, offsets, states, recipe, transposed=bool(self.is_transposed),
                                  record_forward=record_forward, record_backward=record_backward, out_dtype=out_dtype,
                                  observers=observers, weight_cast=weight_cast, tables=self._fp8_tables,
-                                 observe_weight=frozen is None)
+                                 observe_weight=frozen is None, token_scaling=self.token_scaling)
         if self.has_bias:
             bias = getattr(self, f"{proj}_bias")
             out = out + bias[expert_ids_g].to(out.dtype)

@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ..numerics.quantizers import QuantizedTensor
 
-__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts"]
+__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts", "weight_cache_holders", "clear_weight_caches"]
 
 CACHE_CHOICES = ("auto", True, False)
 
@@ -55,6 +57,19 @@ def keeps_weight_casts(module: Any, step: Optional[int]) -> bool:
         state["_micro_batches"] = True  # a second forward in one step: gradient accumulation
     state["_last_step"] = step
     return state.get("_micro_batches", False)
+
+
+def weight_cache_holders(model: "nn.Module") -> list["nn.Module"]:
+    """The modules of ``model`` (itself included) that keep FP8 weight casts: those with a
+    ``clear_weight_cache`` method (``FP8Linear``, the FP8 MoE experts)."""
+    return [m for m in model.modules() if callable(getattr(m, "clear_weight_cache", None))]
+
+
+def clear_weight_caches(model: "nn.Module") -> None:
+    """Drop every FP8 weight cast the layers of ``model`` keep: before an optimizer step changes
+    the weights, after new weights or scales are loaded."""
+    for module in weight_cache_holders(model):
+        module.clear_weight_cache()
 
 
 class WeightCache:

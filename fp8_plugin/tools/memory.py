@@ -40,9 +40,9 @@ from torch import nn
 
 from ..modules.autocast import autocast, new_step_id
 from ..modules.convert import convert_model
-from ..modules.experts import FP8ExpertsMixin
 from ..modules.linear import FP8Linear
 from ..modules.scaling_group import update_pending_scales
+from ..modules.weight_cache import clear_weight_caches
 from ..numerics.device_kind import meta_as_cuda
 from ..numerics.gemm import clear_plans, force_path
 from ..numerics.recipes import Recipe
@@ -308,9 +308,7 @@ def _step(net: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, tor
         loss.backward()
     del loss
     with trace.phase("optimizer step"):
-        for module in net.modules():  # as FP8Training.before_optimizer_step: the stale FP8 copies go
-            if isinstance(module, (FP8Linear, FP8ExpertsMixin)):
-                module.clear_weight_cache()
+        clear_weight_caches(net)  # as FP8Training.before_optimizer_step: the stale FP8 copies go
         optimizer.step()
         trace.mark_optimizer_states(optimizer)
         optimizer.zero_grad(set_to_none=True)

@@ -42,8 +42,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
-from ..modules.experts import FP8ExpertsMixin
-from ..modules.linear import FP8Linear
+from ..modules.weight_cache import weight_cache_holders
 from .core import FP8Training
 
 __all__ = ["attach_to_engine", "check_deepspeed_config", "check_frozen_fp8_partitioning", "is_deepspeed_engine",
@@ -156,8 +155,7 @@ def attach_to_engine(engine: Any, runs: list[FP8Training],
 
 def _fp8_layers(module: Optional[nn.Module]) -> list[nn.Module]:
     # The modules with an FP8 weight cache: linear layers and MoE experts.
-    kinds = (FP8Linear, FP8ExpertsMixin)
-    return [m for m in module.modules() if isinstance(m, kinds)] if module is not None else []
+    return weight_cache_holders(module) if module is not None else []
 
 
 def _at_boundary(engine: Any) -> bool:

@@ -68,7 +68,7 @@ def accumulation_bound(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor
     return (k + 3) * U32 * 1.01 * absprod
 
 
-def run_grouped(counts, k, n, transposed, seed):
+def run_grouped(counts, k, n, transposed, seed, recipe=None, stale_rows=False, token_scaling="current"):
     gen = torch.Generator().manual_seed(seed)
     experts, rows = len(counts), sum(counts)
     expert_of_row = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts, dtype=torch.int64))
@@ -79,15 +79,21 @@ def run_grouped(counts, k, n, transposed, seed):
     weight = (w.transpose(1, 2).contiguous() if transposed else w).requires_grad_()
     grad_out = torch.randn(rows, n, generator=gen) * 1e-3
     states = [ScalingState(1) for _ in range(experts)]
-    recipe = Float8CurrentScaling()  # HYBRID: E4M3 forward, E5M2 gradients
+    recipe = recipe or Float8CurrentScaling()  # HYBRID: E4M3 forward, E5M2 gradients
+    if stale_rows:  # delayed scales of input and grad_output from amaxes 1000x below these rows'
+        for e, state in enumerate(states):
+            state.scale[0] = E4M3_MAX / (mags[e] * 4e-3)
+            state.scale[2] = E5M2_MAX / (mags[e] * 4e-6)
+            state.initialized[0] = state.initialized[2] = True
     ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)  # torch's offs: end rows
-    y = fp8_grouped_linear(x, weight, expert_of_row, ends, states, recipe, transposed=transposed)
+    y = fp8_grouped_linear(x, weight, expert_of_row, ends, states, recipe, transposed=transposed,
+                           token_scaling=token_scaling)
     y.backward(grad_out)
     return x, w, grad_out, y, weight.grad if not transposed else weight.grad.transpose(1, 2)
 
 
-def check_grouped(counts, k, n, transposed, seed):
-    x, w, g, y, grad_w = run_grouped(counts, k, n, transposed, seed)
+def check_grouped(counts, k, n, transposed, seed, **kwargs):
+    x, w, g, y, grad_w = run_grouped(counts, k, n, transposed, seed, **kwargs)
     groups, start = [], 0
     for c in counts:
         groups.append((start, start + c))
@@ -115,6 +121,29 @@ def test_grouped_gemms_match_float64_with_empty_experts_odd_counts_and_one_busy_
     check_grouped([0, 0, 21, 0], k=32, n=16, transposed=True, seed=1)  # all tokens to one expert
     check_grouped([0, 0], k=1, n=4, transposed=False, seed=2)  # no tokens at all
     check_grouped([1], k=1, n=4, transposed=False, seed=0)  # size-1 dims: strides the kernel misreads
+
+
+def test_token_rows_take_their_own_amax_under_delayed_scaling_whatever_their_history():
+    # Delayed scales of input and grad_output that a young history left 1000x too large: with
+    # the default token scaling each expert's rows are cast by their own amax (the float64
+    # expectation of current scaling holds), and the weights, uninitialized, by their own.
+    check_grouped([7, 0, 13, 1], k=48, n=24, transposed=False, seed=0, recipe=DelayedScaling(), stale_rows=True)
+    # As the recipe says, the same rows saturate at the stale scales: the expectation fails.
+    with pytest.raises(AssertionError, match="fprop"):
+        check_grouped([7, 0, 13, 1], k=48, n=24, transposed=False, seed=0, recipe=DelayedScaling(),
+                      stale_rows=True, token_scaling="recipe")
+
+
+def test_a_token_scaling_outside_the_choices_is_refused_naming_them():
+    experts = mixtral_experts(torch.float32)
+    convert_model(experts, DelayedScaling())
+    with pytest.raises(ValueError, match=r"token_scaling='delayed'.*valid: 'current', 'recipe'"):
+        experts.token_scaling = "delayed"
+    assert experts.token_scaling == "current"
+    x = torch.randn(3, 8, 4)
+    with pytest.raises(ValueError, match=r"token_scaling=None.*valid"):
+        fp8_grouped_linear(x[0], x, torch.zeros(3, dtype=torch.int64), None, [ScalingState(1) for _ in range(8)],
+                           DelayedScaling(), token_scaling=None)
 
 
 @settings(max_examples=30, deadline=None)
@@ -437,7 +466,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_moe_families_run_their_experts_in_fp8_with_the_weights_layout(family, monkeypatch):
-    import fp8_plugin.modules.experts as experts_module
+    import fp8_plugin.modules.grouped_linear as grouped_linear_module
 
     config_cls = getattr(transformers, f"{family}Config")
     model_cls = getattr(transformers, f"{family}ForCausalLM")
@@ -452,7 +481,7 @@ def test_moe_families_run_their_experts_in_fp8_with_the_weights_layout(family, m
         assert all(d.swapped for d in report.layers if ".shared_experts." in d.name)
     # Every fprop's weight operand is the cast of W_e in [out, in] layout, whatever the storage.
     seen = []
-    real = experts_module.grouped_gemm
+    real = grouped_linear_module.grouped_gemm
 
     def recording(a, sa, b, sb, counts, out_dtype, kind="fprop"):
         if kind == "fprop":
@@ -464,7 +493,7 @@ def test_moe_families_run_their_experts_in_fp8_with_the_weights_layout(family, m
         for proj in ("gate_up_proj", "down_proj"):
             w = getattr(m, proj).detach().double()
             weights.append(w.transpose(1, 2) if m.is_transposed else w)
-    monkeypatch.setattr(experts_module, "grouped_gemm", recording)
+    monkeypatch.setattr(grouped_linear_module, "grouped_gemm", recording)
     assert_fp8_expert_gemms(model, steps=1)
     assert len(seen) == len(weights)
     for got, w in zip(seen, weights):
@@ -722,10 +751,12 @@ def test_routing_ids_outside_the_experts_are_refused_on_cpu(bad_id):
         experts(torch.randn(3, 64), index, torch.rand(3, 2))
 
 
-def test_delayed_scaling_keeps_one_amax_history_and_scale_per_expert_per_role():
+@pytest.mark.parametrize("token_scaling", ["recipe", "current"])
+def test_delayed_scaling_keeps_one_amax_history_and_scale_per_expert_per_role(token_scaling):
     experts = mixtral_experts(torch.float32)
     report = convert_model(experts, DelayedScaling(amax_history_len=4))
     assert [d.name for d in report.layers] == ["gate_up_proj", "down_proj"]
+    experts.token_scaling = token_scaling
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(11, 64, generator=gen)
     x[3] *= 50  # token 3 goes to experts 1 and 2 only: their input amax, not the others'
@@ -738,11 +769,17 @@ def test_delayed_scaling_keeps_one_amax_history_and_scale_per_expert_per_role():
     for e, state in enumerate(states):
         rows = (index == e).any(dim=1)
         amax = x[rows].abs().max() if rows.any() else torch.zeros(())
-        # TE's delayed scaling: scale = 448 / amax of the (one-step) history; an expert without
-        # tokens keeps its scale (1.0) and stays uninitialized for the input.
-        assert state.amax_history[0, 1] == amax  # rolled: the step's amax is now one step old
         want = torch.tensor(E4M3_MAX) / amax if rows.any() else torch.ones(())
-        assert state.scale[0] == want and bool(state.initialized[0]) == bool(rows.any())
+        if token_scaling == "recipe":
+            # TE's delayed scaling: scale = 448 / amax of the (one-step) history; an expert
+            # without tokens keeps its scale (1.0) and stays uninitialized for the input.
+            assert state.amax_history[0, 1] == amax  # rolled: the step's amax is now one step old
+            assert state.scale[0] == want and bool(state.initialized[0]) == bool(rows.any())
+        else:
+            # Current scaling of the expert's own rows: their amax and scale stored at the cast,
+            # no delayed update (not rolled, never initialized).
+            assert state.amax_history[0, 0] == amax and state.amax_history[0, 1] == 0
+            assert state.scale[0] == want and not bool(state.initialized[0])
         w_amax = experts.gate_up_proj[e].detach().abs().max()
         assert state.scale[1] == torch.tensor(E4M3_MAX) / w_amax  # every expert's weight
 

@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 import fp8_plugin as fp  # noqa: E402
-from fp8_plugin.numerics.kernels import force_kernels, grouped  # noqa: E402
+from fp8_plugin.numerics.kernels import force_kernels, grouped, ops  # noqa: E402
 from fp8_plugin.numerics.kernels.scale_update import build_table  # noqa: E402
 from fp8_plugin.numerics.formats import fp8_max  # noqa: E402
 from fp8_plugin.numerics.quantizers import ScalingState  # noqa: E402
@@ -55,6 +55,29 @@ def test_token_rows_cast_and_record_as_the_torch_ops(delayed, dtype, role):
         if not delayed:  # current scaling records the scale it cast with
             one = torch.ones(())
             assert torch.equal(s.scale[role], scale_from_amax(amax[g], fp8_max(dtype), 0, one)), g
+
+
+@pytest.mark.parametrize("dtype,role", [(torch.float8_e4m3fn, 0), (torch.float8_e5m2, 2)], ids=["e4m3", "e5m2"])
+def test_own_scale_rows_under_delayed_scaling_cast_and_record_as_current_scaling(dtype, role):
+    # The experts' token_scaling="current" under DelayedScaling: every expert's rows scaled by
+    # their own amax (the states' delayed scales, initialized or not, unused), the amax and the
+    # scale stored as current scaling stores them.
+    states = expert_states(role)
+    counts = torch.tensor([3, 0, 40, 1, 20])
+    group_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    x = (torch.randn(int(counts.sum()), 150, generator=torch.Generator().manual_seed(3)) * 30).to(torch.bfloat16)
+    x[50, 7] = float("inf")  # expert 4's amax is not finite: counted, not stored
+    no_state = torch.zeros(E, dtype=torch.bool)
+    want, want_inv, amax = grouped.reference_groups(x, group_of_row, torch.ones(E), no_state, dtype, 0, False)
+    data, scale_inv = ops.cast_groups(x, group_of_row, states, role, fp.DelayedScaling(), dtype, record=True,
+                                      own_scale=True)
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale_inv, want_inv)
+    one = torch.ones(())
+    for g, s in enumerate(states):
+        finite = bool(torch.isfinite(amax[g]))
+        assert s.amax_history[role, 0].item() == (amax[g].item() if finite else 3.0), g
+        assert s.nonfinite_amax_count[role].item() == (not finite), g
+        assert torch.equal(s.scale[role], scale_from_amax(amax[g], fp8_max(dtype), 0, one)), g
 
 
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])

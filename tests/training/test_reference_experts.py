@@ -119,9 +119,10 @@ def test_reference_check_names_each_expert_with_its_index():
 def test_a_drifting_expert_is_named_and_falls_back_alone_and_the_switch_is_saved():
     model = tiny_mixtral()
     convert_model(model)  # delayed scaling: the replays cast with the scales as they are
+    layer = model.model.layers[1].mlp.experts
+    layer.token_scaling = "recipe"  # the inputs too, so that a planted input scale is cast with
     train_steps(model, 2)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
-    layer = model.model.layers[1].mlp.experts
     # The fault: expert 2's input scale of both projections so small that every input casts to
     # zero (|x| * 2^-40 is below E4M3's smallest subnormal, 2^-9), so its FP8 output is exactly
     # zero and its SQNR exactly 10 log10(sum y^2 / sum y^2) = 0 dB.

@@ -23,7 +23,8 @@ import torch
 from ..._private.torch_api import in_dispatch_mode
 from .launch import capturing, recording_launches
 
-__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "traced", "OP_LAUNCHES", "OP_INPUT_READS"]
+__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "traced", "OP_LAUNCHES", "OP_INPUT_READS",
+           "op_input_reads"]
 
 # Kernel launches per call of each op (zero fills included), for the cost model and the
 # launch-count tests, which check them against what each eager entry point launches.
@@ -32,6 +33,15 @@ OP_LAUNCHES = {"cast_delayed": 2, "cast_current": 2, "cast_blocks": 1, "cast_gro
 # Reads of the whole input per call: delayed scaling's steady state reads it once (its first cast
 # twice, once per training run), current scaling twice (amax, then the cast).
 OP_INPUT_READS = {"cast_delayed": 1, "cast_current": 2, "cast_blocks": 1, "cast_groups": 1}
+
+
+def op_input_reads(name: str, arguments: dict) -> int:
+    """Reads of the whole input by one call of the fused op ``name`` (``"cast_delayed"``, ...)
+    given its arguments by name: :data:`OP_INPUT_READS`, except the experts' ``cast_groups``,
+    which reads its input once with delayed scales (``delayed``), twice without (an amax pass)."""
+    if name == "cast_groups":
+        return 1 if arguments.get("delayed") else 2
+    return OP_INPUT_READS.get(name, 1)
 
 
 def _outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool, bias_grad: bool) -> tuple[torch.Tensor, ...]:
@@ -266,15 +276,17 @@ def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tu
 
 
 def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], states: list, role: int, recipe,
-                dtype: torch.dtype, *, record: bool, tables: Optional[dict] = None
+                dtype: torch.dtype, *, record: bool, tables: Optional[dict] = None, own_scale: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' fused per-expert cast of token rows ``[S, K]`` (with ``group_of_row``) or a
     weight stack ``[E, N, K]``: see :func:`~fp8_plugin.numerics.kernels.grouped.cast_groups`;
+    ``own_scale`` casts and records as current scaling does whatever the recipe (the experts'
+    token rows under ``token_scaling="current"``);
     ``states`` are the E experts' :class:`ScalingState`, ``tables`` the caller's cache of their
     address table (:func:`~fp8_plugin.numerics.kernels.scale_update.bulk_update`'s). Returns
     ``(data, scale_inv [E])``."""
     from . import scale_update
 
     table = scale_update.table_for([(recipe, role, state) for state in states], x.device, tables)[0]
-    args = (x, group_of_row, table, len(states), dtype, recipe.margin, recipe.delayed(), record)
+    args = (x, group_of_row, table, len(states), dtype, recipe.margin, recipe.delayed() and not own_scale, record)
     return torch.ops.fp8_plugin.cast_groups(*args) if traced(x) else _cast_groups_eager(*args)

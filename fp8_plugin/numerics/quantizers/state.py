@@ -207,15 +207,19 @@ class ScalingState(nn.Module):
             slot = self.amax_history[role, 0]
             slot.copy_(torch.where(finite, torch.maximum(slot, amax), slot))
 
-    def observe_current(self, role: int, amax: torch.Tensor, scale: torch.Tensor) -> None:
+    def observe_current(self, role: int, amax: torch.Tensor, scale: torch.Tensor, *, versioned: bool = True) -> None:
         """Store the amax and scale of a current-scaling cast, for statistics; a non-finite
         amax is counted and not stored (the slot keeps the last finite one), as in
-        :meth:`record_amax`, so the state stays finite whichever recipe reads it next."""
+        :meth:`record_amax`, so the state stays finite whichever recipe reads it next.
+        ``versioned=False`` writes the scale without bumping ``scale._version`` (as the fused
+        kernels write it): the experts' own-amax token rows under delayed scaling, whose weight
+        casts are cached on the version of the weights' delayed scales."""
         with torch.no_grad():
             finite = torch.isfinite(amax)
             self.nonfinite_amax_count[role] += (~finite).to(torch.int64)
             self.amax_history[role, 0] = torch.where(finite, amax, self.amax_history[role, 0])
-            self.scale[role] = scale
+            # ``.data`` is the same storage with a version counter of its own.
+            (self.scale if versioned or torch.compiler.is_compiling() else self.scale.data)[role] = scale
 
     def get_extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {name: t.detach().clone() for name, t in self.tensors().items()}

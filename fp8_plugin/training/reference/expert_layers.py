@@ -18,7 +18,7 @@ the hook recomputes the expert MLP on each routed slot's row in float32 with aut
 (projections, biases, gate, as the experts' forward), and, when the replay's backward reaches the
 module's output, takes the rows' grad_output from it (``dL/dy`` of a slot: its routing weight
 times the token's output gradient) and backpropagates the recomputation for the reference GEMMs;
-the FP8 grouped GEMMs run on the same operands (:func:`~fp8_plugin.modules.experts.fp8_grouped_linear`).
+the FP8 grouped GEMMs run on the same operands (:func:`~fp8_plugin.modules.grouped_linear.fp8_grouped_linear`).
 A check on a MoE model so holds, per experts module, one float32 copy of its expert weights and
 of its routed rows' activations until the backward has passed it. Frozen FP8 experts (kept only
 in FP8) have their output figure only.
@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ..._private.torch_api import in_backward_pass
-from ...modules.experts import FP8ExpertsMixin, _projections, fp8_grouped_linear
+from ...modules.experts import FP8ExpertsMixin, _projections
+from ...modules.grouped_linear import fp8_grouped_linear
 from ...modules.linear import FP8Linear
 from ...numerics.grouped_gemm import group_offsets
 from ...numerics.recipes import GEMMS, Recipe
@@ -186,7 +187,7 @@ def _gemm_figures(module: FP8ExpertsMixin, recipe: Recipe, slot_rows: torch.Tens
             out = fp8_grouped_linear(operand, param, expert_of_slot, offsets, states, recipe,
                                      transposed=bool(module.is_transposed), record_forward=False, record_backward=False,
                                      out_dtype=torch.float32, weight_cast=cast, tables=module._fp8_tables,
-                                     observe_weight=False)
+                                     observe_weight=False, token_scaling=module.token_scaling)
             fp8[proj] = (operand, param, out)
     select = (torch.tensor(rows, device=gemm_energies.device), torch.tensor(experts, device=x.device))
     for p, (proj, z) in enumerate(((first, z1), (second, z2))):
