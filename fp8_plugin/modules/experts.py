@@ -65,8 +65,8 @@ from ..numerics.recipes import DelayedScaling, Recipe
 from .autocast import current_context, note_fp8_forward
 from .expert_casts import cast_expert_weights  # noqa: F401  (public here too)
 from .frozen_experts import FrozenExpertsMixin
-from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES, TOKEN_SCALINGS: public here too)
-    EXPERT_RECIPES, TOKEN_SCALINGS, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
+from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES: public here too)
+    EXPERT_RECIPES, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
 )
 from .scaling_group import ScalingGroup
 from .weight_cache import keeps_weight_casts

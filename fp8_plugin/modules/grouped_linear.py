@@ -13,10 +13,11 @@ formula ``fp8_max / amax / 2**margin``, whatever the recipe, and recorded as cur
 records (the amax and scale of the last cast, for statistics; no delayed update). Why: an
 expert's rows are the tokens its router sent it this step, so its history covers only the
 tokens it happened to see, and a young history (the first steps, an expert the router rarely
-picks) saturates on a token larger than all it saw: measured on the SmolLM2 upcycle
-(docs/moe.md), per-expert delayed grad_output scales gave 8.9 dB dgrad SQNR at step 1, current
-token scaling at least 22 dB in every one of the first 4 steps. The cost: the fused cast reads
-the rows twice (the amax pass, then the cast) instead of once.
+picks) saturates on a token larger than all it saw: measured on the SmolLM2 upcycle over its
+first 4 FP8 steps (docs/moe.md, "Fidelity"), per-expert delayed histories fell to 0.1 dB SQNR
+(an expert's ``down_proj`` fprop and wgrad at step 1), token scaling kept every expert GEMM at
+22 dB or more. The cost: the fused cast reads the rows twice (the amax pass, then the cast)
+instead of once.
 """
 
 from __future__ import annotations
