@@ -15,7 +15,10 @@ FP32's exponent range.
 Each step computes the moments in FP32 from the stored ones, updates the parameter from those
 FP32 values exactly as ``torch.optim.AdamW`` (single-tensor path, ``amsgrad=False``) does, then
 stores them back rounded (E4M3 per block, BF16): the only difference from torch's AdamW is the
-rounding of the stored moments between steps.
+rounding of the stored moments between steps. The step works one parameter at a time, a large one
+in pieces of ``STEP_CHUNK`` elements (whole blocks, so the result is the same), so that its FP32
+temporaries stay near 5 x 64 MiB whatever the parameter's size: a step over all parameters at once
+(torch's ``foreach`` path) holds temporaries of 4 bytes per parameter at the optimizer step's peak.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .moment_blocks import MOMENT_DTYPE, blocks_of, dequantize_moment, quantize_moment
+from .moment_blocks import BLOCK, MOMENT_DTYPE, blocks_of, dequantize_moment, quantize_moment
 
 __all__ = ["FP8AdamW", "STATE_KEYS"]
 
 # The per-parameter state: torch AdamW's keys, and the first moment's block scales.
 STATE_KEYS = ("step", "exp_avg", "exp_avg_scale_inv", "exp_avg_sq")
 _SECOND_MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+# Elements updated at a time, a multiple of BLOCK: each FP32 temporary of the step (the moments,
+# the denominator, the scaled blocks, about five) is at most 64 MiB, not its parameter's size (a
+# Llama 3 embedding, 128256 x 2048, would need 4 GiB of them at the optimizer step's peak).
+STEP_CHUNK = 2**24
 
 
 class FP8AdamW(torch.optim.Optimizer):
@@ -123,26 +130,14 @@ class FP8AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state.update(_zero_state(p, group["exp_avg_sq_dtype"]))
-                grad = p.grad.float()
-                if group["maximize"]:
-                    grad = -grad
                 state["step"] += 1
                 step = float(state["step"])
-                # The moments in FP32 from the stored ones, then torch's AdamW update from them.
-                exp_avg = dequantize_moment(state["exp_avg"], state["exp_avg_scale_inv"])
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq = state["exp_avg_sq"].float()
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 p.mul_(1 - lr * weight_decay)
                 bias_correction1 = 1 - beta1 ** step
                 bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5  # as torch computes it
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-                # Stored back rounded: E4M3 per block, and the second moment's dtype.
-                data, scale_inv = quantize_moment(exp_avg, check_finite=False)
-                state["exp_avg"].copy_(data)
-                state["exp_avg_scale_inv"].copy_(scale_inv)
-                state["exp_avg_sq"].copy_(exp_avg_sq)
+                for chunk in _chunks(p, state):
+                    _update(*chunk, group["maximize"], beta1, beta2, eps, -lr / bias_correction1,
+                            bias_correction2_sqrt)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -196,17 +191,56 @@ class FP8AdamW(torch.optim.Optimizer):
                    if isinstance(t, torch.Tensor))
 
 
+def _chunks(p: torch.Tensor, state: dict[str, Any]):
+    # (parameter, gradient, first moment, its block scales, second moment) in flat pieces of at
+    # most STEP_CHUNK elements (whole blocks), views that the update writes through; the whole
+    # tensors where one of them is not contiguous (then no view of a piece exists).
+    tensors = (p, state["exp_avg"], state["exp_avg_sq"])
+    if p.numel() <= STEP_CHUNK or not all(t.is_contiguous() for t in tensors):
+        yield p, p.grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"]
+        return
+    flat_p, flat_m, flat_v = (t.view(-1) for t in tensors)
+    flat_g = p.grad.reshape(-1)  # a copy only for a non-contiguous gradient
+    for start in range(0, p.numel(), STEP_CHUNK):
+        end = min(start + STEP_CHUNK, p.numel())
+        yield (flat_p[start:end], flat_g[start:end], flat_m[start:end],
+               state["exp_avg_scale_inv"][start // BLOCK: blocks_of(end)], flat_v[start:end])
+
+
+def _update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, m_scale_inv: torch.Tensor, v: torch.Tensor,
+            maximize: bool, beta1: float, beta2: float, eps: float, step_size: float,
+            bias_correction2_sqrt: float) -> None:
+    # torch's AdamW update (single-tensor path, after the weight decay) from the stored moments,
+    # computed in FP32, the moments stored back rounded: E4M3 per block, the second moment's dtype.
+    grad = grad.float()
+    if maximize:
+        grad = -grad
+    exp_avg = dequantize_moment(m, m_scale_inv)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq = v.float()
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=step_size)
+    data, scale_inv = quantize_moment(exp_avg, check_finite=False)
+    m.copy_(data)
+    m_scale_inv.copy_(scale_inv)
+    v.copy_(exp_avg_sq)
+
+
 def _check_finite_grads(groups: list[dict[str, Any]]) -> None:
     # Before any parameter moves: one host read per step (as torch's GradScaler makes one), not
-    # one per parameter; a step with a non-finite gradient changes nothing.
+    # one per parameter; a step with a non-finite gradient changes nothing. The largest |g| of
+    # all gradients is NaN or infinite exactly when one element is; a max-reduction holds no
+    # temporary (torch.isfinite(g) holds 4 + 3 bytes per element of the gradient).
     grads = [p.grad for g in groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
     if not grads:
         return
-    finite = torch.stack([torch.isfinite(g).all().to(grads[0].device) for g in grads])
-    if finite.device.type == "meta":  # shapes without values (the memory tool's traced step): nothing to read
+    largest = torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))
+    if largest.device.type == "meta":  # shapes without values (the memory tool's traced step): nothing to read
         return
-    if not bool(finite.all()):
-        index = int((~finite).nonzero()[0])
+    if not bool(torch.isfinite(largest)):
+        index = next(i for i, g in enumerate(grads)
+                     if not bool(torch.isfinite(torch.linalg.vector_norm(g, float("inf")))))
         raise ValueError(f"FP8AdamW.step: the gradient of parameter {index} (of those with gradients) holds a NaN or "
                          "an infinity; nothing was updated. Skip such steps (torch.amp.GradScaler.step does, and the "
                          "project's FP16 precisions use it) or clip the gradients")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8_plugin.optim import FP8AdamW
+from fp8_plugin.optim import FP8AdamW, fp8_adamw
 from fp8_plugin.optim.moment_blocks import BLOCK
 from test_moment_blocks import reference
 
@@ -32,7 +32,10 @@ def grads_for(net, step):
     ((net(x) - y) ** 2).mean().backward()
 
 
-def test_each_step_is_torch_adamw_from_the_stored_moments_and_stores_them_as_the_spec_rounds(tmp_path):
+@pytest.mark.parametrize("chunk", [None, 2 * BLOCK], ids=["whole", "in-chunks"])
+def test_each_step_is_torch_adamw_from_the_stored_moments_and_stores_them_as_the_spec_rounds(chunk, monkeypatch):
+    if chunk:  # the 960-element weight updated in pieces of 256, 256, 256 and 192 elements
+        monkeypatch.setattr(fp8_adamw, "STEP_CHUNK", chunk)
     net = model()
     opt = FP8AdamW(net.parameters(), **HYPER)
     for step in range(5):
@@ -55,6 +58,32 @@ def test_each_step_is_torch_adamw_from_the_stored_moments_and_stores_them_as_the
             assert float(mine["step"]) == float(theirs["step"]) == step + 1
     assert any(not torch.equal(opt.state[p]["exp_avg"].float(), torch_opt.state[q]["exp_avg"])
                for p, q in zip(net.parameters(), twin.parameters()))  # FP8 storage did round
+
+
+@pytest.mark.parametrize("chunk", [2**12, 2**20], ids=["in-chunks", "whole"])
+def test_the_steps_temporaries_are_bounded_by_the_chunk_not_the_parameter(chunk, monkeypatch):
+    # Traced on meta tensors (shapes and lifetimes, no data): the bytes a second step allocates
+    # beyond the parameter, its gradient and the states. Its FP32 temporaries (the widened
+    # moments, the denominator, the scaled blocks) are a few at a time: at most 8 x 4 bytes per
+    # element of a piece, and at least 4 x 4 bytes per element when the piece is the whole
+    # parameter (the two moments widened, the square root, the denominator).
+    from fp8_plugin.tools.memory_trace import MemoryTrace
+
+    monkeypatch.setattr(fp8_adamw, "STEP_CHUNK", chunk)
+    numel = 2**16
+    p = nn.Parameter(torch.empty(numel // 64, 64, device="meta"))
+    p.grad = torch.empty_like(p)
+    opt = FP8AdamW([p])
+    opt.step()  # the states exist from here on
+    with MemoryTrace("meta") as trace:
+        for tensor in (p, p.grad, *opt.state[p].values()):
+            trace.register(tensor, "parameters")
+        trace.reset_peak()
+        held = trace.live_bytes
+        opt.step()
+        temporaries = trace.peak().bytes - held
+    piece = min(chunk, numel)
+    assert 4 * 4 * piece <= temporaries <= 8 * 4 * piece
 
 
 def test_state_formats_and_bytes_per_parameter():
@@ -164,6 +193,11 @@ def test_bad_input_is_refused_with_the_setting_named():
                                          r"updated"):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, net.parameters())) and not opt.state  # nothing moved
+    grads_for(net, 0)
+    net[0].weight.grad[3, 5] = float("nan")  # a NaN alone, among finite values: no max may drop it
+    with pytest.raises(ValueError, match=r"the gradient of parameter 0 .* holds a NaN or an infinity"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters())) and not opt.state
     net.zero_grad()
     emb = nn.Embedding(10, 4, sparse=True)
     sparse_opt = FP8AdamW(emb.parameters())
