@@ -1,12 +1,14 @@
 """Issue 46's memory figures from the memory tool (fp8_plugin/tools/memory.py).
 
-    python benchmarks/memory_fit.py fit [--budget-gib 79.1] [--batch-size 1] [--seq-len 2048]
+    python benchmarks/memory_fit.py fit [--budget-gib 79.1] [--batch-size 1] [--seq-len 2048] [--lora-rank R]
     python benchmarks/memory_fit.py check --device cuda|meta [--output memory.json]
 
 ``fit`` (any machine; traced on meta tensors presented as an H100): the peak of a full fine-tune
 of Llama 3.2 1B, 3B and Llama 3.1 8B shapes under bf16-mixed + AdamW, fp8-hybrid + AdamW and
 fp8-hybrid + FP8AdamW, and the largest Llama-shaped model (Llama 3.1 8B's width, its number of
-layers varied) whose step fits in ``--budget-gib`` under each, as markdown.
+layers varied) whose step fits in ``--budget-gib`` under each, as markdown. With ``--lora-rank``, a
+LoRA fine-tune of that rank on every linear layer (BF16 base weights, kept only in FP8 under
+fp8-hybrid) under bf16-mixed and fp8-hybrid, with torch's AdamW (the adapters' states are small).
 
 ``check`` (benchmarks/gpu_run.sh): the 125M and 1B models of the benchmark suite at batch 4 x 1024,
 each precision and optimizer, traced on meta tensors and run on the GPU: the trace's peak against
@@ -52,26 +54,29 @@ def llama(name: str, **changes: int):
     return config
 
 
-def fit(budget_gib: float, batch_size: int, seq_len: int) -> str:
-    lines = [f"Peak of one training step, batch {batch_size} x {seq_len} tokens, traced on meta tensors presented "
-             "as an H100 (sm90), GiB:", "",
-             "| model | parameters | " + " | ".join(f"{p} + {o}" for p, o in RUNS) + " |",
-             "| --- | ---: |" + " ---: |" * len(RUNS)]
+def fit(budget_gib: float, batch_size: int, seq_len: int, lora_rank: int | None = None) -> str:
+    runs = RUNS if lora_rank is None else RUNS[:2]
+    tune = "" if lora_rank is None else f", LoRA r={lora_rank} on every linear layer"
+    lines = [f"Peak of one training step, batch {batch_size} x {seq_len} tokens{tune}, traced on meta tensors "
+             "presented as an H100 (sm90), GiB:", "",
+             "| model | parameters | " + " | ".join(f"{p} + {o}" for p, o in runs) + " |",
+             "| --- | ---: |" + " ---: |" * len(runs)]
     for name in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"):
-        estimates = [estimate_memory(llama(name), p, o, batch_size=batch_size, seq_len=seq_len) for p, o in RUNS]
+        estimates = [estimate_memory(llama(name), p, o, batch_size=batch_size, seq_len=seq_len, lora_rank=lora_rank)
+                     for p, o in runs]
         base = estimates[0].peak.bytes
         cells = [f"{e.peak.bytes / GIB:.1f} ({e.peak.bytes / base:.2f}x)" for e in estimates]
         lines.append(f"| {name} | {estimates[0].parameters / 1e9:.2f}B | " + " | ".join(cells) + " |")
     lines += ["", f"The largest Llama 3.1 8B-shaped model (its width, fewer or more layers) whose step fits in "
               f"{budget_gib} GiB:", "", "| precision + optimizer | layers | parameters | peak, GiB |",
               "| --- | ---: | ---: | ---: |"]
-    for precision, optimizer in RUNS:
+    for precision, optimizer in runs:
         best = None
-        low, high = 1, 96  # the peak grows with the layer count: bisect for the last one that fits
+        low, high = 1, 96 if lora_rank is None else 192  # the peak grows with the layers: bisect for the last that fits
         while low <= high:
             layers = (low + high) // 2
             e = estimate_memory(llama("llama-3.1-8b", num_hidden_layers=layers), precision, optimizer,
-                                batch_size=batch_size, seq_len=seq_len)
+                                batch_size=batch_size, seq_len=seq_len, lora_rank=lora_rank)
             if e.peak.bytes <= budget_gib * GIB:
                 best, low = (layers, e), layers + 1
             else:
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--budget-gib", type=float, default=79.1, help="GPU memory torch may allocate (H100 80GB: 79.1)")
     f.add_argument("--batch-size", type=int, default=1)
     f.add_argument("--seq-len", type=int, default=2048)
+    f.add_argument("--lora-rank", type=int, default=None, help="trace LoRA fine-tunes of this rank")
     c = sub.add_parser("check", help="traced peaks against the GPU's measured ones")
     c.add_argument("--device", choices=("cuda", "meta"), default="cuda")
     c.add_argument("--models", type=lambda text: text.split(","), default=["suite-125m", "suite-1b"],
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--output", type=Path)
     args = p.parse_args(argv)
     if args.command == "fit":
-        print(fit(args.budget_gib, args.batch_size, args.seq_len))
+        print(fit(args.budget_gib, args.batch_size, args.seq_len, args.lora_rank))
     else:
         result = check(args.device, args.models)
         if args.output:

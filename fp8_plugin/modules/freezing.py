@@ -69,9 +69,13 @@ def _expert_figures(module: nn.Module, proj: str) -> tuple[str, int, int]:
     return _held_figures(module.frozen_projections()[proj], getattr(module, proj), getattr(module, f"{proj}_scale_inv"))
 
 
-def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) -> dict[int, weakref.ref]:
+def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int],
+                       include_meta: bool = False) -> dict[int, weakref.ref]:
     """``convert_model(frozen_weights="fp8")``: the FP8 layers ``new_layers`` (ids) whose weights do not
-    require grad keep them only in FP8; their ``decisions`` (``LayerDecision``) record it.
+    require grad keep them only in FP8; their ``decisions`` (``LayerDecision``) record it. Weights on
+    the meta device stay (a model built empty gets its values later, and a cast made now would
+    fix scales without them) unless ``include_meta``: the memory tool's traced step, which needs
+    the layout alone.
 
     Returns:
         The high-precision weights replaced, as ``{id: weakref}``: an optimizer built before the
@@ -86,7 +90,7 @@ def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) 
     for name, module in model.named_modules():
         if id(module) in new_layers and hasattr(module, "freeze_weights"):  # FP8 experts: each frozen projection
             held = {proj: getattr(module, proj) for proj in module.fp8_scaling}
-            held = {p: w for p, w in held.items() if shared[id(w)] == 1 and w.device.type != "meta"}
+            held = {p: w for p, w in held.items() if shared[id(w)] == 1 and (include_meta or w.device.type != "meta")}
             for proj in module.freeze_weights() if len(held) == len(module.fp8_scaling) else []:
                 replaced[id(held[proj])] = weakref.ref(held[proj])
                 decision = by_name.get(f"{name}.{proj}")
@@ -97,7 +101,8 @@ def keep_frozen_in_fp8(model: nn.Module, decisions: list, new_layers: set[int]) 
         if id(module) not in new_layers or getattr(module, "frozen_layout", True) is not None:
             continue
         weight = module.weight
-        if weight.requires_grad or module.weight_transposed or shared[id(weight)] > 1 or weight.device.type == "meta":
+        if (weight.requires_grad or module.weight_transposed or shared[id(weight)] > 1
+                or (weight.device.type == "meta" and not include_meta)):
             continue
         replaced[id(weight)] = weakref.ref(weight)
         module.freeze_weight()

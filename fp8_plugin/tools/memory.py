@@ -5,7 +5,9 @@ size and a sequence length, :func:`estimate_memory` runs two real training steps
 the loss, backward, optimizer step, the FP8 scale update) and gives the peak of the second, the
 steady one, broken down by :class:`~fp8_plugin.tools.memory_trace.MemoryTrace`: parameters and
 master weights, FP8 weight copies (rowwise and columnwise), gradients, optimizer states,
-activations saved for backward by kind, transients and the largest of them.
+activations saved for backward by kind, transients and the largest of them. A full fine-tune, or
+with ``lora_rank`` a LoRA fine-tune over frozen base weights (kept only in FP8 under the FP8
+precisions, as the loops keep them).
 
 Where it runs:
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -40,6 +43,7 @@ from torch import nn
 
 from ..modules.autocast import autocast, new_step_id
 from ..modules.convert import convert_model
+from ..modules.freezing import keep_frozen_in_fp8
 from ..modules.linear import FP8Linear
 from ..modules.scaling_group import update_pending_scales
 from ..modules.weight_cache import clear_weight_caches
@@ -89,6 +93,7 @@ class MemoryEstimate:
             for backward is held then.
         resident_bytes: bytes held between steps (parameters, states, buffers).
         measured_peak_bytes: ``torch.cuda.max_memory_allocated`` over the second step (GPU only).
+        lora_rank, lora_targets: the LoRA fine-tune traced (None: a full fine-tune).
     """
 
     model: str
@@ -106,6 +111,8 @@ class MemoryEstimate:
     after_forward: Peak
     resident_bytes: int
     measured_peak_bytes: Optional[int] = None
+    lora_rank: Optional[int] = None
+    lora_targets: Optional[Union[str, list[str]]] = None
 
     def to_dict(self) -> dict[str, Any]:
         """The estimate as JSON-ready values (bytes as ints)."""
@@ -126,7 +133,9 @@ class MemoryEstimate:
 
 def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid", optimizer: str = "adamw", *,
                     batch_size: int = 8, seq_len: int = 1024, device: str = "meta",
-                    capability: tuple[int, int] = (9, 0), skip_small: Union[str, bool] = "auto") -> MemoryEstimate:
+                    capability: tuple[int, int] = (9, 0), skip_small: Union[str, bool] = "auto",
+                    lora_rank: Optional[int] = None,
+                    lora_targets: Union[str, list[str]] = "all-linear") -> MemoryEstimate:
     """Trace two training steps of ``model`` and break the second one's peak down.
 
     Args:
@@ -143,15 +152,28 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
         capability: the compute capability meta tensors present (``(9, 0)``: H100 / H200).
         skip_small: ``convert_model``'s: ``"auto"`` keeps in BF16 the layers FP8 would not make
             faster on the GPU (as the loops do), False converts every layer but the heads.
+        lora_rank: None for a full fine-tune; a rank for a LoRA fine-tune: PEFT's
+            ``get_peft_model`` with ``LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+            target_modules=lora_targets)`` over base weights loaded in BF16 (FP32 under
+            ``"32-true"``), as LoRA fine-tunes load them, with FP32 adapters (PEFT's
+            ``autocast_adapter_dtype``). Under the FP8 precisions ``convert_model`` keeps the
+            converted layers' frozen base weights only in FP8 (docs/lora.md): 1 byte per value.
+        lora_targets: PEFT's ``target_modules``: ``"all-linear"`` (default) or module names.
 
     Returns:
         A :class:`MemoryEstimate`.
 
     Raises:
-        ValueError: an unknown precision, optimizer or device, a batch size or sequence length
-            below 1, a folder without a readable ``config.json``, or a model class without a loss.
+        ValueError: an unknown precision, optimizer or device, a batch size, sequence length or
+            LoRA rank below 1, LoRA targets the model does not have, a folder without a readable
+            ``config.json``, or a model class without a loss.
     """
     param_dtype, autocast_dtype, recipe = _check(precision, optimizer, batch_size, seq_len, device)
+    if lora_rank is not None:
+        if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1:
+            raise ValueError(f"lora_rank={lora_rank!r} is not a rank; valid: None (a full fine-tune) or an int >= 1")
+        if param_dtype != torch.float32 or autocast_dtype is not None:  # all but 32-true: a BF16 base
+            param_dtype = torch.bfloat16
     fp8 = recipe is not None
     config, name = _config(model)
     with contextlib.ExitStack() as presented:
@@ -165,7 +187,13 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
             # checks them against the emulation (it reads its result, which meta tensors lack).
             presented.enter_context(force_path("native"))
         net = _build(config, param_dtype, device)
+        if lora_rank is not None:
+            net = _with_lora(net, lora_rank, lora_targets)
         report = convert_model(net, recipe(), skip_small=skip_small) if fp8 else None
+        if report is not None and device == "meta":
+            # convert_model leaves meta weights unfrozen (they have no values to cast yet); the
+            # trace needs the layout a loop gives real ones: frozen weights only in FP8.
+            keep_frozen_in_fp8(net, report.layers, {id(m) for m in net.modules()}, include_meta=True)
         params = list(net.parameters())
         opt = _optimizer(optimizer, [p for p in params if p.requires_grad])
         batch = _batch(net, batch_size, seq_len, device)
@@ -194,7 +222,8 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
     label = f"meta as sm{capability[0]}{capability[1]}" if device == "meta" else torch.cuda.get_device_name()
     return MemoryEstimate(name, precision, optimizer, batch_size, seq_len, label, sum(p.numel() for p in params),
                           sum(p.numel() for p in params if p.requires_grad), recipe_name, fp8_layers, fp8_gemms,
-                          trace.peak(), after_forward, resident, measured)
+                          trace.peak(), after_forward, resident, measured, lora_rank,
+                          lora_targets if lora_rank is not None else None)
 
 
 def compare_memory(model: Union[str, Path, Any], precisions: tuple[str, ...] = ("bf16-mixed", "fp8-hybrid"),
@@ -260,9 +289,22 @@ def _build(config: Any, dtype: torch.dtype, device: str) -> nn.Module:
     return net
 
 
+def _with_lora(net: nn.Module, rank: int, targets: Union[str, list[str]]) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    try:
+        with warnings.catch_warnings():  # PEFT's own call of a transformers method deprecated in v5, not the user's
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+            return get_peft_model(net, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    except ValueError as err:  # PEFT's: target modules not found
+        raise ValueError(f"lora_targets={targets!r}: {err}; valid: 'all-linear' or names of the model's linear "
+                         "layers") from None
+
+
 def _batch(net: nn.Module, batch_size: int, seq_len: int, device: str) -> dict[str, torch.Tensor]:
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-    if "SequenceClassification" in type(net).__name__:
+    base = net.get_base_model() if hasattr(net, "get_base_model") else net  # under a PEFT wrapper
+    if "SequenceClassification" in type(base).__name__:
         return {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long, device=device)}
     return {"input_ids": ids, "labels": ids}
 

@@ -38,11 +38,18 @@ def memory(
     skip_small: SkipSmall = typer.Option(
         SkipSmall.auto, "--skip-small", case_sensitive=False, help="auto: layers FP8 would not make faster on the "
         "GPU stay in BF16, as in training; false: every layer but the heads in FP8; true: torchao's size rule."),
+    lora_rank: Optional[int] = typer.Option(
+        None, "--lora-rank", "-r", help="Trace a LoRA fine-tune of this rank (PEFT, lora_alpha twice the rank) over "
+        "base weights loaded in BF16, kept only in FP8 under the FP8 precisions. Default: a full fine-tune."),
+    lora_targets: Optional[list[str]] = typer.Option(
+        None, "--lora-targets", help="With --lora-rank: the modules LoRA adapts (PEFT's target_modules). "
+        "Repeatable; default: all-linear."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     """The peak memory of one steady training step of MODEL, broken down: parameters (FP32 master
     weights), FP8 weight copies rowwise and columnwise, gradients, optimizer states, activations
-    saved for backward by kind, transients and the largest of them; one column per precision."""
+    saved for backward by kind, transients and the largest of them; one column per precision. A full
+    fine-tune, or with --lora-rank a LoRA fine-tune."""
     from .memory import compare_memory
 
     precisions = tuple(precision or ("bf16-mixed", "fp8-hybrid"))
@@ -55,7 +62,8 @@ def memory(
     cap = _capability(capability)
     try:
         estimates = compare_memory(model, precisions, optimizers, batch_size=batch_size, seq_len=seq_len,
-                                   device=device, capability=cap, skip_small=skip_small_value(skip_small))
+                                   device=device, capability=cap, skip_small=skip_small_value(skip_small),
+                                   lora_rank=lora_rank, lora_targets=list(lora_targets or ()) or "all-linear")
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     if as_json:
@@ -80,8 +88,10 @@ def memory_text(estimates: list) -> str:
     names = [f"{e.precision} + {e.optimizer}" for e in estimates]
     width = max(14, *(len(n) for n in names))
     first = estimates[0]
+    tune = "" if first.lora_rank is None else (
+        f" (LoRA r={first.lora_rank} on {first.lora_targets}: {first.trainable_parameters / 1e6:.1f}M trainable)")
     lines = [f"{first.model}: one training step, batch {first.batch_size} x {first.seq_len} tokens, "
-             f"{first.parameters / 1e6:.1f}M parameters, on {first.device}",
+             f"{first.parameters / 1e6:.1f}M parameters{tune}, on {first.device}",
              "", f"{'MiB at the peak':<34}" + "".join(f"{n:>{width + 2}}" for n in names)]
     for category, values in category_table(estimates):
         lines.append(f"  {category:<32}" + "".join(f"{v / _MIB:>{width + 2}.1f}" for v in values))

@@ -205,6 +205,43 @@ def test_autocast_on_meta_refuses_a_dtype_autocast_does_not_take():
             pass
 
 
+# --- LoRA fine-tunes ---------------------------------------------------------------------------
+
+RANK = 4
+# PEFT's "all-linear": every linear layer of the blocks (not the head), A [r, in] and B [out, r].
+LORA_NUMEL = LAYERS * sum(RANK * (i + o) for i, o in BLOCK_LINEARS)
+
+
+@pytest.fixture(scope="module")
+def lora_estimates():
+    return {p: estimate_memory(tiny_llama(), p, "adamw", batch_size=2, seq_len=64, skip_small=False, lora_rank=RANK)
+            for p in ("bf16-mixed", "fp8-hybrid")}
+
+
+def test_lora_trains_fp32_adapters_over_a_bf16_base(lora_estimates):
+    e = lora_estimates["bf16-mixed"]
+    held = e.after_forward.categories
+    assert (e.parameters, e.trainable_parameters) == (NUMEL + LORA_NUMEL, LORA_NUMEL)
+    assert held["parameters"] == 4 * LORA_NUMEL and held["optimizer states"] == 8 * LORA_NUMEL
+    assert held["frozen weights"] == 2 * NUMEL
+    assert e.fp8_gemms == 0
+
+
+def test_fp8_lora_keeps_the_frozen_linear_weights_only_in_e4m3(lora_estimates):
+    e = lora_estimates["fp8-hybrid"]
+    held = e.after_forward.categories
+    assert (e.parameters, e.trainable_parameters) == (NUMEL + LORA_NUMEL, LORA_NUMEL)
+    assert held["parameters"] == 4 * LORA_NUMEL and held["optimizer states"] == 8 * LORA_NUMEL
+    # 1 byte per value of the converted layers' weights; the embedding, norms and head stay BF16.
+    assert held["frozen weights"] == LINEAR_NUMEL + 2 * (NUMEL - LINEAR_NUMEL)
+    assert held["FP8 weight copies, rowwise"] == held["FP8 weight copies, columnwise"] == 0  # the stored bytes
+    assert e.fp8_layers == 7 * LAYERS
+    # fprop and dgrad of each, no wgrad (the weight does not train); the first block's q, k and v
+    # read the frozen embedding through a frozen norm: no gradient flows there, no dgrad runs.
+    assert e.fp8_gemms == 2 * e.fp8_layers - 3
+    assert e.peak.bytes < lora_estimates["bf16-mixed"].peak.bytes
+
+
 # --- errors and the command line -----------------------------------------------------------------
 
 
@@ -213,6 +250,8 @@ def test_autocast_on_meta_refuses_a_dtype_autocast_does_not_take():
     ({"optimizer": "adam"}, "optimizer='adam'.*valid: adamw, fp8-adamw, sgd"),
     ({"batch_size": 0}, "batch_size=0.*int >= 1"),
     ({"device": "cpu"}, "device='cpu'.*'meta'"),
+    ({"lora_rank": 0}, "lora_rank=0 is not a rank; valid: None .* int >= 1"),
+    ({"lora_rank": 4, "lora_targets": ["qkv"]}, "lora_targets=\\['qkv'\\]: .*valid: 'all-linear' or names"),
 ])
 def test_estimate_refuses_bad_settings_naming_the_valid_ones(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -239,6 +278,9 @@ def test_cli_memory_table_and_json(tmp_path):
     assert result.exit_code == 0, result.output
     (estimate,) = json.loads(result.output)["estimates"]
     assert estimate["precision"] == "fp8-current" and estimate["fp8_gemms"] == 3 * 7 * LAYERS
+    result = runner.invoke(app, ["memory", str(tmp_path), "-b", "2", "-s", "64", "-r", "4", "--skip-small", "false"])
+    assert result.exit_code == 0, result.output
+    assert "(LoRA r=4 on all-linear: 0.0M trainable)" in result.output and "frozen weights" in result.output
     result = runner.invoke(app, ["memory", str(tmp_path), "-p", "bf16-mixed", "-o", "adamw", "-o", "sgd"])
     assert result.exit_code != 0 and "one per --precision" in result.output
     result = runner.invoke(app, ["memory", str(tmp_path), "--capability", "sm90"])
