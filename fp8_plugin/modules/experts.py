@@ -69,7 +69,7 @@ from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES: public here too)
     EXPERT_RECIPES, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
 )
 from .scaling_group import ScalingGroup
-from .weight_cache import keeps_weight_casts
+from .weight_cache import keeps_weight_casts, optimizer_steps
 
 __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module",
            "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
@@ -256,7 +256,7 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         scales = tuple(t for st in states for t in (st.scale, st.scale._version, st.initialized,
                                                        st.initialized._version)) if recipe.delayed() else ()
         step = self.scaling_group.step if record else None
-        key = (weight, weight._version, weight.data_ptr(), weight.device, recipe, *scales,
+        key = (weight, weight._version, weight.data_ptr(), weight.device, optimizer_steps(), recipe, *scales,
                torch.is_inference_mode_enabled(), step)
         cached = self._fp8_weight_cache.get(proj)
         if cached is not None and (cached[1] or not record) and _same_key(cached[0], key, record):

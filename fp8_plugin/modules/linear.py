@@ -33,7 +33,7 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
 from .scaling_group import ScalingGroup
-from .weight_cache import WeightCache, keeps_weight_casts
+from .weight_cache import WeightCache, keeps_weight_casts, optimizer_steps
 
 __all__ = ["FP8Linear"]
 
@@ -515,7 +515,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         return rowwise, columnwise_copy
 
     def _weight_cache_key(self, recipe: Recipe, record: bool) -> tuple:
-        # Everything a weight cast depends on: the weight (object, storage, in-place version),
+        # Everything a weight cast depends on: the weight (object, storage, in-place version,
+        # and the optimizer steps taken, which fused optimizers do not count in the version),
         # the recipe, under delayed scaling the scale (object and version: every scale update
         # writes it in place; current and block scales come from the weight itself), inference
         # mode (its tensors cannot be saved for backward), and for a recording cast the
@@ -523,7 +524,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         w, state = self.weight, self.fp8_state
         scale = (state.scale, state.scale._version, state.initialized, state.initialized._version) if recipe.delayed() else ()
         step = self.scaling_group.step if record else None
-        return (w, w._version, w.data_ptr(), w.device, recipe, *scale, torch.is_inference_mode_enabled(), step)
+        return (w, w._version, w.data_ptr(), w.device, optimizer_steps(), recipe, *scale,
+                torch.is_inference_mode_enabled(), step)
 
     def clear_weight_cache(self) -> None:
         """Drop the cached FP8 copies of the weight (they are rebuilt at the next FP8 forward).

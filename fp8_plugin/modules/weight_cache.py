@@ -20,6 +20,12 @@ columnwise copy until the optimizer step, after the layer's dgrad has read it.
 - ``False``: none does.
 
 A training forward that does not keep its casts drops what an earlier forward kept.
+
+A kept cast is keyed on the weight's identity, storage and version counter, and on the number of
+optimizer steps taken in the process (:func:`optimizer_steps`): fused optimizers (torch's
+``AdamW(fused=True)``, the transformers Trainer's default) write the weights without bumping
+their version counters, and the loops' clearing before each optimizer step does not reach a
+hand-written loop.
 """
 
 from __future__ import annotations
@@ -27,15 +33,32 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 if TYPE_CHECKING:
     from torch import nn
 
     from ..numerics.quantizers import QuantizedTensor
 
-__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts", "weight_cache_holders", "clear_weight_caches"]
+__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts", "optimizer_steps", "weight_cache_holders",
+           "clear_weight_caches"]
 
 CACHE_CHOICES = ("auto", True, False)
+_steps_taken = [0]
+
+
+def _count_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    _steps_taken[0] += 1
+
+
+# Every torch optimizer's step (DeepSpeed's and FP8AdamW included: they are torch optimizers).
+register_optimizer_step_post_hook(_count_step)
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken in this process by any ``torch.optim.Optimizer`` (counted by a
+    global post-step hook): part of each weight cast's cache key (module docstring)."""
+    return _steps_taken[0]
 
 
 def keeps_weight_casts(module: Any, step: Optional[int]) -> bool:

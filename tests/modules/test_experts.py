@@ -807,6 +807,36 @@ def test_a_linear_router_stays_high_precision_unless_included_by_name():
     assert isinstance(moe.gate, FP8Linear)
 
 
+def test_a_fused_optimizer_step_makes_the_experts_cached_casts_stale(monkeypatch):
+    # torch's fused AdamW writes the weights without bumping their version counters: the
+    # evaluation after it must cast the updated expert stacks, as a fresh copy of the model does.
+    import fp8_plugin.modules.experts as experts_module
+
+    casts = []
+    real = experts_module.cast_expert_weights
+    monkeypatch.setattr(experts_module, "cast_expert_weights", lambda *a, **k: casts.append(1) or real(*a, **k))
+    model = tiny_mixtral()
+    convert_model(model, DelayedScaling())
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), autocast():
+        model(ids)
+    stacks = len(casts)  # 2 layers x 2 projections, kept by the evaluation
+    assert stacks == 4
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    with torch.no_grad(), autocast():
+        logits = model(ids).logits
+    assert len(casts) == 2 * stacks
+    fresh = copy.deepcopy(model)
+    for m in fresh.modules():
+        if isinstance(m, FP8ExpertsMixin):
+            m.clear_weight_cache()
+    with torch.no_grad(), autocast():
+        assert torch.equal(logits, fresh(ids).logits)
+
+
 def test_gradient_accumulation_casts_each_expert_stack_once_per_step_bit_for_bit(monkeypatch):
     import fp8_plugin.modules.experts as experts_module
     from fp8_plugin.modules.autocast import new_step_id

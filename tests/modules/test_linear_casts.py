@@ -163,6 +163,26 @@ def test_cached_weight_is_recast_after_any_change_to_the_weight_or_its_scale():
 
 
 @pytest.mark.filterwarnings("ignore:FP8 GEMM emulated")
+def test_a_fused_optimizer_step_makes_the_cached_cast_stale_though_the_weight_version_stays():
+    # torch's fused AdamW writes the weights without bumping their version counters: an
+    # evaluation, such a step, and another evaluation must not reuse the first one's cast.
+    layer = _layer(DelayedScaling())
+    x = torch.randn(64, 256)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+    with torch.no_grad():
+        assert _forward_copies(layer, x)[0] == 2  # evaluation: cached
+    layer.weight.grad = torch.randn_like(layer.weight)
+    version = layer.weight._version
+    opt.step()
+    assert layer.weight._version == version  # what makes a version key miss the change
+    with torch.no_grad():
+        count, y = _forward_copies(layer, x)
+        fresh = copy.deepcopy(layer)
+        fresh.clear_weight_cache()
+        assert count == 2 and torch.equal(y, _forward_copies(fresh, x)[1])
+
+
+@pytest.mark.filterwarnings("ignore:FP8 GEMM emulated")
 def test_an_evaluation_cast_is_not_taken_for_a_training_cast_that_must_record_the_weight_amax():
     layer = _layer(DelayedScaling())
     with torch.no_grad():
