@@ -69,7 +69,7 @@ from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES: public here too)
     EXPERT_RECIPES, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
 )
 from .scaling_group import ScalingGroup
-from .weight_cache import keeps_weight_casts, optimizer_steps
+from .weight_cache import WeightCache, keeps_weight_casts, optimizer_steps
 
 __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module",
            "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
@@ -232,7 +232,7 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         self._forward_context: Optional[_ForwardContext] = None
         self._fp8_observers: OrderedDict[int, Callable] = OrderedDict()  # weakly referenced by the handles
         self.cache_fp8_weights: Union[bool, str] = "auto"
-        self._fp8_weight_cache: dict[str, tuple[tuple, bool, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._fp8_weight_cache: dict[str, WeightCache] = {}  # per projection: its (data, scale_inv) cast
         self._fp8_tables: dict = {}  # the fused casts' address tables of the experts' states
 
     def clear_weight_cache(self) -> None:
@@ -259,11 +259,11 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         key = (weight, weight._version, weight.data_ptr(), weight.device, optimizer_steps(), recipe, *scales,
                torch.is_inference_mode_enabled(), step)
         cached = self._fp8_weight_cache.get(proj)
-        if cached is not None and (cached[1] or not record) and _same_key(cached[0], key, record):
-            return cached[2]
+        if cached is not None and cached.matches(key, record):
+            return cached.rowwise
         self._fp8_weight_cache.pop(proj, None)  # free the stale cast before making a new one
         cast = cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
-        self._fp8_weight_cache[proj] = (key, record, cast)
+        self._fp8_weight_cache[proj] = WeightCache(key, record, cast, None)
         return cast
 
     def observe_casts(self, fn: Callable[[str, int, torch.Tensor, QuantizedTensor], None]) -> RemovableHandle:
@@ -394,16 +394,6 @@ def _check_expert_ids(expert_ids_g: torch.Tensor, num_experts: int) -> None:
     if int(expert_ids_g[0]) < 0 or int(expert_ids_g[-1]) >= num_experts:
         raise ValueError(f"FP8 experts: top_k_index holds expert ids outside 0..{num_experts - 1} "
                          f"({num_experts} experts)")
-
-
-def _same_key(a: tuple, b: tuple, record: bool) -> bool:
-    # Tensors compare by identity, the rest by value; the step only matters to a recording cast.
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a[:-1], b[:-1]):
-        if x is not y and (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y):
-            return False
-    return not record or a[-1] == b[-1]
 
 
 def _warn_expert_parallel() -> None:

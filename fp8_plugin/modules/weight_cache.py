@@ -96,9 +96,10 @@ def clear_weight_caches(model: "nn.Module") -> None:
 
 
 class WeightCache:
-    """A layer's cached weight casts (rowwise ``[out, in]``, columnwise ``[in, out]`` or None) and
-    the key they were cast from (``FP8Linear._weight_cache_key``: the weight, its version, the
-    scale, the recipe, ..., and last the training step); ``recorded``: the cast recorded its amax."""
+    """A layer's cached weight casts (rowwise ``[out, in]``, columnwise ``[in, out]`` or None; for
+    an FP8 experts projection, rowwise is its stack's ``(data, scale_inv)`` cast) and the key they
+    were cast from (``FP8Linear._weight_cache_key``: the weight, its version, the scale, the
+    recipe, ..., and last the training step); ``recorded``: the cast recorded its amax."""
     __slots__ = ("key", "recorded", "rowwise", "columnwise")
 
     def __init__(self, key: tuple, recorded: bool, rowwise: "QuantizedTensor",
