@@ -65,8 +65,8 @@ def test_the_steps_temporaries_are_bounded_by_the_chunk_not_the_parameter(chunk,
     # Traced on meta tensors (shapes and lifetimes, no data): the bytes a second step allocates
     # beyond the parameter, its gradient and the states. Its FP32 temporaries (the widened
     # moments, the denominator, the scaled blocks) are a few at a time: at most 8 x 4 bytes per
-    # element of a piece, and at least 4 x 4 bytes per element when the piece is the whole
-    # parameter (the two moments widened, the square root, the denominator).
+    # element of a piece, and at least 4 x 4 (the two moments widened, the square root, the
+    # denominator); with no pieces, the piece is the whole parameter.
     from fp8_plugin.tools.memory_trace import MemoryTrace
 
     monkeypatch.setattr(fp8_adamw, "STEP_CHUNK", chunk)
