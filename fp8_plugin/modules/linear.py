@@ -168,7 +168,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             if info.frozen:
                 qw_t = frozen_columnwise(qw_t, info.recipe)
             grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype, None, info.split[1])
-            del qw_t
+            del qw_t, qg  # grad_output's rowwise cast is dgrad's alone: freed before wgrad allocates
         elif need_x:
             w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
             grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)

@@ -205,6 +205,29 @@ def test_autocast_on_meta_refuses_a_dtype_autocast_does_not_take():
             pass
 
 
+def test_an_fp8_backward_frees_grad_outputs_rowwise_cast_before_wgrad_allocates():
+    # dgrad reads grad_output's rowwise E5M2 cast [M, N], wgrad its columnwise one [N, M]: when
+    # wgrad's FP32 output is allocated, only the columnwise one (M * N bytes) may be live.
+    import fp8_plugin
+    from fp8_plugin.numerics.gemm import force_path
+
+    m, k, n = 256, 128, 192
+    with meta_as_cuda((9, 0)), force_path("native"):
+        layer = fp8_plugin.FP8Linear(k, n, bias=False, device="meta")
+        x = torch.empty(m, k, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        with MemoryTrace("meta") as trace:
+            for _ in range(2):  # the second step: scales initialised, as in training
+                with cuda_autocast_on_meta(torch.bfloat16), fp8_plugin.autocast():
+                    out = layer(x)
+                out.backward(torch.empty(m, n, device="meta", dtype=torch.bfloat16))
+                layer.weight.grad = x.grad = None
+    wgrad = [r for r in trace.allocations if "scaled_mm" in r.op and r.dtype == torch.float32][-1]
+    assert wgrad.shape == (n, k)
+    live = [r for r in trace.allocations if r.dtype == torch.float8_e5m2 and r.start < wgrad.start
+            and (r.end is None or r.end > wgrad.start)]
+    assert sum(r.nbytes for r in live) == m * n
+
+
 # --- LoRA fine-tunes ---------------------------------------------------------------------------
 
 RANK = 4
