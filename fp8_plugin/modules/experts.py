@@ -69,7 +69,7 @@ from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES: public here too)
     EXPERT_RECIPES, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
 )
 from .scaling_group import ScalingGroup
-from .weight_cache import WeightCache, keeps_weight_casts, optimizer_steps
+from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
 
 __all__ = ["FP8ExpertsMixin", "FP8ExpertGEMM", "fp8_grouped_linear", "convert_experts", "is_experts_module",
            "check_experts_recipe", "expert_gemm_counts", "EXPERT_RECIPES", "ROUTER_REASON",
@@ -243,21 +243,16 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
     def _weight_cast(self, proj: str, weight: torch.Tensor, states: list[ScalingState], recipe: Recipe,
                      record: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # As FP8Linear's weight cache: the micro-batches of gradient accumulation and evaluation
-        # batches cast each expert stack once, with identical numerics. The key holds all a cast
-        # depends on: the weight (object, in-place version, storage), the recipe, under delayed
-        # scaling every expert's scale (object and version), inference mode, and for a recording
-        # cast the training step whose amax slot it filled.
+        # batches cast each expert stack once, with identical numerics, keyed on all a cast
+        # depends on (weight_cast_key: every expert's delayed scale among it).
         transposed = bool(self.is_transposed)
         if torch.compiler.is_compiling():
             return cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
-        if not keeps_weight_casts(self, self.scaling_group.step if record else None):
+        step = self.scaling_group.step if record else None
+        if not keeps_weight_casts(self, step):
             self._fp8_weight_cache.pop(proj, None)  # what an earlier forward kept goes
             return cast_expert_weights(weight, states, recipe, record, transposed, self._fp8_tables)
-        scales = tuple(t for st in states for t in (st.scale, st.scale._version, st.initialized,
-                                                       st.initialized._version)) if recipe.delayed() else ()
-        step = self.scaling_group.step if record else None
-        key = (weight, weight._version, weight.data_ptr(), weight.device, optimizer_steps(), recipe, *scales,
-               torch.is_inference_mode_enabled(), step)
+        key = weight_cast_key(weight, recipe, states, step)
         cached = self._fp8_weight_cache.get(proj)
         if cached is not None and cached.matches(key, record):
             return cached.rowwise

@@ -33,7 +33,7 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
 from .scaling_group import ScalingGroup
-from .weight_cache import WeightCache, keeps_weight_casts, optimizer_steps
+from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
 
 __all__ = ["FP8Linear"]
 
@@ -500,10 +500,11 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         if torch.compiler.is_compiling() or capturing():
             # Compiled or captured into a CUDA graph: the cast is part of the graph, run every time.
             return quantizer.quantize_pair(w, columnwise=columnwise)
-        if not keeps_weight_casts(self, self.scaling_group.step if record else None):
+        step = self.scaling_group.step if record else None  # a recording cast fills this step's amax slot
+        if not keeps_weight_casts(self, step):
             self._weight_cache = None  # what an earlier forward kept goes (modules/weight_cache.py)
             return quantizer.quantize_pair(w, columnwise=columnwise)
-        key = self._weight_cache_key(recipe, record)
+        key = weight_cast_key(self.weight, recipe, (self.fp8_state,), step)
         cached = self._weight_cache
         if cached is not None and cached.matches(key, record) and (cached.columnwise is not None or not columnwise):
             if record:
@@ -513,19 +514,6 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         rowwise, columnwise_copy = quantizer.quantize_pair(w, columnwise=columnwise)
         self._weight_cache = WeightCache(key, record, rowwise, columnwise_copy)
         return rowwise, columnwise_copy
-
-    def _weight_cache_key(self, recipe: Recipe, record: bool) -> tuple:
-        # Everything a weight cast depends on: the weight (object, storage, in-place version,
-        # and the optimizer steps taken, which fused optimizers do not count in the version),
-        # the recipe, under delayed scaling the scale (object and version: every scale update
-        # writes it in place; current and block scales come from the weight itself), inference
-        # mode (its tensors cannot be saved for backward), and for a recording cast the
-        # training step, whose amax slot it filled.
-        w, state = self.weight, self.fp8_state
-        scale = (state.scale, state.scale._version, state.initialized, state.initialized._version) if recipe.delayed() else ()
-        step = self.scaling_group.step if record else None
-        return (w, w._version, w.data_ptr(), w.device, optimizer_steps(), recipe, *scale,
-                torch.is_inference_mode_enabled(), step)
 
     def clear_weight_cache(self) -> None:
         """Drop the cached FP8 copies of the weight (they are rebuilt at the next FP8 forward).

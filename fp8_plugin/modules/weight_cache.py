@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
     from ..numerics.quantizers import QuantizedTensor
 
-__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts", "optimizer_steps", "weight_cache_holders",
-           "clear_weight_caches"]
+__all__ = ["CACHE_CHOICES", "WeightCache", "keeps_weight_casts", "optimizer_steps", "weight_cast_key",
+           "weight_cache_holders", "clear_weight_caches"]
 
 CACHE_CHOICES = ("auto", True, False)
 _steps_taken = [0]
@@ -82,6 +82,19 @@ def keeps_weight_casts(module: Any, step: Optional[int]) -> bool:
     return state.get("_micro_batches", False)
 
 
+def weight_cast_key(weight: torch.Tensor, recipe: Any, states: Any, step: Optional[int]) -> tuple:
+    """Everything a weight cast depends on, for :meth:`WeightCache.matches`: the weight (object,
+    storage, in-place version), the optimizer steps taken (fused optimizers do not count in the
+    version), the recipe, under delayed scaling each of ``states``' scale (object and version:
+    every scale update writes it in place; current and block scales come from the weight itself),
+    inference mode (its tensors cannot be saved for backward), and last ``step``, the training
+    step of a recording cast (None for one that records nothing)."""
+    scales = tuple(t for st in states for t in (st.scale, st.scale._version, st.initialized, st.initialized._version)
+                   ) if recipe.delayed() else ()
+    return (weight, weight._version, weight.data_ptr(), weight.device, optimizer_steps(), recipe, *scales,
+            torch.is_inference_mode_enabled(), step)
+
+
 def weight_cache_holders(model: "nn.Module") -> list["nn.Module"]:
     """The modules of ``model`` (itself included) that keep FP8 weight casts: those with a
     ``clear_weight_cache`` method (``FP8Linear``, the FP8 MoE experts)."""
@@ -98,8 +111,7 @@ def clear_weight_caches(model: "nn.Module") -> None:
 class WeightCache:
     """A layer's cached weight casts (rowwise ``[out, in]``, columnwise ``[in, out]`` or None; for
     an FP8 experts projection, rowwise is its stack's ``(data, scale_inv)`` cast) and the key they
-    were cast from (``FP8Linear._weight_cache_key``: the weight, its version, the scale, the
-    recipe, ..., and last the training step); ``recorded``: the cast recorded its amax."""
+    were cast from (:func:`weight_cast_key`); ``recorded``: the cast recorded its amax."""
     __slots__ = ("key", "recorded", "rowwise", "columnwise")
 
     def __init__(self, key: tuple, recorded: bool, rowwise: "QuantizedTensor",
