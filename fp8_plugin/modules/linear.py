@@ -173,14 +173,15 @@ class _FP8LinearFunction(torch.autograd.Function):
             w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
             grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)
         if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
+            # Written in the weight's dtype (FP32 master weights: float32; a BF16 weight: BF16, as
+            # nn.Linear's): one rounding of the FP32 accumulator, and no float32 [N, K] copy.
             if fp8_w:
-                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), torch.float32,
+                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), ctx.weight_dtype,
                                   None, info.split[2])
             else:
-                grad_w = _high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, torch.float32)
+                grad_w = _high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, ctx.weight_dtype)
             if info.weight_transposed:
                 grad_w = grad_w.t()
-            grad_w = grad_w.to(ctx.weight_dtype)
         if need_b:
             grad_b = (grad_out.to(torch.float32).sum(0) if bias_sum is None else bias_sum).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, *([None] * 14)

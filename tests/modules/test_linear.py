@@ -11,7 +11,7 @@ from fp8_plugin.numerics import gemm
 from fp8_plugin.numerics.gemm import force_path
 from fp8_plugin.numerics.gemm_kernels import emulated_bf16
 from fp8_plugin import DelayedScaling, Float8CurrentScaling, Format
-from reference import assert_within_bound, fp8_operand, gemm_error_bound, te_scale
+from reference import assert_within_bound, fp8_operand, fp8_operand_fp32, gemm_error_bound, te_scale
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -55,6 +55,24 @@ def test_forward_dgrad_wgrad_match_float64_reference(recipe_cls, fmt, grad_dtype
     bias_grad_bound = 32 * 2.0**-24 * g.double().abs().sum((0, 1))
     assert_within_bound(layer.bias.grad, g.double().sum((0, 1)), bias_grad_bound)
     assert layer.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("path", ["native", "emulated"])
+def test_a_bf16_weights_wgrad_is_the_fp32_accumulation_rounded_once_to_bf16(path):
+    # The wgrad GEMM writes a BF16 weight's gradient itself: the float64 product of the FP8
+    # operands within float32 accumulation's bound plus one bfloat16 rounding.
+    torch.manual_seed(0)
+    layer = fp.FP8Linear(48, 32, bias=False, dtype=torch.bfloat16)
+    x = (torch.randn(64, 48) * 3).to(torch.bfloat16)
+    g = (torch.randn(64, 32) * 1e-3).to(torch.bfloat16)
+    with force_path(path), fp.autocast():
+        y = layer(x)
+    with force_path(path):
+        y.backward(g)
+    assert layer.weight.grad.dtype == torch.bfloat16
+    xq, gq = fp8_operand_fp32(x, E4M3), fp8_operand_fp32(g, E5M2)
+    gt, xt = gq.t().contiguous(), xq.t().contiguous()
+    assert_within_bound(layer.weight.grad, gq.t() @ xq, gemm_error_bound(gt, xt, torch.bfloat16))
 
 
 def test_fp8_actually_changes_the_result_and_is_close_to_high_precision():

@@ -119,6 +119,18 @@ def assert_within_bound(got: torch.Tensor, expected: torch.Tensor, bound: torch.
     )
 
 
+def fp8_operand_fp32(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The value an FP8 GEMM sees for ``x`` cast with its own amax, computed as Transformer
+    Engine's cast kernels compute it, in float32: scale = fp32(FP8_MAX / amax), each value
+    fp32(x * scale) saturated and rounded to nearest even, read back times fp32(1 / scale);
+    float64. Short inputs (BF16) often land exactly on a tie of the FP8 grid, where a float64
+    scale (:func:`fp8_operand`) and a float32 one round apart."""
+    amax = x.detach().abs().max().to(torch.float32)
+    scale = torch.tensor(MAX[dtype], dtype=torch.float32) / amax
+    q = (x.detach().to(torch.float32) * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+    return q.double() * (1.0 / scale).double()
+
+
 def te_scale(amax: float, dtype: torch.dtype, margin: int = 0) -> float:
     """TE's formula, scale = (FP8_MAX / amax) / 2 ** margin."""
     return MAX[dtype] / amax / 2**margin

@@ -228,6 +228,27 @@ def test_an_fp8_backward_frees_grad_outputs_rowwise_cast_before_wgrad_allocates(
     assert sum(r.nbytes for r in live) == m * n
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_weights_wgrad_is_written_in_its_dtype_with_no_float32_copy(dtype):
+    # A BF16 or FP16 weight (FSDP2's param_dtype, bf16-true) takes a gradient of its own dtype,
+    # as nn.Linear's does: the FP8 wgrad GEMM writes it, with no float32 [N, K] in between.
+    import fp8_plugin
+    from fp8_plugin.numerics.gemm import force_path
+
+    m, k, n = 256, 128, 192
+    with meta_as_cuda((9, 0)), force_path("native"):
+        layer = fp8_plugin.FP8Linear(k, n, bias=False, device="meta", dtype=dtype)
+        x = torch.empty(m, k, device="meta", dtype=dtype, requires_grad=True)
+        with MemoryTrace("meta") as trace:
+            with fp8_plugin.autocast():
+                out = layer(x)
+            out.backward(torch.empty(m, n, device="meta", dtype=dtype))
+    assert layer.weight.grad.dtype == dtype
+    assert not [r for r in trace.allocations if r.dtype == torch.float32 and r.shape == (n, k)]
+    wgrad = [r for r in trace.allocations if "scaled_mm" in r.op and r.shape == (n, k)]
+    assert [r.dtype for r in wgrad] == [dtype]
+
+
 # --- LoRA fine-tunes ---------------------------------------------------------------------------
 
 RANK = 4
