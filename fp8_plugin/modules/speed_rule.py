@@ -36,6 +36,7 @@ from torch import nn
 
 from ..numerics.device import recipe_gemm_kind
 from ..numerics.device_kind import cuda_capability, device_kind
+from ..numerics.kernels import gemm_kernel
 from ..numerics.recipes import DelayedScaling, Recipe
 
 __all__ = ["size_rule", "too_small_for_fp8", "GPU_RATES", "ACHIEVED_BF16", "ACHIEVED_FP8", "DEFAULT_TOKENS", "GpuRates", "SpeedRule", "gpu_rates",
@@ -129,7 +130,8 @@ class SpeedRule:
 def measured_host_overhead_us(device: torch.device, recipe: Optional[Recipe] = None) -> float:
     """Host time an ``FP8Linear`` training step adds over ``nn.Linear``'s under BF16 autocast, µs.
 
-    Measured once per process, device and GEMM kind of ``recipe`` (default delayed scaling): 512
+    Measured once per process, device, GEMM kind of ``recipe`` (default delayed scaling) and GEMM
+    kernel (:func:`~fp8_plugin.numerics.kernels.gemm_kernel`): 512
     tokens x 256 -> 384 (GPU kernels of a few microseconds: the GPU waits for the host), the
     fastest of 3 runs of 20 steps after 5 untimed ones, each run ended by one synchronisation.
     If ``torch.distributed`` is initialized, the ranks' figures are reduced to their maximum (one
@@ -141,7 +143,7 @@ def measured_host_overhead_us(device: torch.device, recipe: Optional[Recipe] = N
     if device_kind(device) != "cuda" or device.type != "cuda":
         raise ValueError(f"measured_host_overhead_us(device={device}) measures a CUDA GPU; valid: a cuda device")
     recipe = recipe if recipe is not None else DelayedScaling()
-    key = (device, recipe_gemm_kind(recipe))
+    key = (device, recipe_gemm_kind(recipe), gemm_kernel())  # the Triton GEMM's host time is its own
     if key not in _measured:
         _measured[key] = _measure(device, recipe)
     overhead = _measured[key]
@@ -154,8 +156,8 @@ def measured_host_overhead_us(device: torch.device, recipe: Optional[Recipe] = N
     return overhead
 
 
-# Host overheads measured in this process, by (device, GEMM kind of the recipe).
-_measured: dict[tuple[torch.device, str], float] = {}
+# Host overheads measured in this process, by (device, GEMM kind of the recipe, GEMM kernel).
+_measured: dict[tuple[torch.device, str, str], float] = {}
 
 
 def _measure(device: torch.device, recipe: Recipe) -> float:

@@ -11,6 +11,11 @@ Three kinds of scaling reach the GEMM, each with its own native kernel:
 - ``mxfp8`` (MXFP8BlockScaling): ``scaled_mm`` with ``BlockWise1x32`` and swizzled E8M0 scales
   (cuBLAS, Blackwell sm100+); the contraction dim must be a multiple of 32.
 
+On a CUDA GPU in eager code the ``tensorwise`` kind can run as a Triton kernel instead of
+``torch._scaled_mm`` (:func:`~fp8_plugin.numerics.kernels.gemm_kernel`,
+:mod:`~fp8_plugin.numerics.kernels.scaled_gemm`: a few microseconds of CPU per call, any shape
+without padding).
+
 On CUDA, operands whose dims the kernel refuses are zero-padded to its multiples
 (:func:`pad_to_alignment`; most often the token count, which is M of the forward and dgrad and
 K of wgrad) and the output cut back: exact, and far faster than the emulation.
@@ -57,6 +62,7 @@ import torch.nn.functional as F
 
 from .device_kind import cuda_capability, device_kind, presented_device
 from .cpu_emulation import cpu_emulation
+from .formats import is_fnuz
 from .gemm_kernels import emulated as _emulated
 from .gemm_kernels import emulated_bf16 as _emulated_bf16
 from .gemm_kernels import fp8_gemm_in_bf16, fp8_values_in_bf16  # noqa: F401  (public here too)
@@ -65,6 +71,8 @@ from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
 from .gemm_kernels import scaled_mm_tensorwise as _scaled_mm_tensorwise
 from .gemm_support import KERNEL_OUT_DTYPES as _KERNEL_OUT_DTYPES
 from .gemm_support import NativeGemm, format_name, probe_block_kind
+from .kernels import gemm_kernel
+from .kernels.ops import traced
 from .quantizers import QuantizedTensor
 
 __all__ = [
@@ -527,6 +535,12 @@ def fp8_gemm(
         return _emulate(a, b, out_dtype, bias)
     m, n = a.data.shape[0], b.data.shape[0]
     device_type = device_kind(a.data.device)
+    if device_type == "cuda" and kind == "tensorwise" and gemm_kernel() == "triton" and _eager_triton(a, b):
+        # The Triton GEMM (numerics/kernels/scaled_gemm.py): any shape, no padding, no autocast.
+        from .kernels.scaled_gemm import scaled_gemm
+
+        return scaled_gemm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype,
+                           None if bias is None else _kernel_bias(bias, out_dtype), not use_split_accumulator)
     if device_type == "cuda":
         # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
         # zeros rather than emulated: one copy of each operand against a far slower GEMM.
@@ -548,6 +562,12 @@ def fp8_gemm(
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
     return out
+
+
+def _eager_triton(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    # A plain eager launch (not compiled, traced or faked), of OCP operands (the kernel's tl.dot
+    # takes E4M3 and E5M2; an AMD MI300's FNUZ formats keep torch._scaled_mm).
+    return not (traced(a.data) or is_fnuz(a.data.dtype) or is_fnuz(b.data.dtype))
 
 
 def _row_major(q: QuantizedTensor) -> QuantizedTensor:

@@ -1,5 +1,6 @@
 """GEMM paths per device: scale layouts of the native block GEMMs, describe_device, recipe "auto"."""
 
+import contextlib
 import math
 import time
 import warnings
@@ -378,3 +379,62 @@ def test_every_fp8_value_is_exact_in_bf16(dtype):
         else:
             expected = sign * (1 + mantissa / 2**mantissa_bits) * 2.0 ** (exponent - bias)
         assert value == expected or math.isnan(value) and math.isnan(expected), (byte, value, expected)
+
+
+# --- the Triton GEMM's place among the paths -------------------------------------------------------
+
+
+def _layer_step_on_meta_gpu(kernel: str, monkeypatch, mode=None) -> tuple[dict, int, fp.FP8Linear, torch.Tensor]:
+    # One training step of an FP8Linear on meta tensors presented as an H100, the casts' and
+    # GEMM's launches counted (record_launches), torch._scaled_mm's calls counted too.
+    from fp8_plugin.numerics.device_kind import meta_as_cuda
+    from fp8_plugin.numerics.kernels import force_gemm_kernel, force_kernels
+    from fp8_plugin.numerics.kernels.launch import record_launches
+
+    calls = []
+    original = gemm._scaled_mm_tensorwise
+    monkeypatch.setattr(gemm, "_scaled_mm_tensorwise", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with meta_as_cuda((9, 0)), force_path("native"), force_kernels("triton"), force_gemm_kernel(kernel), \
+            record_launches() as launches:
+        layer = fp.FP8Linear(256, 384, device="meta", dtype=torch.bfloat16)
+        x = torch.empty(100, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        with mode if mode is not None else contextlib.nullcontext():
+            with fp.autocast():
+                out = layer(x)
+            out.backward(torch.empty_like(out))
+    return dict(launches), len(calls), layer, x
+
+
+@pytest.mark.parametrize("kernel, triton_gemms, scaled_mms", [("torch", 0, 3), ("triton", 3, 0)])
+def test_the_gemm_kernel_setting_sends_a_layers_three_gemms_to_one_kernel_or_the_other(kernel, triton_gemms,
+                                                                                        scaled_mms, monkeypatch):
+    launches, calls, layer, x = _layer_step_on_meta_gpu(kernel, monkeypatch)
+    assert launches.get("_scaled_gemm_kernel", 0) == triton_gemms and calls == scaled_mms
+    assert x.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.bfloat16
+    assert x.grad.shape == (100, 256) and layer.weight.grad.shape == (384, 256)
+
+
+def test_a_dispatch_mode_sees_torchs_scaled_gemm_whatever_the_setting(monkeypatch):
+    # A mode (the memory tool, fake tensors, the contract recorder) sees aten ops only: the GEMMs
+    # stay torch._scaled_mm there, as they do under torch.compile.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    launches, calls, _, _ = _layer_step_on_meta_gpu("triton", monkeypatch, Passthrough())
+    assert "_scaled_gemm_kernel" not in launches and calls == 3
+
+
+def test_an_unknown_gemm_kernel_is_refused_naming_the_valid_ones(monkeypatch):
+    from fp8_plugin.numerics.kernels import force_gemm_kernel, gemm_kernel
+
+    monkeypatch.setenv("FP8_PLUGIN_GEMM_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="FP8_PLUGIN_GEMM_KERNEL='cutlass' is not a GEMM kernel; valid: torch, triton"):
+        gemm_kernel()
+    with pytest.raises(ValueError, match="kernel='cublas'.*valid: torch, triton"):
+        with force_gemm_kernel("cublas"):
+            pass
+    monkeypatch.setenv("FP8_PLUGIN_GEMM_KERNEL", "triton")
+    assert gemm_kernel() == "triton"

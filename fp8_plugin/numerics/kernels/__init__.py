@@ -12,7 +12,8 @@ recording its amax into the layer's scaling state), :mod:`.blockwise` (MXFP8 and
 casts, both copies and the GEMM's scale layouts in one pass), :mod:`.grouped` (the experts'
 per-expert casts), :mod:`.scale_update` (delayed scaling's update of a whole model in one
 launch), :mod:`.ops` (the casts as torch custom ops, for ``torch.compile``, fake tensors and
-dispatch modes).
+dispatch modes), :mod:`.scaled_gemm` (a per-tensor-scaled FP8 GEMM, the alternative to
+``torch._scaled_mm`` that :func:`gemm_kernel` selects).
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ import torch
 from ..device_kind import device_kind
 from ..formats import is_fnuz
 
-__all__ = ["fused_casts", "fusable", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR"]
+__all__ = ["fused_casts", "fusable", "force_kernels", "forced_kernels", "KERNEL_PATHS", "ENV_VAR", "gemm_kernel",
+           "force_gemm_kernel", "GEMM_KERNELS", "GEMM_ENV_VAR"]
 
 KERNEL_PATHS = ("auto", "triton", "torch")
 # Set to "torch" to keep the torch ops on a GPU (a comparison, or a Triton build that misbehaves).
 ENV_VAR = "FP8_PLUGIN_CAST_KERNELS"
 _forced: Optional[str] = None
+GEMM_KERNELS = ("torch", "triton")
+# Which kernel runs a per-tensor-scaled FP8 GEMM on a CUDA GPU in eager code (gemm_kernel).
+GEMM_ENV_VAR = "FP8_PLUGIN_GEMM_KERNEL"
+_forced_gemm: Optional[str] = None
 
 
 @contextlib.contextmanager
@@ -101,3 +107,40 @@ def _triton_available() -> tuple[bool, str]:
     except ImportError as err:
         return False, f"Triton does not import ({err})"
     return True, ""
+
+
+def gemm_kernel() -> str:
+    """The kernel of per-tensor-scaled FP8 GEMMs on a CUDA GPU in eager code: ``"torch"`` (the
+    default: ``torch._scaled_mm``, cuBLASLt) or ``"triton"`` (:mod:`.scaled_gemm`: launched at a
+    few microseconds of CPU, where cuBLASLt's host side costs tens to a hundred; its GPU time
+    against cuBLAS's is measured by ``benchmarks/suite.py``), from :func:`force_gemm_kernel`, else
+    ``FP8_PLUGIN_GEMM_KERNEL``. Compiled code, dispatch modes and the block-scaled recipes keep
+    ``torch._scaled_mm`` / ``scaled_mm`` whatever it says.
+
+    Raises:
+        ValueError: another value of ``FP8_PLUGIN_GEMM_KERNEL``.
+    """
+    if _forced_gemm is not None:
+        return _forced_gemm
+    kernel = os.environ.get(GEMM_ENV_VAR, "torch")
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"{GEMM_ENV_VAR}={kernel!r} is not a GEMM kernel; valid: {', '.join(GEMM_KERNELS)}")
+    return kernel
+
+
+@contextlib.contextmanager
+def force_gemm_kernel(kernel: str) -> Iterator[None]:
+    """Run the per-tensor-scaled FP8 GEMMs of the context with ``kernel`` (:func:`gemm_kernel`'s
+    choices), whatever ``FP8_PLUGIN_GEMM_KERNEL`` says.
+
+    Raises:
+        ValueError: unknown ``kernel``.
+    """
+    global _forced_gemm
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"force_gemm_kernel(kernel={kernel!r}) is not a GEMM kernel; valid: {', '.join(GEMM_KERNELS)}")
+    previous, _forced_gemm = _forced_gemm, kernel
+    try:
+        yield
+    finally:
+        _forced_gemm = previous
