@@ -19,7 +19,9 @@
 #                     break is reported with its reason and the user line it broke at);
 #   6. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
 #                     time goes, per recipe, against nn.Linear (HOST_RECIPES narrows the recipes);
-#   7. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly;
+#                     host_triton*.md/json the same with the Triton GEMM (delayed, current);
+#   7. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly
+#                     (delayed+triton, current+triton: with the Triton GEMM);
 #   8. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
 #   9. probe.txt      benchmarks/gpu_probe.py: every GEMM variant the project can call, native
 #                     against the emulation, one line each (crash-isolated);
@@ -28,7 +30,7 @@
 #
 # What each step cost on the H100 of 2026-11-27, its cap in brackets: device 13 s [45]; contract
 # over 120 s [150]; models 234 s [240, its runs stop 10 s before]; memory not measured yet [45]; compiled 29 s [60]; host 36 s
-# [45]; layer 22 s [70]; model 29 s [60]; probe 22 s [90]; contract_meta 47 s [120] gets what is
+# [70, with the Triton GEMM's two runs added]; layer 22 s [70]; model 29 s [60]; probe 22 s [90]; contract_meta 47 s [120] gets what is
 # left. A step stopped at its cap gets SIGINT (pytest then reports the failures so far), SIGKILL
 # 10 s later.
 #
@@ -165,7 +167,11 @@ host_profiles() {
         "$PYTHON" benchmarks/host_profile.py --device cuda --recipes "$HOST_RECIPES" --steps 100 --repeats 3 \
             --output "$WORK/host.json" &&
         "$PYTHON" benchmarks/host_profile.py --device cuda --recipes "$HOST_RECIPES" --shape 4096x2048x2048 \
-            --steps 50 --repeats 3 --output "$WORK/host_4096.json"
+            --steps 50 --repeats 3 --output "$WORK/host_4096.json" &&
+        "$PYTHON" benchmarks/host_profile.py --device cuda --recipes delayed,current --gemm-kernel triton \
+            --steps 100 --repeats 3 --output "$WORK/host_triton.json" &&
+        "$PYTHON" benchmarks/host_profile.py --device cuda --recipes delayed,current --gemm-kernel triton \
+            --shape 4096x2048x2048 --steps 50 --repeats 3 --output "$WORK/host_triton_4096.json"
     else
         "$PYTHON" benchmarks/host_profile.py --device meta --recipes "$HOST_RECIPES" --steps 20 --repeats 2 \
             --output "$WORK/host.json"
@@ -198,7 +204,7 @@ step models 240 models
 step memory 45 "$PYTHON" benchmarks/memory_fit.py check $MEMORY --output "$WORK/memory.json"
 step compiled 60 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$BIG" \
     --steps 5 --warmup 2 --compile --compile-variants "$COMPILE_VARIANTS" --output "$WORK/compiled.json"
-step host 45 host_profiles
+step host 70 host_profiles
 step layer 70 "$PYTHON" benchmarks/suite.py --device "$DEVICE" --sections layer --shapes "$SHAPES" \
     --steps 5 --warmup 2 --output "$WORK/layer.json"
 # shellcheck disable=SC2086  # MODEL holds several arguments

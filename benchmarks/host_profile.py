@@ -27,6 +27,7 @@ Devices:
 
     OMP_NUM_THREADS=1 python benchmarks/host_profile.py                       # meta, ~30 s
     python benchmarks/host_profile.py --device cuda --shape 4096x2048x2048   # on a GPU
+    python benchmarks/host_profile.py --device cuda --gemm-kernel triton     # the Triton GEMM's host time
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch import nn  # noqa: E402
 import fp8_plugin  # noqa: E402
 from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
 from fp8_plugin.numerics.gemm import force_path  # noqa: E402
-from fp8_plugin.numerics.kernels import force_kernels  # noqa: E402
+from fp8_plugin.numerics.kernels import GEMM_KERNELS, force_gemm_kernel, force_kernels  # noqa: E402
 from fp8_plugin.numerics.kernels.launch import record_launches  # noqa: E402
 from fp8_suite.common import RECIPES, environment, write_report  # noqa: E402  (benchmarks/)
 
@@ -196,7 +197,9 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         triton = dict(launches)
         categories, functions, update, profiled = _profile(fp8_step, steps)
         bf16_categories, _, _, bf16_profiled = _profile(bf16_step, steps)
-        gemms = dict(_gemm_calls(fp8_step))
+        # The Triton GEMM's are launches (a dispatch mode would see torch._scaled_mm in their place).
+        gemms = ({"_scaled_gemm_kernel": triton["_scaled_gemm_kernel"]} if "_scaled_gemm_kernel" in triton
+                 else dict(_gemm_calls(fp8_step)))
     scale = fp8_us / profiled  # profiled seconds -> unprofiled µs
     shares = {name: seconds * scale for name, seconds in sorted(categories.items(), key=lambda kv: -kv[1])}
     meta_us = shares.get("meta kernels (proxy only)", 0.0)
@@ -225,7 +228,9 @@ def table(data: dict) -> str:
     """The markdown report of :func:`main`'s data."""
     env = data["environment"]
     m, k, n = data["shape"]
-    lines = [f"# FP8Linear host time per training step ({data['device']}, {m} x {k} -> {n}, BF16)", "",
+    kernel = data.get("gemm_kernel", "torch")
+    lines = [f"# FP8Linear host time per training step ({data['device']}, {m} x {k} -> {n}, BF16, "
+             f"{'the Triton GEMM' if kernel == 'triton' else 'torch._scaled_mm'})", "",
              f"{env['device']}; torch {env['torch']}; commit {env['commit']}; {env['date']}", "",
              "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | scale update µs "
              "| meta kernels µs | Triton launches | GEMMs |",
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=200, help="steps per timed run")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the fastest is kept)")
     parser.add_argument("--top", type=int, default=12, help="fp8-plugin functions listed per recipe")
+    parser.add_argument("--gemm-kernel", choices=GEMM_KERNELS, default="torch",
+                        help="the per-tensor recipes' GEMM: torch._scaled_mm (torch) or the Triton GEMM (triton)")
     parser.add_argument("--output", type=Path, default=Path("runs/benchmarks/host_profile.json"))
     args = parser.parse_args(argv)
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
@@ -268,9 +275,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU; valid here: --device meta")
     device = torch.device(args.device)
+    with force_gemm_kernel(args.gemm_kernel):
+        profiles = [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top) for r in recipes]
     data = {"device": args.device, "shape": list(args.shape), "steps": args.steps, "repeats": args.repeats,
+            "gemm_kernel": args.gemm_kernel,
             "environment": environment(torch.device("cuda" if args.device == "cuda" else "cpu")),
-            "recipes": [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top) for r in recipes]}
+            "recipes": profiles}
     write_report(args.output, data, table(data))
     return data
 

@@ -21,6 +21,7 @@ from torch import nn
 
 import fp8_plugin
 import fp8_plugin.numerics.gemm as fp8_gemm_module
+from fp8_plugin.numerics.kernels import force_gemm_kernel
 
 from .common import RECIPES, describe_error, peak_memory_bytes, release_memory, synchronize
 
@@ -42,8 +43,11 @@ TARGET_SHAPE: Shape = (16384, 8192, 8192)
 TARGET_SPEEDUP = 1.7
 BASELINE = "bf16"
 TORCHAO = "torchao"
-# BF16 first (the baseline), each recipe, then torchao's Float8Linear (where it imports).
-VARIANTS = (BASELINE, *RECIPES, TORCHAO)
+# The per-tensor recipes again with the Triton GEMM (numerics/kernels/scaled_gemm.py) in place of
+# torch._scaled_mm: eagerly, on a CUDA GPU.
+TRITON_GEMM = {"delayed+triton": "delayed", "current+triton": "current"}
+# BF16 first (the baseline), each recipe, the Triton GEMM's, then torchao's Float8Linear (where it imports).
+VARIANTS = (BASELINE, *RECIPES, *TRITON_GEMM, TORCHAO)
 
 
 @dataclass
@@ -78,7 +82,7 @@ def _make_layer(variant: str, k: int, n: int, device: torch.device) -> nn.Module
         return nn.Linear(k, n, bias=False, device=device)
     if variant == TORCHAO:
         return _torchao_layer(k, n, device)
-    return fp8_plugin.FP8Linear(k, n, bias=False, device=device, recipe=RECIPES[variant]())
+    return fp8_plugin.FP8Linear(k, n, bias=False, device=device, recipe=RECIPES[TRITON_GEMM.get(variant, variant)]())
 
 
 def _iteration(layer: nn.Module, run: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
@@ -171,31 +175,45 @@ def measure(shape: Shape, variant: str, compiled: bool, steps: int, warmup: int,
     """Time one variant at one shape; an error (a variant this device cannot run) is recorded."""
     m, k, n = shape
     result = LayerResult(m, k, n, variant, compiled)
+    if variant in TRITON_GEMM and (device.type != "cuda" or compiled):
+        result.error = "the Triton GEMM runs eagerly on CUDA GPUs"
+        return result
     release_memory(device)
+    gemm_kernel = force_gemm_kernel("triton" if variant in TRITON_GEMM else "torch")
     try:
-        layer = _make_layer(variant, k, n, device)
-        run = layer
-        if compiled:
-            torch._dynamo.reset()  # each variant compiles afresh, with the whole recompile limit
-            run = torch.compile(layer, fullgraph=True, dynamic=False)
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
-        grad = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
-        step = _iteration(layer, run, x, grad)
-        for _ in range(warmup):
-            step()
-        synchronize(device)
-        release_memory(device)  # the peak of the timed iterations alone
-        graphs = _compiled_graphs()
-        result.ms = _seconds_per_iteration(step, steps, device) * 1e3
-        result.peak_bytes = peak_memory_bytes(device)
-        if compiled:
-            result.recompiles = _compiled_graphs() - graphs
-        if variant in RECIPES and not compiled:
-            result.gemm_path = _gemm_path(step)
+        with gemm_kernel:
+            _measure_into(result, variant, compiled, steps, warmup, device)
     except Exception as err:  # noqa: BLE001  (a variant the device cannot run is reported, not fatal)
         result.error = describe_error(err)
     return result
+
+
+def _measure_into(result: LayerResult, variant: str, compiled: bool, steps: int, warmup: int,
+                  device: torch.device) -> None:
+    # measure()'s timing of one variant into ``result``; raises what the variant raises.
+    m, k, n = result.m, result.k, result.n
+    layer = _make_layer(variant, k, n, device)
+    run = layer
+    if compiled:
+        torch._dynamo.reset()  # each variant compiles afresh, with the whole recompile limit
+        run = torch.compile(layer, fullgraph=True, dynamic=False)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
+    step = _iteration(layer, run, x, grad)
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    release_memory(device)  # the peak of the timed iterations alone
+    graphs = _compiled_graphs()
+    result.ms = _seconds_per_iteration(step, steps, device) * 1e3
+    result.peak_bytes = peak_memory_bytes(device)
+    if compiled:
+        result.recompiles = _compiled_graphs() - graphs
+    if variant in TRITON_GEMM:
+        result.gemm_path = "triton"
+    elif variant in RECIPES and not compiled:
+        result.gemm_path = _gemm_path(step)
 
 
 def torchao_status() -> Optional[str]:

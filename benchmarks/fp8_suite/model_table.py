@@ -34,14 +34,16 @@ Kind = tuple[str, str]  # (precision, mode)
 
 # GPU: phases of (models, kinds), most valuable first; each model's first phase starts with its
 # bf16-mixed eager baseline, which every ratio needs. The H100 run of 2026-11-27 measured 125M
-# and 1B eagerly and with CUDA graphs: the 8B-shaped block (the largest expected gain) and the
-# compiled and torchao rows of 1B come first now.
+# and 1B eagerly and with CUDA graphs: the 8B-shaped block (the largest expected gain) comes
+# first, then the Triton GEMM's eager runs (its host time against torch._scaled_mm's), then the
+# compiled and torchao rows of 1B.
 _BF16, _FP8, _AO = "bf16-mixed", "fp8-hybrid", "torchao-tensorwise"
 GPU_PHASES: tuple[tuple[tuple[str, ...], tuple[Kind, ...]], ...] = (
-    (("8b-block",), ((_BF16, "eager"), (_FP8, "eager"), (_FP8, "graphs"))),
-    (("1b",), ((_BF16, "eager"), (_AO, "compiled"), (_BF16, "compiled"), (_FP8, "compiled"), (_FP8, "graphs"))),
-    (("125m",), ((_BF16, "eager"), (_FP8, "eager"), (_FP8, "graphs"), (_BF16, "compiled"), (_FP8, "compiled"),
-                 (_AO, "compiled"))),
+    (("8b-block",), ((_BF16, "eager"), (_FP8, "eager"), (_FP8, "graphs"), (_FP8, "eager-triton"))),
+    (("125m",), ((_BF16, "eager"), (_FP8, "eager-triton"))),
+    (("1b",), ((_BF16, "eager"), (_FP8, "eager-triton"), (_AO, "compiled"), (_BF16, "compiled"), (_FP8, "compiled"),
+               (_FP8, "graphs"))),
+    (("125m",), ((_FP8, "eager"), (_FP8, "graphs"), (_BF16, "compiled"), (_FP8, "compiled"), (_AO, "compiled"))),
     (("1b",), ((_FP8, "eager"), (_AO, "eager"))),
     (("125m",), ((_AO, "eager"),)),
     (("8b-block",), ((_BF16, "compiled"), (_FP8, "compiled"), (_AO, "compiled"), (_AO, "eager"))),
@@ -54,9 +56,10 @@ SEQ_LEN = {"cuda": 2048, "cpu": 64}
 STEPS = {"cuda": (5, 3), "cpu": (2, 1)}  # (timed, warm-up) steps
 # Per mode, seconds: a run's own limit, and the least budget left for it to start (process start,
 # model build and a few steps; compilation of a whole model takes tens of seconds on a GPU).
-RUN_LIMIT = {"eager": 45, "graphs": 60, "compiled": 90}
-MIN_START = {"eager": 15, "graphs": 20, "compiled": 40}
-CPU_REASONS = {"compiled": "compile rehearsed on GPU only", "graphs": "CUDA graphs need a CUDA device"}
+RUN_LIMIT = {"eager": 45, "eager-triton": 45, "graphs": 60, "compiled": 90}
+MIN_START = {"eager": 15, "eager-triton": 15, "graphs": 20, "compiled": 40}
+CPU_REASONS = {"compiled": "compile rehearsed on GPU only", "graphs": "CUDA graphs need a CUDA device",
+               "eager-triton": "the Triton GEMM runs on CUDA GPUs"}
 
 
 def plan(device: str, models: Optional[Iterable[str]] = None, kinds: Optional[Iterable[Kind]] = None,

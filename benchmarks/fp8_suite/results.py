@@ -8,9 +8,9 @@ the model table (``models.json``, ``benchmarks/model_table.py``). Every row has:
 - ``date`` (``YYYY-MM-DD``), ``device`` (as torch reports it: ``"NVIDIA H100 80GB HBM3 (sm90)"``),
   ``torch``, ``commit``;
 - ``model`` (model rows) or ``layer`` (``"MxKxN"``, layer rows), the other None;
-- ``mode``: ``"eager"``, ``"compiled"`` or ``"graphs"`` (CUDA graphs);
+- ``mode``: ``"eager"``, ``"compiled"``, ``"graphs"`` (CUDA graphs) or ``"eager-triton"`` (eager, the Triton GEMM);
 - ``recipe``: layers: the suite's variant (``"bf16"``, ``"delayed"``, ``"current"``, ``"mxfp8"``,
-  ``"blockwise"``, ``"torchao"``); models: the precision (``"bf16-mixed"``, ``"fp8-hybrid"``,
+  ``"blockwise"``, ``"delayed+triton"``, ``"current+triton"``, ``"torchao"``); models: the precision (``"bf16-mixed"``, ``"fp8-hybrid"``,
   ``"torchao-tensorwise"``), with the recipe ``fp8-hybrid`` resolved to in ``fp8_recipe``;
 - ``tokens_per_s`` (models, tokens per second) or ``ms`` (layers, milliseconds per forward +
   backward); ``peak_mib``: ``torch.cuda.max_memory_allocated`` in MiB (None on a CPU);

@@ -35,6 +35,7 @@ from transformers import LlamaForCausalLM
 
 import fp8_plugin
 from fp8_plugin.modules.speed_rule import gpu_rates
+from fp8_plugin.numerics.kernels import force_gemm_kernel
 
 from . import cuda_graphs
 from .common import RECIPES, describe_error, graph_break_reasons, peak_memory_bytes, release_memory, synchronize, timed
@@ -50,11 +51,12 @@ SIZES: dict[str, dict[str, int]] = {
                      intermediate_size=14336, vocab_size=32000),
 }
 PRECISIONS = ("bf16-mixed", "fp8-hybrid", "torchao-tensorwise")
-MODES = ("eager", "compiled", "graphs")
+# "eager-triton": eager, the per-tensor GEMMs on the Triton GEMM (numerics/kernels/scaled_gemm.py).
+MODES = ("eager", "compiled", "graphs", "eager-triton")
 # The (precision, mode) pairs of each model, in the table's order; the first is the baseline.
 KINDS: tuple[tuple[str, str], ...] = (
     ("bf16-mixed", "eager"), ("bf16-mixed", "compiled"),
-    ("fp8-hybrid", "eager"), ("fp8-hybrid", "graphs"), ("fp8-hybrid", "compiled"),
+    ("fp8-hybrid", "eager"), ("fp8-hybrid", "eager-triton"), ("fp8-hybrid", "graphs"), ("fp8-hybrid", "compiled"),
     ("torchao-tensorwise", "compiled"), ("torchao-tensorwise", "eager"),
 )
 BASELINE = KINDS[0]
@@ -142,7 +144,7 @@ def _convert(result: RunResult, model: nn.Module, device: torch.device) -> Optio
         # GEMMs gain on this GPU (a SpeedRule without host overhead); on a CPU every layer.
         skip_small = "auto"
         rates = gpu_rates(device) if device.type == "cuda" else None
-        if result.mode != "eager" and rates is not None:
+        if result.mode in ("graphs", "compiled") and rates is not None:
             skip_small = fp8_plugin.SpeedRule(rates, host_overhead_us=0.0, tokens=tokens, source="no host time per layer")
         report = fp8_plugin.convert_model(model, recipe, device=device, skip_small=skip_small, tokens_per_step=tokens)
         result.fp8_recipe = recipe_name(report.recipe)
@@ -207,19 +209,25 @@ def measure(spec: RunSpec) -> RunResult:
     began = time.perf_counter()
     release_memory(device)
     try:
-        step = make_step(spec, result, device)
-        for _ in range(spec.warmup):
-            step()
-        _reset_peak(device)
-        result.step_seconds = [timed(step, device) for _ in range(spec.steps)]
-        result.step_ms = statistics.median(result.step_seconds) * 1e3
-        result.tokens_per_s = spec.batch * spec.seq_len / (result.step_ms / 1e3)
-        result.peak_bytes = peak_memory_bytes(device)
-        result.status, result.error = "ran", None
-        if spec.mode == "compiled":
-            result.graph_breaks = graph_break_reasons()
+        with force_gemm_kernel("triton" if spec.mode == "eager-triton" else "torch"):
+            _run_steps(spec, result, device)
     except Exception as err:  # noqa: BLE001  (reported in the table; the other runs go on)
         result.status, result.error = "failed", describe_error(err)
     result.seconds = time.perf_counter() - began
     release_memory(device)
     return result
+
+
+def _run_steps(spec: RunSpec, result: RunResult, device: torch.device) -> None:
+    # measure()'s steps of one run into ``result``; raises what the run raises.
+    step = make_step(spec, result, device)
+    for _ in range(spec.warmup):
+        step()
+    _reset_peak(device)
+    result.step_seconds = [timed(step, device) for _ in range(spec.steps)]
+    result.step_ms = statistics.median(result.step_seconds) * 1e3
+    result.tokens_per_s = spec.batch * spec.seq_len / (result.step_ms / 1e3)
+    result.peak_bytes = peak_memory_bytes(device)
+    result.status, result.error = "ran", None
+    if spec.mode == "compiled":
+        result.graph_breaks = graph_break_reasons()

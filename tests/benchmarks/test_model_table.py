@@ -33,18 +33,21 @@ def test_the_cpu_rehearsal_writes_every_run_and_its_fp8_rows_ran_fp8_layers(tmp_
     import model_table as cli  # benchmarks/model_table.py
 
     monkeypatch.setattr(model_table, "torchao_installed", lambda: False)
-    runs = "bf16-mixed:eager,fp8-hybrid:eager,fp8-hybrid:graphs,fp8-hybrid:compiled,torchao-tensorwise:eager"
+    runs = ("bf16-mixed:eager,fp8-hybrid:eager,fp8-hybrid:eager-triton,fp8-hybrid:graphs,fp8-hybrid:compiled,"
+            "torchao-tensorwise:eager")
     out = cli.main(["--device", "cpu", "--in-process", "--runs", runs, "--steps", "1", "--warmup", "1",
                     "--output", str(tmp_path / "models.json")])
     assert json.loads((tmp_path / "models.json").read_text())["results"] == out["results"]
     rows = {(r["precision"], r["mode"]): r for r in out["results"]}
-    assert list(rows) == [("bf16-mixed", "eager"), ("fp8-hybrid", "eager"), ("fp8-hybrid", "graphs"),
-                          ("fp8-hybrid", "compiled"), ("torchao-tensorwise", "eager")]  # the table's order
+    assert list(rows) == [("bf16-mixed", "eager"), ("fp8-hybrid", "eager"), ("fp8-hybrid", "eager-triton"),
+                          ("fp8-hybrid", "graphs"), ("fp8-hybrid", "compiled"),
+                          ("torchao-tensorwise", "eager")]  # the table's order
     bf16, fp8 = rows["bf16-mixed", "eager"], rows["fp8-hybrid", "eager"]
     assert bf16["status"] == fp8["status"] == "ran" and bf16["fp8_layers"] is None
     assert fp8["fp8_layers"] == 4 * 7 and fp8["linear_layers"] == 4 * 7 + 1  # every block's linears; lm_head stays
     assert fp8["fp8_recipe"] == "delayed" and fp8["tokens_per_s"] > 0 and fp8["speedup"] > 0
     assert rows["fp8-hybrid", "graphs"]["error"] == "CUDA graphs need a CUDA device"
+    assert rows["fp8-hybrid", "eager-triton"]["error"] == "the Triton GEMM runs on CUDA GPUs"
     assert rows["fp8-hybrid", "compiled"]["error"] == "compile rehearsed on GPU only"
     assert rows["torchao-tensorwise", "eager"]["error"] == "torchao not installed"
     assert all(r["status"] == "not run" for key, r in rows.items() if key not in {("bf16-mixed", "eager"),
@@ -64,8 +67,9 @@ def test_torchao_rows_run_torchaos_float8_layers():
 def test_the_gpu_plan_puts_the_8b_block_first_each_model_after_its_baseline_and_every_run_once():
     specs = model_table.plan("cuda")
     order = [(s.model, s.precision, s.mode) for s in specs]
-    assert order[:3] == [("8b-block", "bf16-mixed", "eager"), ("8b-block", "fp8-hybrid", "eager"),
-                         ("8b-block", "fp8-hybrid", "graphs")]
+    assert order[:6] == [("8b-block", "bf16-mixed", "eager"), ("8b-block", "fp8-hybrid", "eager"),
+                         ("8b-block", "fp8-hybrid", "graphs"), ("8b-block", "fp8-hybrid", "eager-triton"),
+                         ("125m", "bf16-mixed", "eager"), ("125m", "fp8-hybrid", "eager-triton")]
     assert sorted(order) == sorted((m, p, k) for m in ("125m", "1b", "8b-block") for p, k in training_runs.KINDS)
     for model in ("125m", "1b", "8b-block"):  # the baseline of a model's ratios runs before its other runs
         assert [o for o in order if o[0] == model][0] == (model, "bf16-mixed", "eager")
@@ -89,10 +93,11 @@ def test_a_run_with_too_little_budget_left_is_not_run_and_ratios_are_against_bf1
 
     saved = []
     rows = model_table.run_table(specs, 30, False, lambda line: None, lambda rs: saved.append(len(rs)), fake)
-    assert saved == list(range(1, 8))  # written after every run
+    assert saved == list(range(1, 9))  # written after every run
     by_kind = {(r.precision, r.mode): r for r in rows}
-    assert [(s.precision, s.mode) for s in measured] == [("bf16-mixed", "eager"), ("fp8-hybrid", "eager"),
-                                                        ("fp8-hybrid", "graphs"), ("torchao-tensorwise", "eager")]
+    assert [(s.precision, s.mode) for s in measured] == [("bf16-mixed", "eager"), ("fp8-hybrid", "eager-triton"),
+                                                        ("fp8-hybrid", "eager"), ("fp8-hybrid", "graphs"),
+                                                        ("torchao-tensorwise", "eager")]
     assert by_kind["fp8-hybrid", "eager"].speedup == 1.5 and by_kind["fp8-hybrid", "eager"].memory_ratio == 0.8
     compiled = by_kind["bf16-mixed", "compiled"]
     assert compiled.status == "not run" and compiled.error.startswith("budget: ")
