@@ -15,10 +15,11 @@ Numerics (the contract of :func:`fp8_plugin.numerics.gemm.fp8_gemm`):
 - ``out = (acc * (scale_a * scale_b) + bias)`` rounded once to ``out_dtype``, with ``acc`` the
   float32 accumulation of the exact FP8 products; ``bias`` as the epilogue takes it (rounded to
   a low-precision ``out_dtype`` first, :func:`~fp8_plugin.numerics.gemm_kernels.kernel_bias`).
-- ``fast_accum=False`` (split accumulator): each ``BLOCK_K`` slice of K is one ``tl.dot`` whose
-  sum is added to the float32 accumulator, as cuBLAS promotes the tensor cores' partial sums;
-  ``fast_accum=True`` chains the dots in the tensor cores' accumulator (Hopper keeps fewer bits
-  there; Ada and Blackwell accumulate in float32 either way).
+- ``fast_accum=False`` (split accumulator): the tensor cores' partial sums are added to the
+  float32 accumulator after every 32 products (``tl.dot``'s ``max_num_imprecise_acc=32``: one
+  Hopper FP8 MMA instruction's K), as cuBLAS and CUTLASS promote them without fast accumulation;
+  ``fast_accum=True`` keeps the whole K in the tensor cores' accumulator (Hopper's keeps about 14
+  bits; the option only matters there).
 - Any M, N, K (masked tiles, no padding) and any strides; operands E4M3 or E5M2 in any pairing.
 
 Launched with ``enable_fp_fusion=False``, as the casts: the scale multiply and the bias add are
@@ -69,8 +70,8 @@ def _scaled_gemm_kernel(a, b, out, scale_a, scale_b, bias, M, N, K, stride_am, s
         y = tl.load(b_tile, mask=(rn[None, :] < N) & (rk[:, None] < left), other=0.0)
         if FAST_ACCUM:
             acc = tl.dot(x, y, acc)
-        else:
-            acc += tl.dot(x, y)
+        else:  # the tensor cores' partial sums promoted to float32 after every 32 products
+            acc = tl.dot(x, y, acc, max_num_imprecise_acc=32)
         a_tile += BLOCK_K * stride_ak
         b_tile += BLOCK_K * stride_bk
     acc = acc * (tl.load(scale_a) * tl.load(scale_b))
