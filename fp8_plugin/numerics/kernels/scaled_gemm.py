@@ -7,7 +7,7 @@ are host-bound. :func:`scaled_gemm` computes the same product as one Triton kern
 through its kept launcher (:class:`~fp8_plugin.numerics.kernels.launch.KernelLaunch`): the host
 work is one output allocation and one launch. Whether it is faster on a given GPU and shape is
 measured, not assumed: it runs where ``FP8_PLUGIN_GEMM_KERNEL=triton`` (or
-:func:`~fp8_plugin.numerics.gemm.force_gemm_kernel`) asks, and ``benchmarks/host_profile.py``
+:func:`~fp8_plugin.numerics.kernels.force_gemm_kernel`) asks, and ``benchmarks/host_profile.py``
 and ``benchmarks/suite.py`` time both kernels.
 
 Numerics (the contract of :func:`fp8_plugin.numerics.gemm.fp8_gemm`):
