@@ -1,5 +1,6 @@
-"""The fused cast kernels compile for the GPUs they are for, with the installed Triton, on a
-machine without one (Triton compiles to PTX and cubin for a named target without a device).
+"""The fused cast kernels and the FP8 GEMM compile for the GPUs they are for, with the installed
+Triton, on a machine without one (Triton compiles to PTX and cubin for a named target without a
+device); the GEMM as a launch specializes it, into Hopper's FP8 MMA with its loads pipelined.
 
 The interpreter tests (tests/numerics/test_kernels_tensorwise.py) check the kernels' bytes; these check
 that the same source lowers for sm90 (Hopper) and sm100 (Blackwell), and that the compiled code
@@ -96,3 +97,52 @@ def test_every_kernel_compiles_for_sm90_and_sm100_without_fma_or_ftz():
         assert facts["cubin"] > 0, name
         assert facts["fma"] == 0 and facts["ftz"] == 0, (name, facts)
         assert facts["target"].startswith("sm_90" if name.startswith("sm90") else "sm_100"), (name, facts)
+
+
+GEMM_SCRIPT = r'''
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp8_plugin.numerics.kernels.scaled_gemm import _scaled_gemm_kernel as kernel
+
+# As a launch specializes it: unit strides constant, pointers and the other sizes divisible by 16.
+sig = {"a": "*fp8e5", "b": "*fp8e4nv", "out": "*bf16", "scale_a": "*fp32", "scale_b": "*fp32", "bias": "*bf16",
+       "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bn": "i32",
+       "stride_bk": "constexpr", "stride_om": "i32", "stride_on": "constexpr"}
+aligned = ("a", "b", "out", "scale_a", "scale_b", "bias", "M", "N", "K", "stride_am", "stride_bn", "stride_om")
+attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+result = {}
+for arch, fast in ((90, False), (90, True), (100, False)):
+    consts = {"stride_ak": 1, "stride_bk": 1, "stride_on": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128,
+              "GROUP_M": 8, "HAS_BIAS": True, "FAST_ACCUM": fast}
+    compiled = triton.compile(ASTSource(kernel, {**sig, **{k: "constexpr" for k in consts if k not in sig}},
+                                        constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"enable_fp_fusion": False, "num_warps": 8, "num_stages": 3})
+    ptx = compiled.asm["ptx"]
+    result[f"sm{arch} {'fast' if fast else 'split'}"] = {
+        "cubin": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"), "adds": len(re.findall(r"\badd(\.rn)?\.f32", ptx)),
+        "fma": len(re.findall(r"\bfma\.", ptx)), "ftz": ptx.count(".ftz"),
+        "target": re.search(r"\.target (\S+)", ptx).group(1)}
+print(json.dumps(result))
+'''
+
+
+def test_the_fp8_gemm_compiles_for_sm90_pipelined_on_wgmma_and_for_sm100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    split, fast, blackwell = result["sm90 split"], result["sm90 fast"], result["sm100 split"]
+    for name, facts in result.items():
+        assert facts["cubin"] > 0 and facts["fma"] == 0 and facts["ftz"] == 0, (name, facts)
+    assert split["target"].startswith("sm_90") and blackwell["target"].startswith("sm_100")
+    # Hopper's FP8 MMA, K = 32 per instruction: 4 per 128-wide slice of K; 3 stages of a 128 x 128
+    # FP8 tile of each operand in shared memory (the loads pipelined).
+    assert split["wgmma"] == fast["wgmma"] == 4
+    assert split["shared"] == fast["shared"] == 3 * 2 * 128 * 128
+    # Split accumulation adds each instruction's partial sums to the float32 accumulator (fast adds
+    # the bias alone).
+    assert split["adds"] > fast["adds"]
