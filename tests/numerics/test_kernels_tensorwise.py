@@ -537,3 +537,39 @@ def test_a_copied_state_leaves_the_host_caches_behind():
     assert not any(twin.initialized_known(role) for role in range(3))
     assert twin.kernel_rows(0).scale.data_ptr() == twin.scale[0].data_ptr() != rows.scale.data_ptr()
     assert state.initialized_known(1)  # the original keeps what it knows
+
+
+def test_a_quantizers_next_cast_of_one_layout_launches_its_kept_plan_until_anything_it_was_chosen_on_changes(
+        monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8_plugin.numerics.kernels import ops
+    from fp8_plugin.numerics.quantizers import INPUT, make_quantizer
+
+    looked_up = []
+    real = ops.eager_cast_plan
+    monkeypatch.setattr(ops, "eager_cast_plan", lambda *a: looked_up.append(1) or real(*a))
+    recipe, state = fp.DelayedScaling(amax_history_len=4), ScalingState(4)
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * 5
+
+    def cast(x, state=state):
+        with force_kernels("triton"):
+            row, col = make_quantizer(recipe, INPUT, state, record=True, host=False).quantize_pair(x, columnwise=True)
+        # The bytes of the torch ops at the scale the state held (a first cast: x's own amax).
+        want, want_t, _, want_inv, _ = tensorwise.reference_delayed(x, state.scale[0], torch.tensor(False), E4M3, 0, True)
+        assert same_bits(row.data, want) and same_bits(col.data, want_t) and torch.equal(row.scale_inv, want_inv)
+        return len(looked_up)
+
+    assert cast(x) == 1 and cast(x) == 1  # the second: the kept plan, no lookup
+    assert cast(x[:32]) == 2  # another layout
+    state.amax_history = state.amax_history.clone()  # new state tensors (a load, a move)
+    assert cast(x[:32]) == 3
+    amax = x[:32].float().abs().max()
+    assert state.amax_history[0, 0] == amax  # recorded into the new tensors, not the old ones
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():  # a dispatch mode sees the custom op: no eager plan
+        assert cast(x[:32]) == 3

@@ -23,7 +23,8 @@ import torch
 from ..._private.torch_api import in_dispatch_mode
 from .launch import capturing, recording_launches
 
-__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "traced", "OP_LAUNCHES", "OP_INPUT_READS",
+__all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "eager_cast_plan",
+           "skips_amax_pass", "traced", "OP_LAUNCHES", "OP_INPUT_READS",
            "op_input_reads"]
 
 # Kernel launches per call of each op (zero fills included), for the cost model and the
@@ -225,15 +226,30 @@ def eager_cast(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype,
     state row and input layout (:class:`~fp8_plugin.numerics.kernels.tensorwise.RecordingCast`) is
     made on the first call and kept while the state's tensors are the same; later calls make the
     outputs and launch, nothing else. Returns ``(data, data_t or None, scale_inv, bias_grad or None)``."""
+    plan = eager_cast_plan(kind, x, state, role, dtype, margin, transpose, record, bias_grad)
+    data, data_t, _, scale_inv, bias = plan(x, skips_amax_pass(kind, state, role))
+    return data, data_t, scale_inv, bias
+
+
+def eager_cast_plan(kind: str, x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, transpose: bool,
+                    record: bool, bias_grad: bool):
+    """The :class:`~fp8_plugin.numerics.kernels.tensorwise.RecordingCast` that :func:`eager_cast`
+    runs for these arguments: made on the first call and kept by ``state`` while its tensors are
+    the same (arguments as :func:`eager_cast`). Call it as ``plan(x, skips_amax_pass(kind, state,
+    role))``."""
     from . import tensorwise
 
     rows = state.kernel_rows(role)
     key = (kind, role, x.shape, x.stride(), x.dtype, dtype, margin, transpose, record, bias_grad)
-    plan = _kept_plan(state, rows, key, lambda: tensorwise.RecordingCast(kind, x, dtype, margin, transpose, record,
-                                                                           bias_grad, rows))
-    # In a CUDA graph the amax pass stays: a replay must be right whatever the state holds then.
-    data, data_t, _, scale_inv, bias = plan(x, kind == "delayed" and not capturing() and state.initialized_known(role))
-    return data, data_t, scale_inv, bias
+    return _kept_plan(state, rows, key, lambda: tensorwise.RecordingCast(kind, x, dtype, margin, transpose, record,
+                                                                         bias_grad, rows))
+
+
+def skips_amax_pass(kind: str, state, role: int) -> bool:
+    """Whether a delayed cast of ``role`` of ``state`` may skip its amax pass now: the host knows
+    the state holds a scale. Not inside a CUDA graph, whose replay must be right whatever the
+    state holds then; never for current scaling, whose scale is its amax."""
+    return kind == "delayed" and not capturing() and state.initialized_known(role)
 
 
 def _kept_plan(state, rows, key: tuple, make):

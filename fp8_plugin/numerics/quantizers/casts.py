@@ -13,7 +13,7 @@ from ..block_scaling import block_amax, blockwise_scale, mx_scale_inv, quantize_
 from ..cpu_emulation import cpu_emulation
 from ..device_kind import eager_on_cpu, fp8_family, presented_device
 from ..formats import fp8_dtype, fp8_max
-from ..kernels import fusable
+from ..kernels import forced_kernels, fusable, ops
 from ..recipes import Float8BlockScaling, MXFP8BlockScaling, Recipe
 from ..scaling import amax as tensor_amax
 from ..scaling import divide, quantize, scale_from_amax
@@ -70,6 +70,9 @@ class PerTensorQuantizer(_LayerQuantizer):
         # The device's format family: FNUZ on an AMD MI300 (numerics/formats.py).
         self.dtype = fp8_dtype(recipe.fp8_format, backward=role == GRAD_OUTPUT, family=fp8_family(state.device))
         self.max = fp8_max(self.dtype)
+        self.kind = "delayed" if recipe.delayed() else "current"
+        # The last eager fused cast's plan, with what it was chosen on (_kept_plan).
+        self._eager: Optional[tuple] = None
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         if fusable(x, self.dtype):
@@ -96,10 +99,37 @@ class PerTensorQuantizer(_LayerQuantizer):
         return q
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        plan = self._kept_plan(x, columnwise)
+        if plan is not None:  # the steady state of a layer: the launches, nothing else
+            data, data_t, _, scale_inv, _ = plan(x, ops.skips_amax_pass(self.kind, self.state, self.role))
+            return self._result(data, data_t, scale_inv, columnwise)
         if fusable(x, self.dtype):
             return self._fused(x, columnwise)
         row = self.quantize(x)
         return row, (columnwise_copy(row) if columnwise else None)
+
+    def _eager_key(self, x: torch.Tensor, columnwise: bool) -> tuple:
+        # What an eager fused cast's plan was chosen on: the layout, the state's tensors, the
+        # kernel setting (force_kernels).
+        return x.shape, x.stride(), x.dtype, x.device, columnwise, self.state.generation, forced_kernels()
+
+    def _kept_plan(self, x: torch.Tensor, columnwise: bool):
+        # The plan of this quantizer's last eager fused cast where this cast is one like it and a
+        # plain eager call again: it skips _fused's checks and lookups (microseconds each, three
+        # casts a training step), and the result is the same launches on the same rows.
+        kept = self._eager
+        if kept is None or kept[0] != self._eager_key(x, columnwise) or ops.traced(x):
+            return None
+        if self.host:
+            self.state.use_recipe(self.recipe)
+        return kept[1]
+
+    def _result(self, data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torch.Tensor,
+                columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        # A fused cast's outputs as QuantizedTensors, its amax recorded on the host side too.
+        if self.record and self.host:
+            mark_recorded(self.state, self.recipe, self.role)
+        return QuantizedTensor(data, scale_inv), (QuantizedTensor(data_t, scale_inv) if columnwise else None)
 
     def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
                               ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], torch.Tensor]:
@@ -113,8 +143,6 @@ class PerTensorQuantizer(_LayerQuantizer):
         # scaling reads x once in the steady state (its amax folded into the cast), current
         # scaling twice (amax, then the cast); the scale is chosen or computed on the device and
         # the amax recorded by the cast's last program. With bias_grad, also x.sum(0) in float32.
-        from ..kernels import ops
-
         if self.host:
             self.state.use_recipe(self.recipe)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -124,13 +152,12 @@ class PerTensorQuantizer(_LayerQuantizer):
                 data, data_t, scale_inv, bias = cast(x2d, self.state, self.role, self.dtype, self.recipe.margin,
                                                         transpose=columnwise, record=self.record, bias_grad=bias_grad)
         else:  # the launches record nothing for autograd: no no_grad context to enter
-            data, data_t, scale_inv, bias = ops.eager_cast(
-                "delayed" if self.recipe.delayed() else "current", x2d, self.state, self.role, self.dtype,
-                self.recipe.margin, columnwise, self.record, bias_grad)
-        if self.record and self.host:
-            mark_recorded(self.state, self.recipe, self.role)
-        row = QuantizedTensor(data, scale_inv)
-        col = QuantizedTensor(data_t, scale_inv) if columnwise else None
+            plan = ops.eager_cast_plan(self.kind, x2d, self.state, self.role, self.dtype, self.recipe.margin,
+                                       columnwise, self.record, bias_grad)
+            if x2d is x and not bias_grad:  # what quantize_pair's next cast of this layout launches
+                self._eager = (self._eager_key(x, columnwise), plan)
+            data, data_t, _, scale_inv, bias = plan(x2d, ops.skips_amax_pass(self.kind, self.state, self.role))
+        row, col = self._result(data, data_t, scale_inv, columnwise)
         return (row, col, bias) if bias_grad else (row, col)
 
 
