@@ -61,8 +61,9 @@ def _scaled_gemm_kernel(a, b, out, scale_a, scale_b, bias, M, N, K, stride_am, s
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_tile = a + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    b_tile = b + rn[None, :] * stride_bn + rk[:, None] * stride_bk
+    # Row offsets in int64: a [tokens, K] operand or output may hold more than 2^31 elements.
+    a_tile = a + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+    b_tile = b + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         left = K - k * BLOCK_K
@@ -78,7 +79,7 @@ def _scaled_gemm_kernel(a, b, out, scale_a, scale_b, bias, M, N, K, stride_am, s
     if HAS_BIAS:
         acc = acc + as_float32(tl.load(raw_pointer(bias) + rn, mask=rn < N, other=0))
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offsets = rm[:, None] * stride_om + rn[None, :] * stride_on
+    offsets = rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
     if out.dtype.element_ty == tl.bfloat16:
         tl.store(raw_pointer(out) + offsets, _bfloat16_bits(acc), mask=mask)
     else:
