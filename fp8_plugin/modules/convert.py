@@ -36,7 +36,7 @@ from ..numerics.cpu_emulation import cpu_emulation
 from ..numerics.device import default_device, recipe_gemm_kind, recipe_name, resolve_recipe
 from ..numerics.device_kind import device_kind, fp8_family
 from ..numerics.gemm import native_gemm
-from ..numerics.kernels import fused_casts
+from ..numerics.kernels import fused_casts, gemm_kernel
 from ..numerics.quantizers import ScalingState, is_scaling_state_key
 from ..numerics.recipes import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .backends import get_backend
@@ -479,7 +479,10 @@ def convert_model(
     else:
         report.gemm = f"{kind} GEMMs " + ("native" if support.native else f"emulated ({support.reason})")
     fnuz = fp8_family(target) == "fnuz"
+    kernel = gemm_kernel()  # FP8_PLUGIN_GEMM_KERNEL checked here, at set-up, not at the first GEMM
     if kind == "tensorwise":
+        if kernel == "triton" and device_kind(target) == "cuda" and not fnuz:
+            report.gemm += " (the Triton GEMM: FP8_PLUGIN_GEMM_KERNEL=triton)"
         fused, why = fused_casts(target)
         if fnuz:
             fused, why = False, "the fused kernels encode the OCP formats"

@@ -438,3 +438,20 @@ def test_an_unknown_gemm_kernel_is_refused_naming_the_valid_ones(monkeypatch):
             pass
     monkeypatch.setenv("FP8_PLUGIN_GEMM_KERNEL", "triton")
     assert gemm_kernel() == "triton"
+
+
+def test_the_conversion_report_names_the_triton_gemm_and_a_bad_setting_stops_the_conversion(monkeypatch):
+    from fp8_plugin.numerics.device_kind import meta_as_cuda
+
+    def convert():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, device="meta"))
+        with meta_as_cuda((9, 0)), force_path("native"):
+            return fp.convert_model(model, recipe=fp.DelayedScaling(), device="meta", skip_small=False)
+
+    monkeypatch.setenv("FP8_PLUGIN_GEMM_KERNEL", "triton")
+    assert "tensorwise GEMMs native (the Triton GEMM: FP8_PLUGIN_GEMM_KERNEL=triton)" in convert().gemm
+    monkeypatch.setenv("FP8_PLUGIN_GEMM_KERNEL", "torch")
+    assert "Triton GEMM" not in convert().gemm
+    monkeypatch.setenv("FP8_PLUGIN_GEMM_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="FP8_PLUGIN_GEMM_KERNEL='cutlass' is not a GEMM kernel; valid: torch, triton"):
+        convert()
