@@ -339,7 +339,8 @@ def _bf16_grouped(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     b16 = _pad_columns(decode_fp8(b, torch.bfloat16), align)
     out = torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offsets)
     scale = (sa * sb)[_row_groups(offsets, a.shape[0])].unsqueeze(1)
-    return (out.to(torch.float32) * scale).to(out_dtype)
+    # Scaled in place: one float32 tensor of the output's size, not one per op.
+    return out.to(torch.float32).mul_(scale).to(out_dtype)
 
 
 def _bf16_grouped_wgrad(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
@@ -352,9 +353,10 @@ def _bf16_grouped_wgrad(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: 
     a16 = _pad_columns(decode_fp8(a, torch.bfloat16), align)
     b16 = _pad_columns(decode_fp8(b, torch.bfloat16), align)
     out = torch._grouped_mm(a16.t(), b16, offs=offsets)[:, :a.shape[1], :b.shape[1]]
-    has_rows = (torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).view(-1, 1, 1)
-    # Zeros for an expert without tokens, whatever the kernel leaves in an empty group's output.
-    return torch.where(has_rows, out.to(torch.float32) * (sa * sb).view(-1, 1, 1), 0.0).to(out_dtype)
+    no_rows = (torch.diff(offsets, prepend=offsets.new_zeros(1)) <= 0).view(-1, 1, 1)
+    # Scaled in place (one float32 [G, N, K] at a time: the experts' largest tensor), and zeros
+    # for an expert without tokens, whatever the kernel leaves in an empty group's output.
+    return out.to(torch.float32).mul_((sa * sb).view(-1, 1, 1)).masked_fill_(no_rows, 0.0).to(out_dtype)
 
 
 def _check(name: str, ok: bool, detail: str) -> None:

@@ -739,6 +739,30 @@ def test_grouped_gemms_on_cpu_follow_the_dense_gemms_emulation(path):
                            gg._emulated(a, sa, b, sb, offsets, torch.float32))  # the two paths differ
 
 
+def test_the_bfloat16_grouped_kernels_scale_their_float32_result_in_place():
+    # The experts' wgrad [E, N, K] is the largest tensor of an MoE backward (the GPU's wgrad path
+    # too): one float32 tensor of its shape at a time, the result, and likewise for fprop's [S, N].
+    from itertools import accumulate
+
+    from fp8_plugin.numerics import grouped_gemm as gg
+    from fp8_plugin.tools.memory_trace import MemoryTrace
+
+    experts, n, k, tokens = 4, 48, 32, 58
+    g = torch.empty(tokens, n, dtype=torch.float8_e5m2, device="meta")
+    a = torch.empty(tokens, k, dtype=torch.float8_e4m3fn, device="meta")
+    b = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device="meta")
+    sa, sb = torch.empty(experts, device="meta"), torch.empty(experts, device="meta")
+    offsets = torch.empty(experts, dtype=torch.int32, device="meta")
+    for run, shape in ((lambda: gg._bf16_grouped_wgrad(g, sa, a, sb, offsets, torch.float32), (experts, n, k)),
+                       (lambda: gg._bf16_grouped(a, sa, b, sb, offsets, torch.float32), (tokens, n))):
+        with MemoryTrace("meta") as trace:
+            out = run()
+        assert out.shape == shape and out.dtype == torch.float32
+        made = [r for r in trace.allocations if r.dtype == torch.float32 and r.shape == shape]
+        events = sorted([(r.start, 1) for r in made] + [(r.end, -1) for r in made if r.end is not None])
+        assert max(accumulate(step for _, step in events)) == 1
+
+
 @pytest.mark.parametrize("bad_id", [-1, 4])
 def test_routing_ids_outside_the_experts_are_refused_on_cpu(bad_id):
     # The offsets are device-side and would silently drop such rows; on the CPU (eager) the sorted
