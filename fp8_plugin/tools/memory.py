@@ -53,6 +53,7 @@ from ..numerics.recipes import Recipe
 from ..optim import FP8AdamW
 from ..training.precision_strings import PRECISION_STRINGS
 from .autocast_on_meta import cuda_autocast_on_meta
+from .grouped_mm_on_meta import grouped_mm_on_meta
 from .hf_models import model_class
 from .memory_trace import CATEGORIES, MemoryTrace, Peak
 
@@ -186,6 +187,8 @@ def estimate_memory(model: Union[str, Path, Any], precision: str = "fp8-hybrid",
             # The GPU's own kernels, block-scaled ones included, without the probe GEMM that
             # checks them against the emulation (it reads its result, which meta tensors lack).
             presented.enter_context(force_path("native"))
+            # transformers' float32 experts (grouped_mm), which the GPU runs and meta refuses.
+            presented.enter_context(grouped_mm_on_meta())
         net = _build(config, param_dtype, device)
         if lora_rank is not None:
             net = _with_lora(net, lora_rank, lora_targets)

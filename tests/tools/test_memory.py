@@ -249,6 +249,37 @@ def test_a_low_precision_weights_wgrad_is_written_in_its_dtype_with_no_float32_c
     assert [r.dtype for r in wgrad] == [dtype]
 
 
+def test_grouped_mm_on_meta_gives_float32_experts_what_a_gpu_gives():
+    # transformers' experts cast their token rows to float32 master weights' dtype and call
+    # grouped_mm, which the GPU runs and torch's meta kernel refuses (BF16 only).
+    from fp8_plugin.tools.grouped_mm_on_meta import grouped_mm_on_meta
+
+    rows = torch.empty(10, 16, device="meta", requires_grad=True)
+    weights = torch.empty(4, 16, 24, device="meta", requires_grad=True)
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch.nn.functional.grouped_mm(rows, weights, offs=offs)
+    with grouped_mm_on_meta():
+        out = torch.nn.functional.grouped_mm(rows, weights, offs=offs)
+        bf16 = torch.nn.functional.grouped_mm(rows.bfloat16(), weights.bfloat16(), offs=offs)  # torch's own
+    assert out.shape == (10, 24) and out.dtype == torch.float32 and out.grad_fn is not None
+    assert bf16.shape == (10, 24) and bf16.dtype == torch.bfloat16
+    out.backward(torch.empty(10, 24, device="meta"))
+    assert rows.grad.shape == (10, 16) and weights.grad.shape == (4, 16, 24)
+    assert rows.grad.dtype == weights.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true", "fp8-hybrid"])
+def test_a_mixture_of_experts_model_traces_in_every_precision(precision):
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                           num_key_value_heads=KV, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB)
+    estimate = estimate_memory(config, precision, "adamw", batch_size=2, seq_len=64, skip_small=False)
+    # At least the FP32 master weights, their gradients and AdamW's two moments: 16 bytes each.
+    assert estimate.peak.bytes >= 16 * estimate.parameters
+
+
 # --- LoRA fine-tunes ---------------------------------------------------------------------------
 
 RANK = 4
