@@ -229,8 +229,6 @@ class BlockQuantizer(_LayerQuantizer):
                ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The torch ops of _cast (and of the columnwise copy, the cast of x.T) in one pass
         # (numerics/kernels/blockwise.py), bit for bit; the amax recorded by the kernel.
-        from ..kernels import ops
-
         params = self.qparams
         with torch.no_grad():
             data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = ops.cast_blocks(
