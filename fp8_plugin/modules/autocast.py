@@ -23,6 +23,7 @@ import torch
 from ..numerics.device import resolve_recipe
 from ..numerics.recipes import Recipe, check_recipe
 from .scaling_group import AmaxReducer, update_pending_scales
+from .shared_input import drop_kept_cast
 
 __all__ = ["autocast", "replay", "is_fp8_enabled", "get_fp8_recipe", "new_step_id", "update_pending_scales",
            "AmaxReducer"]
@@ -189,6 +190,7 @@ def autocast(
         yield
     finally:
         _local.context = outer
+        drop_kept_cast()  # no FP8 copy of an input outlives its forward
     if watch and _local.fp8_forwards == forwards and not _compiled_forwards.pop("ran", False):
         _warn_no_fp8_layer()
 
@@ -218,7 +220,9 @@ def replay(fp8: bool, recipe: Optional[Recipe] = None, *, reference_dtype: Optio
     outer = _local.context
     _local.context = _FP8Context(enabled=fp8, recipe=resolve_recipe(recipe) if fp8 else None,
                                  high_precision_dtype=reference_dtype, replaying=True)
+    drop_kept_cast()  # the replay casts with its own scales, recording nothing: take no training cast
     try:
         yield
     finally:
         _local.context = outer
+        drop_kept_cast()

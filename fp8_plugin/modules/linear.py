@@ -33,6 +33,7 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
 from .scaling_group import ScalingGroup
+from .shared_input import find_shared_cast, keep_cast
 from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
 
 __all__ = ["FP8Linear"]
@@ -397,7 +398,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             group.update(context.reduce_amax, context.recipe)
         self._forward_context = _ForwardContext(recipe, training, group.step, gemms, context.high_precision_dtype)
         return self._fp8_forward(x, recipe, record_forward=training, record_backward=training, gemms=gemms,
-                                 high_precision=context.high_precision_dtype)
+                                 high_precision=context.high_precision_dtype, share=True)
 
     def _recompute(self, x: torch.Tensor, original: _ForwardContext) -> torch.Tensor:
         # torch.utils.checkpoint reruns the forward in the backward, outside the autocast: run it
@@ -417,9 +418,10 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
 
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool,
                      gemms: Optional[tuple[bool, bool, bool]] = None,
-                     high_precision: Optional[torch.dtype] = None) -> torch.Tensor:
+                     high_precision: Optional[torch.dtype] = None, share: bool = False) -> torch.Tensor:
         # ``gemms``: which GEMMs run in FP8 (None: as gemms_in_fp8 says for ``recipe``);
-        # ``high_precision``: the dtype of those that do not (None: the output dtype).
+        # ``high_precision``: the dtype of those that do not (None: the output dtype); ``share``:
+        # an autocast forward, which may take or keep an input cast (modules/shared_input.py).
         gemms = self.gemms_in_fp8(recipe) if gemms is None else gemms
         state = self.fp8_state
         if isinstance(recipe, DelayedScaling):
@@ -434,13 +436,12 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         need_dgrad = grad and x2d.requires_grad
         need_wgrad = grad and self.weight.requires_grad
         need_bgrad = grad and self.bias is not None and self.bias.requires_grad
-        quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
-        qx, qx_t = quantizer.quantize_pair(x2d, columnwise=need_wgrad and gemms[2])
+        qx, qx_t, recorded = self._input_casts(x, x2d, recipe, record_forward, need_wgrad and gemms[2], share)
         # A frozen weight's transposed copy is made by the backward (and freed after), not kept from here.
         qw, qw_t = self._weight_casts(recipe, record_forward,
                                       columnwise=need_dgrad and gemms[1] and self._frozen is None)
-        if record_forward:
-            mark_recorded(state, recipe, INPUT)
+        if recorded is not None:
+            mark_recorded(recorded, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
             if gemms[0]:
                 out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias, split_accumulators(recipe)[0])
@@ -464,6 +465,29 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 qx_t and qx_t.gemm_scale, qw_t and qw_t.gemm_scale, state, info,
             )  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _input_casts(self, x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, record: bool, columnwise: bool,
+                     share: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor], Optional[ScalingState]]:
+        # The input's FP8 copies and the state that recorded the cast (None: none). An autocast
+        # forward takes the cast an FP8 layer just made of the same tensor, or keeps its own for
+        # the next (a layer that shared and now casts alone takes the shared row back first).
+        # Elsewhere (recomputation, compiled code, a capture, hooks) the cast uses the row the
+        # input last used, so it repeats what training cast.
+        state = self.fp8_state
+        share = share and not (torch.compiler.is_compiling() or capturing())
+        if share:
+            kept = find_shared_cast(x, recipe, record, columnwise)
+            if kept is not None:
+                if state.input_source is not kept.state:
+                    state.share_input_of(kept.state)
+                return kept.rowwise, (kept.columnwise if columnwise else None), None
+            if record:
+                state.stop_sharing_input()
+        source = state.input_source
+        qx, qx_t = make_quantizer(recipe, INPUT, source, record, host=False).quantize_pair(x2d, columnwise=columnwise)
+        if share:
+            keep_cast(x, recipe, record, qx, qx_t, source)
+        return qx, qx_t, (source if record else None)
 
     def _backward_info(self, recipe: Recipe, record: bool, x_block: Optional[tuple[int, int]],
                        w_block: Optional[tuple[int, int]], gemms: tuple[bool, bool, bool], frozen: bool,
@@ -550,16 +574,18 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         Returns ``{role: {"amax": float32 0-dim (current step's or last cast's amax),
         "scale": float32 0-dim, "nonfinite_amax_count": int64 0-dim, "amax_outlier_count":
         int64 0-dim, "amax_outlier_ratio": float32 0-dim (the last outlier's)}}`` for roles
-        ``input``, ``weight``, ``grad_output``.
+        ``input``, ``weight``, ``grad_output``. A layer that takes another's cast of their common
+        input (``q_proj`` after ``k_proj``'s, modules/shared_input.py) reports that row for ``input``.
         """
         s = self.fp8_state
+        rows = (s.input_source, s, s)  # a shared input's figures are in the row its casts use
         return {
             role: {
-                "amax": s.amax_history[i, 0],
-                "scale": s.scale[i],
-                "nonfinite_amax_count": s.nonfinite_amax_count[i],
-                "amax_outlier_count": s.outlier_count[i],
-                "amax_outlier_ratio": s.outlier_ratio[i],
+                "amax": rows[i].amax_history[i, 0],
+                "scale": rows[i].scale[i],
+                "nonfinite_amax_count": rows[i].nonfinite_amax_count[i],
+                "amax_outlier_count": rows[i].outlier_count[i],
+                "amax_outlier_ratio": rows[i].outlier_ratio[i],
             }
             for i, role in enumerate(ROLES)
         }

@@ -321,7 +321,7 @@ def sqnr_hook(fidelity: Fidelity, used: Recipe, block: Optional[Recipe]) -> Call
                 got = got.to(torch.float64).reshape(-1, layer.out_features)
                 if bias is not None:
                     got = got - bias
-                cast = make_quantizer(candidate, INPUT, layer.fp8_state, record=False)
+                cast = make_quantizer(candidate, INPUT, layer.fp8_state.input_source, record=False)
                 error = cast.quantize(x.reshape(-1, layer.in_features)).dequantize().to(torch.float64) - x64
                 e2 = error.square()
                 fidelity.add(slot, (got - want).square().sum(dim=1)[kept] / signal[kept],

@@ -166,7 +166,7 @@ class StatisticsCollector:
             self._blockwise[name] = layer.fp8_scaling == "blockwise"
             with torch.no_grad():
                 x2d = args[0].detach().reshape(-1, layer.in_features)
-                self._add(name, INPUT, x2d, recipe, layer.fp8_state)
+                self._add(name, INPUT, x2d, recipe, layer.fp8_state.input_source)
                 w = layer.weight.detach()
                 if getattr(layer, "frozen_layout", None) is not None:  # kept only in FP8: the stored cast itself
                     q = layer._stored()

@@ -14,7 +14,7 @@ from ..device_kind import fp8_family
 from ..formats import FAMILIES, fp8_dtype, fp8_max
 from ..kernels.rows import StateRows
 from ..recipes import DelayedScaling, Recipe
-from .tensor import GRAD_OUTPUT, ROLES
+from .tensor import GRAD_OUTPUT, INPUT, ROLES
 
 __all__ = ["ScalingState", "is_scaling_state_key", "recipe_key", "check_saved_state", "STATE_VERSION", "SCALINGS"]
 
@@ -171,6 +171,36 @@ class ScalingState(nn.Module):
         ``event`` (a ``torch.cuda.Event``, or None: already) has completed."""
         self.__dict__.setdefault("_initialized_probe", {})[role] = (host, index, event)
 
+    @property
+    def input_source(self) -> "ScalingState":
+        """The state whose input row this layer's input casts use: its own, or, while the layer
+        takes another layer's cast of their common input (:meth:`share_input_of`), that layer's."""
+        source = self.__dict__.get("_input_source")
+        return self if source is None else source.input_source
+
+    def share_input_of(self, leader: "ScalingState") -> None:
+        """Use ``leader``'s input row (amax history, scale, counters) for this layer's input from
+        now on: the layer takes ``leader``'s cast of an input both read
+        (:mod:`fp8_plugin.modules.shared_input`), so ``leader`` records that input's amaxes.
+        A plain attribute, not a submodule: ``state_dict`` and ``modules()`` do not see it."""
+        self.__dict__["_input_source"] = None if leader is self else leader.input_source
+
+    def stop_sharing_input(self) -> None:
+        """Cast this layer's input itself again, from the input row of the state it shared: that
+        row is copied into its own (on the device), as its own would be had it recorded the same
+        amaxes, with the update it has pending."""
+        source = self.__dict__.pop("_input_source", None)
+        if source is None:
+            return
+        with torch.no_grad():
+            _copy_input_row({name: getattr(self, name) for name in _STATE_TENSORS}, source)
+        if INPUT in source.pending:
+            self.pending[INPUT] = source.pending[INPUT]
+        else:
+            self.pending.pop(INPUT, None)
+        self._initialized_known[INPUT] = False  # the host knows nothing of the copied flag yet
+        self._initialized_probe.pop(INPUT, None)
+
     def __getstate__(self) -> dict[str, Any]:
         # Copies (deepcopy: an EMA model, a reference twin; pickling) leave the host-side caches
         # behind: the row views belong to this state's tensors, and a pending flag copy holds a
@@ -181,6 +211,15 @@ class ScalingState(nn.Module):
         state["_quantizers"] = {}
         state["_initialized_known"] = [False, False, False]
         state["_initialized_probe"] = {}
+        source = state.pop("_input_source", None)
+        if source is not None:  # a copy stands alone: the shared input row becomes its own
+            with torch.no_grad():
+                tensors = {name: state[name].clone() for name in _STATE_TENSORS}
+                _copy_input_row(tensors, source)
+            state.update(tensors)
+            state["pending"] = dict(self.pending)
+            if INPUT in source.pending:
+                state["pending"][INPUT] = source.pending[INPUT]
         return state
 
     def _forget_initialized(self) -> None:
@@ -223,7 +262,12 @@ class ScalingState(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {name: t.detach().clone() for name, t in self.tensors().items()}
-        state["pending"] = torch.tensor([role in self.pending for role in range(len(ROLES))])
+        pending = [role in self.pending for role in range(len(ROLES))]
+        source = self.input_source
+        if source is not self:  # a shared input: its row as this layer's own would hold it
+            _copy_input_row(state, source)
+            pending[INPUT] = INPUT in source.pending
+        state["pending"] = torch.tensor(pending)
         state["use_fp8"] = torch.tensor(self.use_fp8)
         state["fp8_gemms"] = torch.tensor(self.fp8_gemms)
         state["scaling"] = torch.tensor(list(self.scaling.encode()), dtype=torch.uint8)
@@ -259,6 +303,7 @@ class ScalingState(nn.Module):
             # A checkpoint written with another amax_history_len restores its own length.
             setattr(self, name, state[name].detach().to(device=device, dtype=getattr(self, name).dtype).clone())
         self._forget_initialized()
+        self.__dict__.pop("_input_source", None)  # the loaded input row is this layer's own
         # Which recipe recorded them is not saved: the one in force at the next update applies.
         self.pending = {role: None for role, flag in enumerate(state["pending"].tolist()) if flag}
         self.use_fp8 = use_fp8
@@ -315,6 +360,7 @@ class ScalingState(nn.Module):
         for name in _STATE_TENSORS:
             setattr(self, name, getattr(fresh, name))
         self._forget_initialized()
+        self.__dict__.pop("_input_source", None)
         self.pending = {}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -333,6 +379,19 @@ class ScalingState(nn.Module):
         if device != self.device:
             self.follow(device)
         return self
+
+
+def _copy_input_row(tensors: dict[str, torch.Tensor], source: ScalingState) -> None:
+    # The input row of each state tensor in ``tensors`` set to ``source``'s (in place); an amax
+    # history of another length keeps the most recent columns both have, zeros beyond.
+    for name, mine in tensors.items():
+        theirs = getattr(source, name)[INPUT].to(mine.device)
+        if name == "amax_history":
+            keep = min(mine.shape[1], theirs.shape[0])
+            mine[INPUT].zero_()
+            mine[INPUT, :keep] = theirs[:keep]
+        else:
+            mine[INPUT] = theirs
 
 
 _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "outlier_count", "outlier_ratio")

@@ -163,7 +163,7 @@ def gemm_sqnr_hooks(layer: FP8Linear, energy: torch.Tensor, recipe: Recipe, gemm
             x2d = x.reshape(-1, layer.in_features)  # dW [N, K] = dy^T [N, M] @ x [M, K]
             qx_t = None
             if fp8_wgrad:  # x^T [K, M], blocks along M; one scale per tensor: the transposed cast
-                quantizer = make_quantizer(recipe, INPUT, layer.fp8_state, record=False, host=False)
+                quantizer = make_quantizer(recipe, INPUT, layer.fp8_state.input_source, record=False, host=False)
                 qx_t = _figure_casts(quantizer, x2d, True, in_bf16)[1] if isinstance(quantizer, PerTensorQuantizer) \
                     else quantizer.quantize(x2d.t().contiguous())
             x_t = x2d.t()
