@@ -575,7 +575,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         "scale": float32 0-dim, "nonfinite_amax_count": int64 0-dim, "amax_outlier_count":
         int64 0-dim, "amax_outlier_ratio": float32 0-dim (the last outlier's)}}`` for roles
         ``input``, ``weight``, ``grad_output``. A layer that takes another's cast of their common
-        input (``q_proj`` after ``k_proj``'s, modules/shared_input.py) reports that row for ``input``.
+        input (``k_proj`` taking ``q_proj``'s, modules/shared_input.py) reports that row for ``input``.
         """
         s = self.fp8_state
         rows = (s.input_source, s, s)  # a shared input's figures are in the row its casts use

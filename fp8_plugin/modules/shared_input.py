@@ -64,8 +64,9 @@ def find_shared_cast(x: torch.Tensor, recipe: Recipe, record: bool, columnwise: 
     """The kept cast of ``x`` (same object, unchanged since) under ``recipe`` (or an equal one)
     and ``record``, with a columnwise copy where ``columnwise`` asks for one; else None."""
     kept = _kept.cast
-    if (kept is None or kept.source() is not x or x.is_inference() or kept.version != x._version or kept.record != record
-            or (columnwise and kept.columnwise is None) or not _same_recipe(kept.recipe, recipe)):
+    if (kept is None or kept.source() is not x or x.is_inference() or kept.version != x._version
+            or kept.record != record or (columnwise and kept.columnwise is None)
+            or not _same_recipe(kept.recipe, recipe)):
         return None
     return kept
 

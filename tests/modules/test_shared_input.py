@@ -79,7 +79,8 @@ def test_shared_input_casts_train_bit_for_bit_as_layers_casting_alone(recipe):
             for key, value in figures.items():
                 assert torch.equal(value, b.fp8_stats()[role][key]), (name, role, key)
     # k, v and up took the cast of q's and gate's input; the others cast their own.
-    followers = {n.rsplit(".", 1)[1] for n, m in _fp8_layers(shared).items() if m.fp8_state.input_source is not m.fp8_state}
+    followers = {name.rsplit(".", 1)[1] for name, m in _fp8_layers(shared).items()
+                 if m.fp8_state.input_source is not m.fp8_state}
     assert followers == {"k_proj", "v_proj", "up_proj"}
 
 
