@@ -6,6 +6,9 @@ the GPU waits for the host: the step time is the host's. Per recipe:
 
 - **host µs per step**, FP8 and BF16, and their ratio (the fastest of ``--repeats`` runs of
   ``--steps`` steps each);
+- **the floor** (per-tensor recipes): the same three casts and three GEMM launches inside a bare
+  ``autograd.Function`` and nothing else, the host time a layer step cannot go below with these
+  kernels; what the FP8 step costs above it is the layer's own Python;
 - **launches per step**: the fused casts' Triton kernels by name, and the GEMMs;
 - **where the FP8 step's host time goes** (cProfile, each function's own time, scaled to the
   unprofiled step): fp8-plugin's Python by module, Triton's launch path, torch's Python (autograd,
@@ -40,7 +43,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fp8_plugin from this checkout
 
@@ -51,7 +54,11 @@ import fp8_plugin  # noqa: E402
 from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
 from fp8_plugin.numerics.gemm import force_path  # noqa: E402
 from fp8_plugin.numerics.kernels import GEMM_KERNELS, force_gemm_kernel, force_kernels  # noqa: E402
+from fp8_plugin.numerics.device import recipe_gemm_kind  # noqa: E402
+from fp8_plugin.numerics.kernels import gemm_kernel  # noqa: E402
 from fp8_plugin.numerics.kernels.launch import record_launches  # noqa: E402
+from fp8_plugin.numerics.kernels.scaled_gemm import scaled_gemm  # noqa: E402
+from fp8_plugin.numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, make_quantizer  # noqa: E402
 from fp8_suite.common import RECIPES, environment, write_report  # noqa: E402  (benchmarks/)
 
 # The presented GPU per recipe on the meta proxy: MXFP8 GEMMs are Blackwell's.
@@ -115,6 +122,50 @@ def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str)
         bf16.weight.grad = x.grad = None
 
     return fp8_step, bf16_step
+
+
+def _floor_step(shape: tuple[int, int, int], device: torch.device, recipe_name: str) -> Optional[Callable[[], None]]:
+    # The host floor of a per-tensor FP8 layer step: the same three fused casts (the plugin's
+    # quantizers, their kept launch plans) and three GEMMs (the kernel in use: the Triton GEMM or
+    # torch._scaled_mm) inside a bare autograd.Function, with nothing else. None for block recipes.
+    recipe = RECIPES[recipe_name]()
+    if recipe_gemm_kind(recipe) != "tensorwise":
+        return None
+    m, k, n = shape
+    layer = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16, recipe=recipe)
+    cast_x, cast_w, cast_g = (make_quantizer(recipe, role, layer.fp8_state, True, host=False)
+                              for role in (INPUT, WEIGHT, GRAD_OUTPUT))
+    if gemm_kernel() == "triton":
+        def gemm(a, b, scale_a, scale_b):  # a [M, K] @ b [N, K].T
+            return scaled_gemm(a, b, scale_a, scale_b, torch.bfloat16)
+    else:
+        def gemm(a, b, scale_a, scale_b):
+            return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, x_data, x_scale_inv, w_data, w_scale_inv, xt_data, wt_data):
+            ctx.save_for_backward(xt_data, x_scale_inv, wt_data, w_scale_inv)
+            return gemm(x_data, w_data, x_scale_inv, w_scale_inv)
+
+        @staticmethod
+        def backward(ctx, grad):
+            xt_data, x_scale_inv, wt_data, w_scale_inv = ctx.saved_tensors
+            g, g_t = cast_g.quantize_pair(grad, columnwise=True)
+            grad_x = gemm(g.data, wt_data, g.scale_inv, w_scale_inv)  # dgrad: g [M, N] @ W [N, K]
+            grad_w = gemm(g_t.data, xt_data, g.scale_inv, x_scale_inv)  # wgrad: g.T [N, M] @ x [M, K]
+            return grad_x, grad_w, None, None, None, None, None, None
+
+    x = torch.empty(m, k, device=device, dtype=torch.bfloat16).normal_().requires_grad_()
+    grad = torch.empty(m, n, device=device, dtype=torch.bfloat16).normal_()
+
+    def floor_step() -> None:
+        qx, qx_t = cast_x.quantize_pair(x, columnwise=True)
+        qw, qw_t = cast_w.quantize_pair(layer.weight, columnwise=True)
+        Bare.apply(x, layer.weight, qx.data, qx.scale_inv, qw.data, qw.scale_inv, qx_t.data, qw_t.data).backward(grad)
+        layer.weight.grad = x.grad = None
+
+    return floor_step
 
 
 def _per_step_us(step: Callable[[], None], steps: int, repeats: int, device: torch.device) -> float:
@@ -192,6 +243,8 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         fp8_step, bf16_step = _layers(shape, device, recipe)
         fp8_us = _per_step_us(fp8_step, steps, repeats, device)
         bf16_us = _per_step_us(bf16_step, steps, repeats, device)
+        floor_step = _floor_step(shape, device, recipe)
+        floor_us = None if floor_step is None else _per_step_us(floor_step, steps, repeats, device)
         launches.clear()
         fp8_step()
         triton = dict(launches)
@@ -216,6 +269,8 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         "per_layer_bf16_us": bf16_per_layer,
         "per_layer_ratio": per_layer / bf16_per_layer,
         "scale_update_us": update_us,
+        "floor_us": floor_us,
+        "floor_ratio": None if floor_us is None else floor_us / bf16_per_layer,
         "meta_kernels_us": meta_us,
         "triton_launches": triton,
         "gemm_calls": gemms,
@@ -232,16 +287,20 @@ def table(data: dict) -> str:
     lines = [f"# FP8Linear host time per training step ({data['device']}, {m} x {k} -> {n}, BF16, "
              f"{'the Triton GEMM' if kernel == 'triton' else 'torch._scaled_mm'})", "",
              f"{env['device']}; torch {env['torch']}; commit {env['commit']}; {env['date']}", "",
-             "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | scale update µs "
-             "| meta kernels µs | Triton launches | GEMMs |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | floor µs | floor ratio "
+             "| scale update µs | meta kernels µs | Triton launches | GEMMs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in data["recipes"]:
+        floor = (f"{r['floor_us']:.0f} | {r['floor_ratio']:.2f}x" if r.get("floor_us") is not None else "- | -")
         lines.append(f"| {r['recipe']} | {r['fp8_us']:.0f} | {r['bf16_us']:.0f} | {r['ratio']:.2f}x | "
-                     f"{r['per_layer_fp8_us']:.0f} | {r['per_layer_ratio']:.2f}x | {r['scale_update_us']:.0f} | "
-                     f"{r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
+                     f"{r['per_layer_fp8_us']:.0f} | {r['per_layer_ratio']:.2f}x | {floor} | "
+                     f"{r['scale_update_us']:.0f} | {r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
                      f"{sum(r['gemm_calls'].values())} |")
     lines += ["", "Per-layer: the step less the per-model scale update and (meta proxy) torch's Python meta "
-              "kernels, which a GPU runs in C++; nn.Linear's less its own meta kernels.", ""]
+              "kernels, which a GPU runs in C++; nn.Linear's less its own meta kernels. Floor: the same casts "
+              "and GEMM launches in a bare autograd.Function, nothing else (per-tensor recipes; on the meta "
+              "proxy with torch._scaled_mm it includes that op's meta kernels); floor ratio: against nn.Linear's "
+              "per-layer figure.", ""]
     for r in data["recipes"]:
         lines.append(f"## {r['recipe']}: where the FP8 step's host time goes (µs)")
         lines.append("")

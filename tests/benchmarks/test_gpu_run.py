@@ -11,6 +11,7 @@ fp8-hybrid eager run, in a process of its own as on a GPU (tests/benchmarks/test
 rest of it in one process).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
                 "models.json", "models.md", "memory.json", "compiled.md", "summary.txt"} <= names
         device, probe, layer = read("device.txt"), read("probe.txt"), read("compiled.md")
         contract, models, host = read("contract.txt"), read("models.md"), read("host.md")
+        host_figures = {r["recipe"]: r for r in json.loads(read("host.json"))["recipes"]}
     assert "torch " in device and "cuda available: False" in device and "commit: " in device
     assert 'recipe "auto"' in device and "per-tensor FP8 casts: torch ops" in device
     lines = probe.splitlines()
@@ -62,6 +64,8 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
     assert "compiled" in layer and "bf16" in layer and "64" in layer
     assert "| tiny | eager | fp8-hybrid |" in models and "28/29 layers FP8" in models
     assert "| delayed |" in host and "_delayed_kernel" in host  # the host profile, launches recorded on meta
+    # Beside each per-tensor recipe's step, its floor: its casts and GEMMs in a bare autograd.Function.
+    assert 0 < host_figures["delayed"]["floor_us"] < host_figures["delayed"]["fp8_us"]
 
 
 def test_a_spent_budget_skips_the_remaining_steps_and_still_writes_the_archive(tmp_path):
