@@ -31,7 +31,7 @@ from ..numerics.quantizers import (
     GRAD_OUTPUT, INPUT, ROLES, SCALINGS, WEIGHT, QuantizedTensor, ScalingState, make_quantizer, mark_recorded,
     recipe_key,
 )  # fmt: skip
-from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, split_accumulators
+from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, gemms_in_fp8, split_accumulators
 from .scaling_group import ScalingGroup
 from .shared_input import find_shared_cast, keep_cast
 from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
@@ -323,8 +323,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         """Which of this layer's GEMMs ``(fprop, dgrad, wgrad)`` run in FP8 under ``recipe``:
         those its :attr:`fp8_gemms` keeps in FP8 and the recipe's ``override_linear_precision``
         does not move to high precision (``use_fp8`` is not consulted)."""
-        override = getattr(recipe, "override_linear_precision", (False, False, False))
-        return tuple(on and not high for on, high in zip(self.fp8_gemms, override))
+        return gemms_in_fp8(self.fp8_state.fp8_gemms, recipe)
 
     @staticmethod
     def _history_len(recipe: Recipe) -> int:
@@ -368,7 +367,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         recipe = (context.recipe or self.recipe) if (state.use_fp8 and context.enabled) else None
         if recipe is not None and state.scaling != "recipe":
             recipe = blockwise_variant(recipe)
-        gemms = self.gemms_in_fp8(recipe) if recipe is not None else (False, False, False)
+        gemms = gemms_in_fp8(state.fp8_gemms, recipe) if recipe is not None else (False, False, False)
         if not any(gemms):  # no GEMM in FP8: the layer runs as the one it replaced
             recipe = None
         if recipe is None:
@@ -379,7 +378,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         note_fp8_forward()
         if self._frozen is not None:
             self._check_still_frozen()
-        if not torch.is_autocast_enabled(device_kind(x.device)) and x.dtype != self.master_dtype:
+        if x.dtype != self.master_dtype and not torch.is_autocast_enabled(device_kind(x.device)):
             # nn.Linear refuses this pairing; an FP8 GEMM would not notice, and the model would
             # then compute in the input's dtype only while FP8 is on.
             raise RuntimeError(

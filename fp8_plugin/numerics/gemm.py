@@ -537,10 +537,8 @@ def fp8_gemm(
     device_type = device_kind(a.data.device)
     if device_type == "cuda" and kind == "tensorwise" and gemm_kernel() == "triton" and _eager_triton(a, b):
         # The Triton GEMM (numerics/kernels/scaled_gemm.py): any shape, no padding, no autocast.
-        from .kernels.scaled_gemm import scaled_gemm
-
-        return scaled_gemm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype,
-                           None if bias is None else _kernel_bias(bias, out_dtype), not use_split_accumulator)
+        return _triton_gemm()(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype,
+                              None if bias is None else _kernel_bias(bias, out_dtype), not use_split_accumulator)
     if device_type == "cuda":
         # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
         # zeros rather than emulated: one copy of each operand against a far slower GEMM.
@@ -562,6 +560,15 @@ def fp8_gemm(
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
     return out
+
+
+@lru_cache(maxsize=None)
+def _triton_gemm():
+    # kernels.scaled_gemm.scaled_gemm, imported at its first use (it imports Triton), then kept:
+    # an import statement per GEMM costs about a microsecond of CPU.
+    from .kernels.scaled_gemm import scaled_gemm
+
+    return scaled_gemm
 
 
 def _eager_triton(a: QuantizedTensor, b: QuantizedTensor) -> bool:

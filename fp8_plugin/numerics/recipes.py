@@ -11,6 +11,7 @@ where FP8_MAX is 448 (E4M3) or 57344 (E5M2).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -30,6 +31,7 @@ __all__ = [
     "AutoRecipe",
     "OverrideLinearPrecision",
     "GEMMS",
+    "gemms_in_fp8",
     "as_gemm_flags",
     "check_recipe",
     "blockwise_variant",
@@ -156,6 +158,18 @@ def split_accumulators(recipe: "Recipe") -> tuple[bool, bool, bool]:
     promotion) for recipes without the fields (block scaling: its kernels scale per block)."""
     return tuple(getattr(recipe, name, _BACKWARD_MM).use_split_accumulator
                  for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"))
+
+
+def gemms_in_fp8(switches: tuple[bool, bool, bool], recipe: "Recipe") -> tuple[bool, bool, bool]:
+    """Which GEMMs ``(fprop, dgrad, wgrad)`` run in FP8: those ``switches`` keep in FP8 (a layer's
+    ``fp8_gemms``) and ``recipe``'s ``override_linear_precision`` does not move to high precision."""
+    return _gemms_in_fp8(switches, recipe.override_linear_precision)
+
+
+@functools.lru_cache(maxsize=64)
+def _gemms_in_fp8(switches: tuple[bool, bool, bool], override: tuple[bool, bool, bool]) -> tuple[bool, bool, bool]:
+    # Kept per pair: an FP8 layer's forward asks every step, and a generator costs microseconds.
+    return tuple(on and not high for on, high in zip(switches, override))
 
 
 class Recipe:
