@@ -194,12 +194,8 @@ class ScalingState(nn.Module):
             return
         with torch.no_grad():
             _copy_input_row({name: getattr(self, name) for name in _STATE_TENSORS}, source)
-        if INPUT in source.pending:
-            self.pending[INPUT] = source.pending[INPUT]
-        else:
-            self.pending.pop(INPUT, None)
-        self._initialized_known[INPUT] = False  # the host knows nothing of the copied flag yet
-        self._initialized_probe.pop(INPUT, None)
+        self.pending = _pending_with_input_of(self.pending, source)
+        self._forget_initialized()  # the host knows nothing of the copied flag yet
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies (deepcopy: an EMA model, a reference twin; pickling) leave the host-side caches
@@ -217,9 +213,7 @@ class ScalingState(nn.Module):
                 tensors = {name: state[name].clone() for name in _STATE_TENSORS}
                 _copy_input_row(tensors, source)
             state.update(tensors)
-            state["pending"] = dict(self.pending)
-            if INPUT in source.pending:
-                state["pending"][INPUT] = source.pending[INPUT]
+            state["pending"] = _pending_with_input_of(self.pending, source)
         return state
 
     def _forget_initialized(self) -> None:
@@ -262,12 +256,11 @@ class ScalingState(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {name: t.detach().clone() for name, t in self.tensors().items()}
-        pending = [role in self.pending for role in range(len(ROLES))]
-        source = self.input_source
+        pending, source = self.pending, self.input_source
         if source is not self:  # a shared input: its row as this layer's own would hold it
             _copy_input_row(state, source)
-            pending[INPUT] = INPUT in source.pending
-        state["pending"] = torch.tensor(pending)
+            pending = _pending_with_input_of(pending, source)
+        state["pending"] = torch.tensor([role in pending for role in range(len(ROLES))])
         state["use_fp8"] = torch.tensor(self.use_fp8)
         state["fp8_gemms"] = torch.tensor(self.fp8_gemms)
         state["scaling"] = torch.tensor(list(self.scaling.encode()), dtype=torch.uint8)
@@ -392,6 +385,14 @@ def _copy_input_row(tensors: dict[str, torch.Tensor], source: ScalingState) -> N
             mine[INPUT, :keep] = theirs[:keep]
         else:
             mine[INPUT] = theirs
+
+
+def _pending_with_input_of(pending: dict[int, Optional[Recipe]], source: ScalingState) -> dict[int, Optional[Recipe]]:
+    # ``pending`` with the input role's entry (an update due, or none) taken from ``source``.
+    merged = {role: recipe for role, recipe in pending.items() if role != INPUT}
+    if INPUT in source.pending:
+        merged[INPUT] = source.pending[INPUT]
+    return merged
 
 
 _STATE_TENSORS = ("amax_history", "scale", "initialized", "nonfinite_amax_count", "outlier_count", "outlier_ratio")
