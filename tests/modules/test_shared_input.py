@@ -78,6 +78,14 @@ def test_shared_input_casts_train_bit_for_bit_as_layers_casting_alone(recipe):
         for role, figures in a.fp8_stats().items():
             for key, value in figures.items():
                 assert torch.equal(value, b.fp8_stats()[role][key]), (name, role, key)
+    # Evaluation (no grad, nothing recorded) shares too, with the same bytes.
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for model in (shared, alone):
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.autocast():
+            logits.append(model(input_ids=ids).logits)
+    assert torch.equal(logits[0], logits[1])
     # k, v and up took the cast of q's and gate's input; the others cast their own.
     followers = {name.rsplit(".", 1)[1] for name, m in _fp8_layers(shared).items()
                  if m.fp8_state.input_source is not m.fp8_state}
