@@ -99,16 +99,22 @@ def _cuda_path(device: str, recipe: str) -> Iterator[Counter]:
         yield launches
 
 
-def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str):
+def _step_tensors(shape: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # A step's input [M, K] (requires grad) and output gradient [M, N], BF16; values except on meta.
     m, k, n = shape
+    x = torch.empty(m, k, device=device, dtype=torch.bfloat16)
+    grad = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    if device.type != "meta":
+        x.normal_(), grad.normal_()
+    return x.requires_grad_(), grad
+
+
+def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str):
+    _, k, n = shape
     recipe = RECIPES[recipe_name]()
     fp8 = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16, recipe=recipe)
     bf16 = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    x = torch.empty(m, k, device=device, dtype=torch.bfloat16).normal_().requires_grad_()
-    grad = torch.empty(m, n, device=device, dtype=torch.bfloat16).normal_()
-    if device.type == "meta":
-        x = torch.empty(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    x, grad = _step_tensors(shape, device)
 
     def fp8_step() -> None:
         with fp8_plugin.autocast(recipe=recipe):
@@ -131,7 +137,7 @@ def _floor_step(shape: tuple[int, int, int], device: torch.device, recipe_name: 
     recipe = RECIPES[recipe_name]()
     if recipe_gemm_kind(recipe) != "tensorwise":
         return None
-    m, k, n = shape
+    _, k, n = shape
     layer = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16, recipe=recipe)
     cast_x, cast_w, cast_g = (make_quantizer(recipe, role, layer.fp8_state, True, host=False)
                               for role in (INPUT, WEIGHT, GRAD_OUTPUT))
@@ -156,8 +162,7 @@ def _floor_step(shape: tuple[int, int, int], device: torch.device, recipe_name: 
             grad_w = gemm(g_t.data, xt_data, g.scale_inv, x_scale_inv)  # wgrad: g.T [N, M] @ x [M, K]
             return grad_x, grad_w, None, None, None, None, None, None
 
-    x = torch.empty(m, k, device=device, dtype=torch.bfloat16).normal_().requires_grad_()
-    grad = torch.empty(m, n, device=device, dtype=torch.bfloat16).normal_()
+    x, grad = _step_tensors(shape, device)
 
     def floor_step() -> None:
         qx, qx_t = cast_x.quantize_pair(x, columnwise=True)
