@@ -201,19 +201,27 @@ def _plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch
 
 
 # _plan's answers by what they depend on: the operands' blocks and dtypes, the output dtype, the
-# device (and what a meta device presents), the forced path. A training step asks three times.
-_plans: dict[tuple, tuple[str, Optional[NativeGemm], str]] = {}
+# device (and what a meta device presents), the forced path and GEMM kernel. A training step asks
+# three times. The last field: an eager call of this plan launches the Triton GEMM.
+_plans: dict[tuple, tuple[str, Optional[NativeGemm], str, bool]] = {}
 
 
-def _cached_plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> tuple[str, Optional[NativeGemm], str]:
+def _cached_plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+                 ) -> tuple[str, Optional[NativeGemm], str, bool]:
     # Traced code decides once anyway (a cache would be guarded on); a CPU's tensorwise choice is
     # a measurement that tests redo (tensorwise_choice.cache_clear).
     if torch.compiler.is_compiling() or a.data.device.type == "cpu":
-        return _plan(a, b, out_dtype)
-    key = (a.block, b.block, a.data.dtype, b.data.dtype, out_dtype, a.data.device, _forced, presented_device())
+        return (*_plan(a, b, out_dtype), False)
+    kernel = gemm_kernel()
+    key = (a.block, b.block, a.data.dtype, b.data.dtype, out_dtype, a.data.device, _forced, kernel, presented_device())
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _plan(a, b, out_dtype)
+        kind, support, reason = _plan(a, b, out_dtype)
+        # The Triton GEMM (numerics/kernels/scaled_gemm.py) takes OCP per-tensor operands (its
+        # tl.dot reads E4M3 and E5M2; an AMD MI300's FNUZ formats keep torch._scaled_mm).
+        triton = (support is not None and kind == "tensorwise" and kernel == "triton"
+                  and device_kind(a.data.device) == "cuda" and not (is_fnuz(a.data.dtype) or is_fnuz(b.data.dtype)))
+        plan = _plans[key] = (kind, support, reason, triton)
     return plan
 
 
@@ -528,17 +536,17 @@ def fp8_gemm(
     if out_dtype not in _KERNEL_OUT_DTYPES:
         # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
         return fp8_gemm(a, b, torch.float32, bias, use_split_accumulator).to(out_dtype)
-    kind, support, reason = _cached_plan(a, b, out_dtype)
+    kind, support, reason, triton = _cached_plan(a, b, out_dtype)
+    if triton and not traced(a.data):  # a plain eager launch (not compiled, traced or faked)
+        # The Triton GEMM (numerics/kernels/scaled_gemm.py): any shape, no padding, no autocast.
+        return _triton_gemm()(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype,
+                              None if bias is None else _kernel_bias(bias, out_dtype), not use_split_accumulator)
     if support is None:
         if reason:
             _warn_once(reason)
         return _emulate(a, b, out_dtype, bias)
     m, n = a.data.shape[0], b.data.shape[0]
     device_type = device_kind(a.data.device)
-    if device_type == "cuda" and kind == "tensorwise" and gemm_kernel() == "triton" and _eager_triton(a, b):
-        # The Triton GEMM (numerics/kernels/scaled_gemm.py): any shape, no padding, no autocast.
-        return _triton_gemm()(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype,
-                              None if bias is None else _kernel_bias(bias, out_dtype), not use_split_accumulator)
     if device_type == "cuda":
         # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
         # zeros rather than emulated: one copy of each operand against a far slower GEMM.
@@ -569,12 +577,6 @@ def _triton_gemm():
     from .kernels.scaled_gemm import scaled_gemm
 
     return scaled_gemm
-
-
-def _eager_triton(a: QuantizedTensor, b: QuantizedTensor) -> bool:
-    # A plain eager launch (not compiled, traced or faked), of OCP operands (the kernel's tl.dot
-    # takes E4M3 and E5M2; an AMD MI300's FNUZ formats keep torch._scaled_mm).
-    return not (traced(a.data) or is_fnuz(a.data.dtype) or is_fnuz(b.data.dtype))
 
 
 def _row_major(q: QuantizedTensor) -> QuantizedTensor:

@@ -414,6 +414,17 @@ def test_the_gemm_kernel_setting_sends_a_layers_three_gemms_to_one_kernel_or_the
     assert x.grad.shape == (100, 256) and layer.weight.grad.shape == (384, 256)
 
 
+def test_fnuz_operands_keep_torchs_scaled_gemm_under_the_triton_setting(monkeypatch):
+    # The Triton GEMM's tl.dot reads the OCP formats only: an MI300's E4M3FNUZ / E5M2FNUZ GEMMs
+    # stay torch._scaled_mm, all three of a layer's, whatever the setting says.
+    from fp8_plugin.numerics.device_kind import present_rocm
+
+    with present_rocm("gfx942"):
+        launches, calls, layer, _ = _layer_step_on_meta_gpu("triton", monkeypatch)
+    assert "_scaled_gemm_kernel" not in launches and calls == 3
+    assert layer.weight.grad.shape == (384, 256)
+
+
 def test_a_dispatch_mode_sees_torchs_scaled_gemm_whatever_the_setting(monkeypatch):
     # A mode (the memory tool, fake tensors, the contract recorder) sees aten ops only: the GEMMs
     # stay torch._scaled_mm there, as they do under torch.compile.
