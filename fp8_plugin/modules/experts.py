@@ -58,7 +58,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._private.torch_api import in_backward_pass
-from ..numerics.device_kind import device_kind
 from ..numerics.grouped_gemm import EXPERT_GEMMS, group_offsets
 from ..numerics.quantizers import QuantizedTensor, ScalingState, recipe_key
 from ..numerics.recipes import DelayedScaling, Recipe
@@ -68,6 +67,7 @@ from .frozen_experts import FrozenExpertsMixin
 from .grouped_linear import (  # noqa: F401  (EXPERT_RECIPES: public here too)
     EXPERT_RECIPES, check_experts_recipe, check_token_scaling, fp8_grouped_linear,
 )
+from .linear_function import output_dtype
 from .scaling_group import ScalingGroup
 from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
 
@@ -131,13 +131,6 @@ class _ForwardContext:
     recipe: Optional[Recipe]
     training: bool
     group_step: Optional[int]
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    kind = device_kind(x.device)
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
 
 
 _warned_expert_parallel = False
@@ -343,7 +336,7 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
         # The end row of each expert's rows, on the device (as transformers' grouped_mm passes
         # offs): no host read, so no sync and no graph break.
         offsets = group_offsets(expert_ids_g, num_experts)
-        out_dtype = _output_dtype(hidden_states)
+        out_dtype = output_dtype(hidden_states)
         first, second = _projections(self)
         h = self._fp8_projection(first, x, expert_ids_g, offsets, recipe, record_forward, record_backward, out_dtype)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)

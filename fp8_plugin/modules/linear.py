@@ -14,8 +14,7 @@ Any of the three GEMMs (fprop, dgrad, wgrad) can run in high precision instead, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,6 @@ from torch import nn
 
 from .._private.torch_api import in_backward_pass
 from ..numerics.device_kind import device_kind
-from ..numerics.gemm import fp8_gemm
 from ..numerics.kernels.launch import capturing
 from .autocast import current_context, note_fp8_forward
 from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
@@ -32,6 +30,9 @@ from ..numerics.quantizers import (
     recipe_key,
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, gemms_in_fp8, split_accumulators
+from .linear_function import (
+    BackwardInfo, FP8LinearFunction, fprop, high_precision_gemm, output_dtype, unpack_columnwise, weight_2d,
+)  # fmt: skip
 from .scaling_group import ScalingGroup
 from .shared_input import find_shared_cast, keep_cast
 from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
@@ -52,140 +53,6 @@ class _ForwardContext(NamedTuple):
     group_step: Optional[int]
     gemms: tuple[bool, bool, bool] = (True, True, True)  # which GEMMs ran in FP8 (fprop, dgrad, wgrad)
     high_precision: Optional[torch.dtype] = None  # the autocast's high_precision_dtype
-
-
-def _unpack(q: Optional[QuantizedTensor], rowwise: QuantizedTensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    # A columnwise copy's data and scale_inv; scale_inv None when it is the rowwise copy's (per-
-    # tensor scaling): torch.compile refuses one tensor passed twice to an autograd function.
-    if q is None:
-        return None, None
-    return q.data, (None if q.scale_inv is rowwise.scale_inv else q.scale_inv)
-
-
-@dataclass(frozen=True)
-class _Backward:
-    # What the backward of one FP8 forward needs besides tensors: a hashable constant, so that
-    # torch.compile passes it through the autograd function unchanged.
-    recipe: Recipe
-    record: bool
-    x_block: Optional[tuple[int, int]]
-    w_block: Optional[tuple[int, int]]
-    weight_transposed: bool
-    gemms: tuple[bool, bool, bool] = (True, True, True)  # FP8 (True) or high precision: fprop, dgrad, wgrad
-    # The recipe's use_split_accumulator per GEMM (fprop, dgrad, wgrad): plain bools, read from
-    # the recipe outside the autograd function (its traced body takes constants only).
-    split: tuple[bool, bool, bool] = (True, True, True)
-    # The weight is kept only in FP8 (modules/frozen_weight.py): dgrad's transposed copy is made
-    # in the backward from the forward's FP8 weight, and freed after.
-    frozen: bool = False
-    # The dtype the GEMMs run in high precision use (the autocast's high_precision_dtype), None:
-    # the output dtype, as nn.Linear under torch autocast.
-    high_precision: Optional[torch.dtype] = None
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    kind = device_kind(x.device)
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
-def _weight_2d(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    # The weight as [out_features, in_features], whatever the layout it is stored in.
-    return weight.t() if transposed else weight
-
-
-def _high_precision_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype,
-                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    # A GEMM the layer runs in high precision: a @ b.T (+ bias) in ``dtype`` (the dtype nn.Linear
-    # computes in: torch autocast's, else the input's), outside torch autocast, as ``out_dtype``.
-    with torch.autocast(device_kind(a.device), enabled=False):
-        out = F.linear(a.to(dtype), b.to(dtype), None if bias is None else bias.to(dtype))
-    return out.to(out_dtype)
-
-
-class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W.T + b on 2-D ``x`` from FP8 operands cast before the call; dgrad and wgrad
-    are FP8 GEMMs with grad_output cast in the backward.
-
-    Only tensors and constants go in: the casts (and their host-side bookkeeping) happen
-    before the call, so that ``torch.compile`` traces it whole. ``x2d``, ``weight`` and ``bias``
-    carry the gradients; the FP8 copies ``xt_*`` and ``wt_*`` (the transposed operands the
-    backward consumes: wgrad needs x.T, dgrad needs W.T) are what is saved for backward, at 1
-    byte per value. The output is the GEMM's own tensor, not a view, so that a model may modify
-    it in place.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                x_data: torch.Tensor, x_scale_inv: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor,
-                xt_data: Optional[torch.Tensor], xt_scale_inv: Optional[torch.Tensor],
-                wt_data: Optional[torch.Tensor], wt_scale_inv: Optional[torch.Tensor],
-                x_gemm: Optional[torch.Tensor], w_gemm: Optional[torch.Tensor], xt_gemm: Optional[torch.Tensor],
-                wt_gemm: Optional[torch.Tensor], state: ScalingState, info: _Backward) -> torch.Tensor:
-        # A tensor's rowwise and columnwise copies have blocks of one shape (1xB along each
-        # copy's rows, or BxB), so one block tuple per operand serves both.
-        fprop, dgrad, wgrad = info.gemms
-        dtype = _output_dtype(x2d)
-        hp_dtype = info.high_precision or dtype
-        if fprop:
-            qx = QuantizedTensor(x_data, x_scale_inv, info.x_block, x_gemm)
-            qw = QuantizedTensor(w_data, w_scale_inv, info.w_block, w_gemm)
-            out = fp8_gemm(qx, qw, dtype, bias, info.split[0])
-        else:
-            out = _high_precision_gemm(x2d, _weight_2d(weight, info.weight_transposed), hp_dtype, dtype, bias)
-        # A per-tensor scale_inv serves both copies and is passed once (None for the copy). A
-        # backward GEMM in high precision reads the unquantised operand instead of its FP8 copy.
-        unquantised = ([] if wgrad else [x2d]) + ([] if dgrad else [weight])
-        if info.frozen:  # the stored FP8 weight itself: dgrad transposes it in the backward
-            wt_data, wt_scale_inv = w_data, w_scale_inv
-        ctx.save_for_backward(xt_data, x_scale_inv if xt_scale_inv is None else xt_scale_inv,
-                              wt_data, w_scale_inv if wt_scale_inv is None else wt_scale_inv, xt_gemm, wt_gemm,
-                              *unquantised)
-        ctx.state, ctx.info, ctx.x_dtype, ctx.gemm_dtype = state, info, x2d.dtype, hp_dtype
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):
-        info: _Backward = ctx.info
-        xt_data, xt_scale_inv, wt_data, wt_scale_inv, xt_gemm, wt_gemm, *unquantised = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        _, fp8_dgrad, fp8_wgrad = info.gemms
-        x2d = None if fp8_wgrad else unquantised[0]
-        weight = None if fp8_dgrad else unquantised[-1]
-        fp8_x, fp8_w = need_x and fp8_dgrad, need_w and fp8_wgrad
-        grad_x = grad_w = grad_b = None
-        bias_sum = None  # grad_out.sum(0) in float32, from the grad_output cast where it runs
-        if fp8_x or fp8_w:
-            quantizer = make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False)
-            if need_b:  # the bias gradient in the same pass over grad_out (TE's bgrad_quantize)
-                qg, qg_t, bias_sum = quantizer.quantize_pair_and_sum(grad_out, columnwise=fp8_w)
-            else:
-                qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
-        if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]
-            qw_t = QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm)
-            if info.frozen:
-                qw_t = frozen_columnwise(qw_t, info.recipe)
-            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype, None, info.split[1])
-            del qw_t, qg  # grad_output's rowwise cast is dgrad's alone: freed before wgrad allocates
-        elif need_x:
-            w_t = _weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
-            grad_x = _high_precision_gemm(grad_out, w_t, ctx.gemm_dtype, ctx.x_dtype)
-        if need_w:  # wgrad [N, K] = g.T [N, M] @ x [M, K]
-            # Written in the weight's dtype (FP32 master weights: float32; a BF16 weight: BF16, as
-            # nn.Linear's): one rounding of the FP32 accumulator, and no float32 [N, K] copy.
-            if fp8_w:
-                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), ctx.weight_dtype,
-                                  None, info.split[2])
-            else:
-                grad_w = _high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, ctx.weight_dtype)
-            if info.weight_transposed:
-                grad_w = grad_w.t()
-        if need_b:
-            grad_b = (grad_out.to(torch.float32).sum(0) if bias_sum is None else bias_sum).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, *([None] * 14)
 
 
 class FP8Linear(FrozenWeightMixin, nn.Linear):
@@ -398,7 +265,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # A plain attribute, past nn.Module.__setattr__ (about 1.3 µs of CPU a call, every step).
         self.__dict__["_forward_context"] = _ForwardContext(recipe, training, group.step, gemms, context.high_precision_dtype)
         return self._fp8_forward(x, recipe, record_forward=training, record_backward=training, gemms=gemms,
-                                 high_precision=context.high_precision_dtype, share=True)
+                                 high_precision=context.high_precision_dtype, share=True, state=state)
 
     def _recompute(self, x: torch.Tensor, original: _ForwardContext) -> torch.Tensor:
         # torch.utils.checkpoint reruns the forward in the backward, outside the autocast: run it
@@ -418,12 +285,16 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
 
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool,
                      gemms: Optional[tuple[bool, bool, bool]] = None,
-                     high_precision: Optional[torch.dtype] = None, share: bool = False) -> torch.Tensor:
+                     high_precision: Optional[torch.dtype] = None, share: bool = False,
+                     state: Optional[ScalingState] = None) -> torch.Tensor:
         # ``gemms``: which GEMMs run in FP8 (None: as gemms_in_fp8 says for ``recipe``);
         # ``high_precision``: the dtype of those that do not (None: the output dtype); ``share``:
-        # an autocast forward, which may take or keep an input cast (modules/shared_input.py).
+        # an autocast forward, which may take or keep an input cast (modules/shared_input.py);
+        # ``state``: fp8_state, where the caller has read it. Submodules and Parameters are read
+        # once per forward (each read of one costs about a microsecond of CPU).
         gemms = self.gemms_in_fp8(recipe) if gemms is None else gemms
-        state = self.fp8_state
+        state = self.fp8_state if state is None else state
+        weight, bias = self.weight, self.bias
         if isinstance(recipe, DelayedScaling):
             state.resize_history(recipe.amax_history_len)
         if state.device != x.device:
@@ -434,21 +305,24 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # (under no_grad autograd still reports the parameters as needing grad).
         grad = torch.is_grad_enabled()
         need_dgrad = grad and x2d.requires_grad
-        need_wgrad = grad and self.weight.requires_grad
-        need_bgrad = grad and self.bias is not None and self.bias.requires_grad
-        qx, qx_t, recorded = self._input_casts(x, x2d, recipe, record_forward, need_wgrad and gemms[2], share)
+        need_wgrad = grad and weight.requires_grad
+        need_bgrad = grad and bias is not None and bias.requires_grad
+        # Compiled code and CUDA graph captures cast every time: nothing kept from one call to the next.
+        plain = not (torch.compiler.is_compiling() or capturing())
+        qx, qx_t, recorded = self._input_casts(x, x2d, recipe, record_forward, need_wgrad and gemms[2],
+                                               share and plain, state)
         # A frozen weight's transposed copy is made by the backward (and freed after), not kept from here.
-        qw, qw_t = self._weight_casts(recipe, record_forward,
-                                      columnwise=need_dgrad and gemms[1] and self._frozen is None)
+        qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad and gemms[1] and self._frozen is None,
+                                      state=state, weight=weight, plain=plain)
         if recorded is not None:
             mark_recorded(recorded, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
             if gemms[0]:
-                out = fp8_gemm(qx, qw, _output_dtype(x2d), self.bias, split_accumulators(recipe)[0])
+                out = fprop(qx, qw, output_dtype(x2d), bias, split_accumulators(recipe)[0])
             else:
-                dtype = _output_dtype(x2d)
-                out = _high_precision_gemm(x2d, _weight_2d(self.dense_weight(), self.weight_transposed),
-                                           high_precision or dtype, dtype, self.bias)
+                dtype = output_dtype(x2d)
+                out = high_precision_gemm(x2d, weight_2d(self.dense_weight(), self.weight_transposed),
+                                           high_precision or dtype, dtype, bias)
         else:
             if record_backward and (gemms[1] or gemms[2]):
                 # Marked now, recorded by the backward: host-side state cannot change inside a
@@ -458,22 +332,23 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             frozen = self._frozen is not None
             info = self._backward_info(recipe, record_backward, qx.block, qw.block, gemms, frozen, high_precision)
             # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
-            weight = self.dense_weight() if frozen and not (gemms[0] and gemms[1]) else self.weight
-            out = _FP8LinearFunction.apply(
-                x2d, weight, self.bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
-                *_unpack(qx_t, qx), *_unpack(qw_t, qw), qx.gemm_scale, qw.gemm_scale,
+            if frozen and not (gemms[0] and gemms[1]):
+                weight = self.dense_weight()
+            out = FP8LinearFunction.apply(
+                x2d, weight, bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
+                *unpack_columnwise(qx_t, qx), *unpack_columnwise(qw_t, qw), qx.gemm_scale, qw.gemm_scale,
                 qx_t and qx_t.gemm_scale, qw_t and qw_t.gemm_scale, state, info,
             )  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _input_casts(self, x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, record: bool, columnwise: bool,
-                     share: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor], Optional[ScalingState]]:
+                     share: bool, state: ScalingState
+                     ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], Optional[ScalingState]]:
         # The input's FP8 copies and the state that recorded the cast (None: none). An autocast
-        # forward takes the cast an FP8 layer just made of the same tensor, or keeps its own (a
-        # layer that shared and now casts alone takes the row back first). Elsewhere (recompute,
-        # compiled code, a capture, hooks) it casts with the row the input last used, as training.
-        state = self.fp8_state
-        share = share and not (torch.compiler.is_compiling() or capturing())
+        # forward outside compiled code and captures (``share``) takes the cast an FP8 layer just
+        # made of the same tensor, or keeps its own (a layer that shared and now casts alone takes
+        # the row back first). Elsewhere (recompute, compiled code, a capture, hooks) it casts with
+        # the row the input last used, as training.
         if share:
             kept = find_shared_cast(x, recipe, record, columnwise)
             if kept is not None:
@@ -490,49 +365,55 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
 
     def _backward_info(self, recipe: Recipe, record: bool, x_block: Optional[tuple[int, int]],
                        w_block: Optional[tuple[int, int]], gemms: tuple[bool, bool, bool], frozen: bool,
-                       high_precision: Optional[torch.dtype]) -> _Backward:
-        # The same _Backward for the same forward, made once: a frozen dataclass costs
+                       high_precision: Optional[torch.dtype]) -> BackwardInfo:
+        # The same BackwardInfo for the same forward, made once: a frozen dataclass costs
         # microseconds to build, every step. Keyed by the recipe's identity (hashing a recipe
         # hashes all its fields), checked against the kept one.
         if torch.compiler.is_compiling():  # traced once, kept by the graph: no memo to guard on
-            return _Backward(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
+            return BackwardInfo(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
                              frozen, high_precision)
         key = (id(recipe), record, x_block, w_block, self.weight_transposed, gemms, frozen, high_precision)
         memo = self.__dict__.setdefault("_backward_infos", {})
         info = memo.get(key)
         if info is None or info.recipe is not recipe:
-            info = _Backward(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
+            info = BackwardInfo(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
                              frozen, high_precision)
             if len(memo) >= 16:  # recipes made anew for each step: keep the newest few
                 memo.clear()
             memo[key] = info
         return info
 
-    def _weight_casts(self, recipe: Recipe, record: bool, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+    def _weight_casts(self, recipe: Recipe, record: bool, columnwise: bool, *, state: Optional[ScalingState] = None,
+                      weight: Optional[torch.Tensor] = None, plain: Optional[bool] = None
+                      ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while
         # nothing they depend on changes: the micro-batches of gradient accumulation and
         # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
+        # ``state``, ``weight``: fp8_state and weight, where the caller has read them; ``plain``:
+        # not compiled code nor a CUDA graph capture (None: asked here).
         if self._frozen is not None:  # kept only in FP8: the stored bytes, transposed on request
             rowwise = self._frozen_casts(recipe)
             return rowwise, (frozen_columnwise(rowwise, recipe) if columnwise else None)
-        fp8_operand = getattr(self.weight, "fp8_operand", None)
+        weight = self.weight if weight is None else weight
+        state = self.fp8_state if state is None else state
+        fp8_operand = getattr(weight, "fp8_operand", None)
         if fp8_operand is not None:  # gathered in FP8 by FSDP2 (fp8_plugin.modules.fsdp_fp8): cast already
             rowwise = fp8_operand(self.weight_transposed)
             return rowwise, (rowwise.t() if columnwise else None)
-        w = self.weight.t() if self.weight_transposed else self.weight
-        quantizer = make_quantizer(recipe, WEIGHT, self.fp8_state, record)
-        if torch.compiler.is_compiling() or capturing():
+        w = weight.t() if self.weight_transposed else weight
+        quantizer = make_quantizer(recipe, WEIGHT, state, record)
+        if not (plain if plain is not None else not (torch.compiler.is_compiling() or capturing())):
             # Compiled or captured into a CUDA graph: the cast is part of the graph, run every time.
             return quantizer.quantize_pair(w, columnwise=columnwise)
         step = self.scaling_group.step if record else None  # a recording cast fills this step's amax slot
         if not keeps_weight_casts(self, step):
             self.__dict__["_weight_cache"] = None  # what an earlier forward kept goes (modules/weight_cache.py)
             return quantizer.quantize_pair(w, columnwise=columnwise)
-        key = weight_cast_key(self.weight, recipe, (self.fp8_state,), step)
+        key = weight_cast_key(weight, recipe, (state,), step)
         cached = self._weight_cache
         if cached is not None and cached.matches(key, record) and (cached.columnwise is not None or not columnwise):
             if record:
-                mark_recorded(self.fp8_state, recipe, WEIGHT)
+                mark_recorded(state, recipe, WEIGHT)
             return cached.rowwise, (cached.columnwise if columnwise else None)
         self._weight_cache = None  # free the stale copies before casting new ones
         rowwise, columnwise_copy = quantizer.quantize_pair(w, columnwise=columnwise)
@@ -550,7 +431,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
     def _reference_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # A reference check's replay: the GEMM in ``dtype`` outside torch autocast, the output in
         # the dtype the layer would give, so that the ops after it run as in training.
-        out_dtype = _output_dtype(x)
+        out_dtype = output_dtype(x)
         with torch.autocast(device_kind(x.device), enabled=False):
             weight = self.dense_weight(dtype)
             out = F.linear(x.to(dtype), weight.t() if self.weight_transposed else weight,

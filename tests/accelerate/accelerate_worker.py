@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import fp8_plugin.modules.linear
+import fp8_plugin.modules.linear_function
 from amax_reductions import MAX_ALL_REDUCES  # counts every amax all-reduce
 from fp8_plugin.accelerate import Accelerator
 from fp8_plugin.modules.linear import FP8Linear
 from dist_teardown import tear_down_process_group  # noqa: E402
 
 FP8_GEMMS = [0]
-_fp8_gemm = fp8_plugin.modules.linear.fp8_gemm
+_fp8_gemm = fp8_plugin.modules.linear_function.fp8_gemm
 
 
 def _counting_gemm(*args, **kwargs):
@@ -29,7 +29,7 @@ def _counting_gemm(*args, **kwargs):
     return _fp8_gemm(*args, **kwargs)
 
 
-fp8_plugin.modules.linear.fp8_gemm = _counting_gemm
+fp8_plugin.modules.linear_function.fp8_gemm = _counting_gemm
 
 
 class Net(nn.Sequential):

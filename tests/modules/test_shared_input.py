@@ -106,17 +106,17 @@ def test_each_input_is_cast_and_saved_once_in_e4m3():
         with torch.autocast("cpu", dtype=torch.bfloat16), fp8_plugin.autocast():
             loss = model(input_ids=ids, labels=ids).loss
     gemms = {"n": 0}
-    gemm = fp8_plugin.modules.linear.fp8_gemm
+    gemm = fp8_plugin.modules.linear_function.fp8_gemm
 
     def counting(*args, **kwargs):
         gemms["n"] += 1
         return gemm(*args, **kwargs)
 
-    fp8_plugin.modules.linear.fp8_gemm = counting
+    fp8_plugin.modules.linear_function.fp8_gemm = counting
     try:
         loss.backward()
     finally:
-        fp8_plugin.modules.linear.fp8_gemm = gemm
+        fp8_plugin.modules.linear_function.fp8_gemm = gemm
     assert gemms["n"] == 2 * 7 * LAYERS  # dgrad and wgrad of every layer ran in FP8
     weights = LAYERS * (H * H + 2 * H * KV + H * H + 2 * H * I + I * H)  # columnwise copies, for dgrad
     inputs = LAYERS * TOKENS * (H + H + H + I)  # q/k/v's, o's, gate/up's, down's: 4 casts, not 7

@@ -90,7 +90,7 @@ def test_the_emulated_gemm_of_fnuz_operands_matches_float64():
 
 
 def test_a_layer_trains_in_fnuz_on_a_presented_gfx942_with_240_as_the_e4m3_bound(monkeypatch):
-    import fp8_plugin.modules.linear as linear_module
+    import fp8_plugin.modules.linear_function as linear_module
 
     gemms = []
     real = linear_module.fp8_gemm
@@ -179,7 +179,7 @@ def test_the_device_report_names_the_formats_and_refuses_the_block_recipes_on_an
 def test_a_tiny_llama_trains_three_steps_in_fnuz_on_a_presented_gfx942(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import fp8_plugin.modules.linear as linear_module
+    import fp8_plugin.modules.linear_function as linear_module
 
     operand_dtypes = []
     real = linear_module.fp8_gemm

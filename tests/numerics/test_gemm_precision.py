@@ -451,8 +451,8 @@ def _dgrad_fault(layer):
     # weight) stay healthy.
     original = layer._weight_casts
 
-    def faulty(recipe, record, columnwise):
-        rowwise, col = original(recipe, record, columnwise)
+    def faulty(recipe, record, columnwise, **reads):
+        rowwise, col = original(recipe, record, columnwise, **reads)
         return rowwise, (None if col is None else dataclasses.replace(col, scale_inv=col.scale_inv * 2.0**-40))
 
     layer._weight_casts = faulty

@@ -164,7 +164,7 @@ class count_fp8_gemms:
     """
 
     def __enter__(self):
-        import fp8_plugin.modules.linear as linear
+        import fp8_plugin.modules.linear_function as linear
 
         self.count = 0
         self.dtypes = []  # dtype of each GEMM's first operand

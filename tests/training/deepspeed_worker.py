@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from torch import nn  # noqa: E402
 
-import fp8_plugin.modules.linear  # noqa: E402
+import fp8_plugin.modules.linear_function  # noqa: E402
 from amax_reductions import MAX_ALL_REDUCES  # noqa: E402  (counts every amax all-reduce)
 from fp8_plugin.modules.linear import FP8Linear  # noqa: E402
 from fp8_plugin.training.reference import ReferenceChecker  # noqa: E402
@@ -71,7 +71,7 @@ def _start_deepspeed_on_cpus() -> None:
 
 _start_deepspeed_on_cpus()
 FP8_GEMMS = [0]
-_fp8_gemm = fp8_plugin.modules.linear.fp8_gemm
+_fp8_gemm = fp8_plugin.modules.linear_function.fp8_gemm
 
 
 def _counting_gemm(*args, **kwargs):
@@ -79,7 +79,7 @@ def _counting_gemm(*args, **kwargs):
     return _fp8_gemm(*args, **kwargs)
 
 
-fp8_plugin.modules.linear.fp8_gemm = _counting_gemm
+fp8_plugin.modules.linear_function.fp8_gemm = _counting_gemm
 CHECK_GEMMS = [0]  # of those, the FP8 GEMMs the reference checks ran (replays and figures)
 _run_check = ReferenceChecker.run
 

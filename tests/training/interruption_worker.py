@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 import fp8_plugin  # noqa: E402,F401  (registers the precision strings)
 import fp8_plugin.numerics.gemm  # noqa: E402
-import fp8_plugin.modules.linear  # noqa: E402
+import fp8_plugin.modules.linear_function  # noqa: E402
 from dist_teardown import tear_down_process_group  # noqa: E402
 
 EPOCHS = 4
@@ -53,7 +53,7 @@ GEMM_PATHS: dict[str, str] = {}
 def count_fp8_gemms() -> None:
     """Count the FP8 layers' GEMMs (forward, grad input, grad weight) and record the timed
     GEMM paths from now on."""
-    fp8_gemm, choice = fp8_plugin.modules.linear.fp8_gemm, fp8_plugin.numerics.gemm.tensorwise_choice
+    fp8_gemm, choice = fp8_plugin.modules.linear_function.fp8_gemm, fp8_plugin.numerics.gemm.tensorwise_choice
 
     def counting_fp8_gemm(*args, **kwargs):
         FP8_GEMMS[0] += 1
@@ -64,7 +64,7 @@ def count_fp8_gemms() -> None:
         GEMM_PATHS[f"{dtype_a} x {dtype_b} -> {out_dtype}"] = "native" if result.native else "emulated"
         return result
 
-    fp8_plugin.modules.linear.fp8_gemm = counting_fp8_gemm
+    fp8_plugin.modules.linear_function.fp8_gemm = counting_fp8_gemm
     fp8_plugin.numerics.gemm.tensorwise_choice = recorded_choice
 
 
