@@ -184,6 +184,34 @@ def test_output_may_be_modified_in_place():
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
 
 
+@pytest.mark.parametrize("shape, gemms", [((32,), (True, True, True)), ((3, 5, 32), (True, True, True)),
+                                           ((3, 5, 32), (True, False, False)), ("transposed", (True, True, True))])
+def test_an_nd_input_gives_the_2d_runs_output_and_gradients_bit_for_bit(shape, gemms):
+    # The layer sees [..., K] as [M, K] (a 2-D input as it is, with no view): the output and
+    # every gradient equal the same layer's run on the input flattened beforehand, for a 1-D
+    # input, a 3-D one, one whose dgrad and wgrad run in high precision, and a non-contiguous one
+    # (a transposed 3-D tensor).
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 32).transpose(0, 1) if shape == "transposed" else torch.randn(*shape)
+    grad = torch.randn(*x.shape[:-1], 16)
+    runs = []
+    for flat in (False, True):
+        layer = fp.FP8Linear(32, 16, recipe=Float8CurrentScaling())
+        with torch.no_grad():
+            layer.weight.copy_(torch.linspace(-1, 1, 512).reshape(16, 32)), layer.bias.fill_(0.25)
+        layer.fp8_gemms = gemms
+        xi = x.clone().requires_grad_()
+        with fp.autocast():
+            y = layer(xi.reshape(-1, 32)) if flat else layer(xi)
+        assert y.shape == ((-1, 16) if flat else (*x.shape[:-1], 16)) or flat
+        if flat:  # the function's own output, no view node between it and the caller
+            assert type(y.grad_fn).__name__ == "FP8LinearFunctionBackward"
+        y.reshape(*x.shape[:-1], 16).backward(grad)
+        runs.append((y.reshape(-1, 16), xi.grad, layer.weight.grad, layer.bias.grad))
+    for got, expected in zip(*runs):
+        assert torch.equal(got, expected)
+
+
 def test_float64_layer_runs_fp8_gemms_and_returns_float64():
     layer = fp.FP8Linear(32, 16, dtype=torch.float64, recipe=Float8CurrentScaling())
     x = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
