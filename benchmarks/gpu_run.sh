@@ -20,6 +20,7 @@
 #   6. host.md/json, host_4096.md/json  benchmarks/host_profile.py: where an FP8Linear step's host
 #                     time goes, per recipe, against nn.Linear (HOST_RECIPES narrows the recipes);
 #                     host_triton*.md/json the same with the Triton GEMM (delayed, current);
+#                     host_triton_mixed.md/json with FP32 master weights under bf16-mixed autocast;
 #   7. layer.md/json  FP8Linear forward + backward against BF16 at 2 shapes, every recipe, eagerly
 #                     (delayed+triton, current+triton: with the Triton GEMM);
 #   8. model.md/json  a 125M Llama model's training steps, Lightning and Accelerate, FP8 against BF16;
@@ -171,7 +172,9 @@ host_profiles() {
         "$PYTHON" benchmarks/host_profile.py --device cuda --recipes delayed,current --gemm-kernel triton \
             --steps 100 --repeats 3 --output "$WORK/host_triton.json" &&
         "$PYTHON" benchmarks/host_profile.py --device cuda --recipes delayed,current --gemm-kernel triton \
-            --shape 4096x2048x2048 --steps 50 --repeats 3 --output "$WORK/host_triton_4096.json"
+            --shape 4096x2048x2048 --steps 50 --repeats 3 --output "$WORK/host_triton_4096.json" &&
+        "$PYTHON" benchmarks/host_profile.py --device cuda --recipes delayed,current --gemm-kernel triton \
+            --precision bf16-mixed --steps 100 --repeats 3 --output "$WORK/host_triton_mixed.json"
     else
         "$PYTHON" benchmarks/host_profile.py --device meta --recipes "$HOST_RECIPES" --steps 20 --repeats 2 \
             --output "$WORK/host.json"

@@ -28,6 +28,10 @@ Devices:
   wall time of ``--steps`` steps with one synchronisation at the end (the GPU work of these
   shapes is some microseconds per kernel: the GPU waits for the host).
 
+Precision: ``--precision bf16-true`` (the default) runs both layers with BF16 weights and no torch
+autocast, the cheapest ``nn.Linear`` step; ``bf16-mixed`` (a GPU only) runs FP32 master weights
+under ``torch.autocast(bfloat16)``, as Lightning's bf16-mixed and the fp8-* precisions run them.
+
     OMP_NUM_THREADS=1 python benchmarks/host_profile.py                       # meta, ~30 s
     python benchmarks/host_profile.py --device cuda --shape 4096x2048x2048   # on a GPU
     python benchmarks/host_profile.py --device cuda --gemm-kernel triton     # the Triton GEMM's host time
@@ -109,21 +113,29 @@ def _step_tensors(shape: tuple[int, int, int], device: torch.device) -> tuple[to
     return x.requires_grad_(), grad
 
 
-def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str):
+def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str, precision: str = "bf16-true"):
+    # The two layers' steps. bf16-true: BF16 weights, no torch autocast; bf16-mixed: FP32 master
+    # weights under torch.autocast(bfloat16), as Lightning's bf16-mixed and fp8-hybrid run them.
     _, k, n = shape
     recipe = RECIPES[recipe_name]()
-    fp8 = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16, recipe=recipe)
-    bf16 = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    mixed = precision == "bf16-mixed"
+    weight_dtype = torch.float32 if mixed else torch.bfloat16
+    fp8 = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=weight_dtype, recipe=recipe)
+    bf16 = nn.Linear(k, n, bias=False, device=device, dtype=weight_dtype)
     x, grad = _step_tensors(shape, device)
 
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+
     def fp8_step() -> None:
-        with fp8_plugin.autocast(recipe=recipe):
+        with autocast(), fp8_plugin.autocast(recipe=recipe):
             y = fp8(x)
         y.backward(grad)
         fp8.weight.grad = x.grad = None
 
     def bf16_step() -> None:
-        y = bf16(x)
+        with autocast():
+            y = bf16(x)
         y.backward(grad)
         bf16.weight.grad = x.grad = None
 
@@ -242,10 +254,10 @@ def _gemm_calls(step: Callable[[], None]) -> Counter:
 
 
 def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.device, steps: int, repeats: int,
-                   top: int) -> dict:
+                   top: int, precision: str = "bf16-true") -> dict:
     """The figures of one recipe (module docstring), as a dict."""
     with _cuda_path(device.type, recipe) as launches:
-        fp8_step, bf16_step = _layers(shape, device, recipe)
+        fp8_step, bf16_step = _layers(shape, device, recipe, precision)
         fp8_us = _per_step_us(fp8_step, steps, repeats, device)
         bf16_us = _per_step_us(bf16_step, steps, repeats, device)
         floor_step = _floor_step(shape, device, recipe)
@@ -289,7 +301,8 @@ def table(data: dict) -> str:
     env = data["environment"]
     m, k, n = data["shape"]
     kernel = data.get("gemm_kernel", "torch")
-    lines = [f"# FP8Linear host time per training step ({data['device']}, {m} x {k} -> {n}, BF16, "
+    lines = [f"# FP8Linear host time per training step ({data['device']}, {m} x {k} -> {n}, "
+             f"{data.get('precision', 'bf16-true')}, "
              f"{'the Triton GEMM' if kernel == 'triton' else 'torch._scaled_mm'})", "",
              f"{env['device']}; torch {env['torch']}; commit {env['commit']}; {env['date']}", "",
              "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | floor µs | floor ratio "
@@ -330,8 +343,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top", type=int, default=12, help="fp8-plugin functions listed per recipe")
     parser.add_argument("--gemm-kernel", choices=GEMM_KERNELS, default="torch",
                         help="the per-tensor recipes' GEMM: torch._scaled_mm (torch) or the Triton GEMM (triton)")
+    parser.add_argument("--precision", choices=("bf16-true", "bf16-mixed"), default="bf16-true",
+                        help="bf16-true: BF16 weights, no torch autocast (default); bf16-mixed: FP32 master weights "
+                             "under torch.autocast(bfloat16), as the precision plugins run them (a GPU only)")
     parser.add_argument("--output", type=Path, default=Path("runs/benchmarks/host_profile.json"))
     args = parser.parse_args(argv)
+    if args.precision == "bf16-mixed" and args.device != "cuda":
+        parser.error("--precision bf16-mixed needs --device cuda: torch.autocast does nothing on meta tensors, "
+                     "and emulating it in Python would add host time a GPU does not spend; valid on meta: bf16-true")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
@@ -340,9 +359,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--device cuda: torch sees no CUDA GPU; valid here: --device meta")
     device = torch.device(args.device)
     with force_gemm_kernel(args.gemm_kernel):
-        profiles = [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top) for r in recipes]
+        profiles = [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top, args.precision)
+                    for r in recipes]
     data = {"device": args.device, "shape": list(args.shape), "steps": args.steps, "repeats": args.repeats,
-            "gemm_kernel": args.gemm_kernel,
+            "gemm_kernel": args.gemm_kernel, "precision": args.precision,
             "environment": environment(torch.device("cuda" if args.device == "cuda" else "cpu")),
             "recipes": profiles}
     write_report(args.output, data, table(data))

@@ -1,0 +1,37 @@
+"""benchmarks/host_profile.py: the steps it times are the training steps it names, and a setting
+it cannot honour is refused before anything runs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import host_profile  # noqa: E402
+from reference import count_fp8_gemms  # noqa: E402
+
+
+def test_bf16_mixed_is_refused_on_meta_naming_the_valid_precision(capsys):
+    with pytest.raises(SystemExit):
+        host_profile.main(["--device", "meta", "--precision", "bf16-mixed", "--recipes", "current"])
+    err = capsys.readouterr().err
+    assert "--precision bf16-mixed needs --device cuda" in err and "valid on meta: bf16-true" in err
+
+
+def test_bf16_mixed_steps_train_fp32_master_weights_under_autocast_with_three_fp8_gemms():
+    # On CPU (torch autocast acts there): the FP8 step runs its three GEMMs in FP8 under the
+    # BF16 autocast, the nn.Linear step runs in BF16, and both weights get float32 gradients.
+    torch.manual_seed(0)
+    fp8_step, bf16_step = host_profile._layers((32, 64, 48), torch.device("cpu"), "current", "bf16-mixed")
+    layers = {type(c.cell_contents).__name__: c.cell_contents for c in fp8_step.__closure__ + bf16_step.__closure__
+              if isinstance(c.cell_contents, torch.nn.Module)}
+    grads = []
+    for layer in layers.values():
+        layer.weight.register_hook(lambda g: grads.append(g.dtype) or g)
+    with count_fp8_gemms() as gemms:
+        fp8_step()
+    bf16_step()
+    assert gemms.count == 3 and set(gemms.dtypes) == {torch.float8_e4m3fn, torch.float8_e5m2}
+    assert {layer.weight.dtype for layer in layers.values()} == {torch.float32} and grads == [torch.float32] * 2
