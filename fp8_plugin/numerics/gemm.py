@@ -210,10 +210,13 @@ def _cached_plan(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
                  ) -> tuple[str, Optional[NativeGemm], str, bool]:
     # Traced code decides once anyway (a cache would be guarded on); a CPU's tensorwise choice is
     # a measurement that tests redo (tensorwise_choice.cache_clear).
-    if torch.compiler.is_compiling() or a.data.device.type == "cpu":
+    data = a.data
+    if torch.compiler.is_compiling() or data.is_cpu:
         return (*_plan(a, b, out_dtype), False)
     kernel = gemm_kernel()
-    key = (a.block, b.block, a.data.dtype, b.data.dtype, out_dtype, a.data.device, _forced, kernel, presented_device())
+    # A GPU or meta device as (is meta, index): no torch.device made and hashed per call.
+    device = (data.is_meta, data.get_device()) if data.is_cuda or data.is_meta else data.device
+    key = (a.block, b.block, data.dtype, b.data.dtype, out_dtype, device, _forced, kernel, presented_device())
     plan = _plans.get(key)
     if plan is None:
         kind, support, reason = _plan(a, b, out_dtype)

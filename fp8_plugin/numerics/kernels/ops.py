@@ -187,7 +187,7 @@ def traced(x: torch.Tensor) -> bool:
     # Meta tensors do too, except while launches are only recorded (the host profile measures
     # the eager path of a GPU on them).
     return (torch.compiler.is_compiling() or in_dispatch_mode()
-            or (x.device.type == "meta" and not recording_launches()))
+            or (x.is_meta and not recording_launches()))  # is_meta: no device object made
 
 
 def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,

@@ -3,7 +3,6 @@ switches, and the extra state that carries them through ``state_dict()``, checke
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Optional
 
@@ -420,18 +419,23 @@ def recipe_key(recipe: Recipe) -> str:
     margin (``"DelayedScaling(HYBRID, margin=0)"``); history length and algorithm may differ."""
     if torch.compiler.is_compiling():  # traced: the string is a constant of the graph, no cache
         return _recipe_key(recipe)
-    try:
-        return _cached_recipe_key(recipe)
-    except TypeError:  # an unhashable field (a callable amax_compute_algo object)
-        return _recipe_key(recipe)
+    # Every cast asks: formatted once per recipe object, found by its identity (hashing a recipe
+    # hashes every field), the kept object checked (recipes are frozen dataclasses).
+    kept = _recipe_keys.get(id(recipe))
+    if kept is not None and kept[0] is recipe:
+        return kept[1]
+    key = _recipe_key(recipe)
+    if len(_recipe_keys) >= 256:  # recipes made anew for each step: keep the newest few
+        _recipe_keys.clear()
+    _recipe_keys[id(recipe)] = (recipe, key)
+    return key
 
 
 def _recipe_key(recipe: Recipe) -> str:
     return f"{type(recipe).__name__}({recipe.fp8_format.name}, margin={recipe.margin})"
 
 
-# Every cast asks for its recipe's key: format it once per recipe.
-_cached_recipe_key = functools.lru_cache(maxsize=256)(_recipe_key)
+_recipe_keys: dict[int, tuple[Recipe, str]] = {}
 
 
 def _recipe_text(saved: Any) -> str:
