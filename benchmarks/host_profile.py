@@ -16,7 +16,8 @@ the GPU waits for the host: the step time is the host's. Per recipe:
   proxy only, torch's Python meta kernels, which a GPU runs in C++ (``torch._scaled_mm``'s
   checks above all);
 - the per-model share: ``ScalingGroup.update`` (one scale update per step for the whole model,
-  not per layer) is reported apart, and **per-layer host µs** leaves it and the meta kernels out.
+  not per layer) and the ``fp8_plugin.autocast`` context (entered once per step for the whole
+  model) are reported apart, and **per-layer host µs** leaves them and the meta kernels out.
 
 Devices:
 
@@ -212,7 +213,8 @@ def _category(filename: str) -> str:
 
 def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], dict[str, float], float, float]:
     """Own time per category and per fp8-plugin function (seconds per step), the cumulative time
-    of the per-model scale update per step, and the whole profiled step."""
+    of the per-model work per step (the scale update, the FP8 autocast's entry and exit), and the
+    whole profiled step."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -221,16 +223,17 @@ def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], di
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own, cumulative, callers)}
     categories: dict[str, float] = defaultdict(float)
     functions: dict[str, float] = defaultdict(float)
-    update = total = 0.0
+    per_model = total = 0.0
     for (filename, line, name), (_, _, own, cumulative, _) in stats.items():
         category = _category(filename)
         categories[category] += own / steps
         total += own / steps
         if category == "fp8-plugin Python":
             functions[f"{filename.split('fp8_plugin/')[-1]}:{name}"] += own / steps
-        if filename.endswith("scaling_group.py") and name == "update":
-            update += cumulative / steps
-    return dict(categories), dict(functions), update, total
+        if (filename.endswith("scaling_group.py") and name == "update"
+                or filename.endswith("modules/autocast.py") and name == "autocast"):  # the generator's both halves
+            per_model += cumulative / steps
+    return dict(categories), dict(functions), per_model, total
 
 
 def _gemm_calls(step: Callable[[], None]) -> Counter:
@@ -265,7 +268,7 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         launches.clear()
         fp8_step()
         triton = dict(launches)
-        categories, functions, update, profiled = _profile(fp8_step, steps)
+        categories, functions, per_model, profiled = _profile(fp8_step, steps)
         bf16_categories, _, _, bf16_profiled = _profile(bf16_step, steps)
         # The Triton GEMM's are launches (a dispatch mode would see torch._scaled_mm in their place).
         gemms = ({"_scaled_gemm_kernel": triton["_scaled_gemm_kernel"]} if "_scaled_gemm_kernel" in triton
@@ -274,8 +277,8 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
     shares = {name: seconds * scale for name, seconds in sorted(categories.items(), key=lambda kv: -kv[1])}
     meta_us = shares.get("meta kernels (proxy only)", 0.0)
     bf16_meta_us = bf16_categories.get("meta kernels (proxy only)", 0.0) * bf16_us / bf16_profiled
-    update_us = update * scale
-    per_layer = fp8_us - meta_us - update_us
+    per_model_us = per_model * scale
+    per_layer = fp8_us - meta_us - per_model_us
     bf16_per_layer = bf16_us - bf16_meta_us
     return {
         "recipe": recipe,
@@ -285,7 +288,7 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         "per_layer_fp8_us": per_layer,
         "per_layer_bf16_us": bf16_per_layer,
         "per_layer_ratio": per_layer / bf16_per_layer,
-        "scale_update_us": update_us,
+        "per_model_us": per_model_us,
         "floor_us": floor_us,
         "floor_ratio": None if floor_us is None else floor_us / bf16_per_layer,
         "meta_kernels_us": meta_us,
@@ -306,15 +309,16 @@ def table(data: dict) -> str:
              f"{'the Triton GEMM' if kernel == 'triton' else 'torch._scaled_mm'})", "",
              f"{env['device']}; torch {env['torch']}; commit {env['commit']}; {env['date']}", "",
              "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | floor µs | floor ratio "
-             "| scale update µs | meta kernels µs | Triton launches | GEMMs |",
+             "| per-model µs | meta kernels µs | Triton launches | GEMMs |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in data["recipes"]:
         floor = (f"{r['floor_us']:.0f} | {r['floor_ratio']:.2f}x" if r.get("floor_us") is not None else "- | -")
         lines.append(f"| {r['recipe']} | {r['fp8_us']:.0f} | {r['bf16_us']:.0f} | {r['ratio']:.2f}x | "
                      f"{r['per_layer_fp8_us']:.0f} | {r['per_layer_ratio']:.2f}x | {floor} | "
-                     f"{r['scale_update_us']:.0f} | {r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
+                     f"{r['per_model_us']:.0f} | {r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
                      f"{sum(r['gemm_calls'].values())} |")
-    lines += ["", "Per-layer: the step less the per-model scale update and (meta proxy) torch's Python meta "
+    lines += ["", "Per-layer: the step less the per-model work (the scale update, the FP8 autocast's entry and "
+              "exit: once per step for a whole model) and (meta proxy) torch's Python meta "
               "kernels, which a GPU runs in C++; nn.Linear's less its own meta kernels. Floor: the same casts "
               "and GEMM launches in a bare autograd.Function, nothing else (per-tensor recipes; on the meta "
               "proxy with torch._scaled_mm it includes that op's meta kernels); floor ratio: against nn.Linear's "
