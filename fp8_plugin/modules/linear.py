@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._private.torch_api import in_backward_pass
-from ..numerics.device_kind import device_kind
+from ..numerics.device_kind import device_kind, tensor_device_kind
 from ..numerics.kernels.launch import capturing
 from .autocast import current_context, note_fp8_forward
 from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
@@ -247,7 +247,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         if frozen is not None:
             self._check_still_frozen()
         if x.dtype != (weight.dtype if frozen is None else frozen.master_dtype) and not torch.is_autocast_enabled(
-                device_kind(x.device)):
+                tensor_device_kind(x)):
             # nn.Linear refuses this pairing; an FP8 GEMM would not notice, and the model would
             # then compute in the input's dtype only while FP8 is on.
             raise RuntimeError(

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..numerics.device_kind import device_kind
+from ..numerics.device_kind import device_kind, tensor_device_kind
 from ..numerics.gemm import fp8_gemm
 from ..numerics.quantizers import GRAD_OUTPUT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Recipe
@@ -60,7 +60,7 @@ class BackwardInfo:
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a linear layer's output takes for input ``x``: torch autocast's where it is on
     for ``x``'s device kind, else ``x``'s (as ``nn.Linear``)."""
-    kind = device_kind(x.device)
+    kind = tensor_device_kind(x)
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype

@@ -25,7 +25,7 @@ import torch
 
 from .._private.torch_api import in_dispatch_mode
 
-__all__ = ["device_kind", "eager_on_cpu", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm",
+__all__ = ["device_kind", "tensor_device_kind", "eager_on_cpu", "cuda_capability", "meta_as_cuda", "fp8_family", "present_rocm",
            "presented_device", "FNUZ_ARCHS"]
 
 # The compute capability meta tensors present while meta_as_cuda is active (None: they are meta).
@@ -48,6 +48,16 @@ def device_kind(device: Union[str, torch.device]) -> str:
     if device.type == "meta" and _meta_capability is not None:
         return "cuda"
     return device.type
+
+
+def tensor_device_kind(tensor: torch.Tensor) -> str:
+    """:func:`device_kind` of ``tensor``'s device, without making a ``torch.device`` for a CUDA
+    or CPU tensor (about half a microsecond of CPU, asked every FP8 layer step)."""
+    if tensor.is_cuda:
+        return "cuda"
+    if tensor.is_cpu:
+        return "cpu"
+    return device_kind(tensor.device)
 
 
 def eager_on_cpu(tensor: torch.Tensor) -> bool:

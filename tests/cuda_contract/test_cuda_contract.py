@@ -71,7 +71,7 @@ import fp8_plugin
 from fp8_plugin import FP8Linear
 from fp8_plugin.modules.fsdp_fp8 import FP8AllGatherWeight, FP8GatheredWeight
 from fp8_plugin.numerics import gemm
-from fp8_plugin.numerics.device_kind import cuda_capability, device_kind, meta_as_cuda
+from fp8_plugin.numerics.device_kind import cuda_capability, device_kind, meta_as_cuda, tensor_device_kind
 from fp8_plugin.numerics.quantizers import QuantizedTensor
 from fp8_plugin.training.core import FP8Training
 from fp8_plugin.training.reference.replay import _restore_rng_state, capture_rng_state
@@ -172,6 +172,7 @@ def test_without_a_native_kernel_the_layer_runs_the_emulation(cuda, recipe_name)
 def test_native_kernels_per_compute_capability(cuda):
     sm = next(name for name, value in SM.items() if value == cuda.capability)
     assert device_kind(cuda.device) == "cuda" and cuda_capability(cuda.device) == cuda.capability
+    assert tensor_device_kind(torch.empty(1, device=cuda.device)) == "cuda"  # a real GPU's tensor too
     expected = {"tensorwise": sm != "sm80", "blockwise": sm == "sm90", "mxfp8": sm in ("sm100", "sm120")}
     for kind, native in expected.items():
         support = gemm.native_gemm(kind, cuda.device)
@@ -185,9 +186,11 @@ def test_native_kernels_per_compute_capability(cuda):
 
 
 def test_meta_is_cuda_only_inside_the_seam():
-    assert device_kind(META) == "meta" and device_kind("cpu") == "cpu"
+    meta, cpu = torch.empty(1, device=META), torch.empty(1)
+    assert device_kind(META) == tensor_device_kind(meta) == "meta" and device_kind("cpu") == tensor_device_kind(cpu) == "cpu"
     with meta_as_cuda((10, 0)):
-        assert device_kind(META) == "cuda" and device_kind("cpu") == "cpu"
+        assert device_kind(META) == tensor_device_kind(meta) == "cuda"
+        assert device_kind("cpu") == tensor_device_kind(cpu) == "cpu"
     with pytest.raises(ValueError, match=r"meta_as_cuda\(capability=9\).*valid: a \(major, minor\) pair"):
         with meta_as_cuda(9):
             pass
