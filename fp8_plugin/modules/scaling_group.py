@@ -37,6 +37,8 @@ class ScalingGroup:
         self.step: Optional[int] = None
         # The fused scale update's device tables of this group's states (update_delayed_scaling).
         self._tables: dict = {}
+        # Recipes by identity -> (the recipe, the first equal recipe seen: its update group).
+        self._recipe_groups: dict[int, tuple[Recipe, Recipe]] = {}
 
     def add(self, layer: nn.Module) -> None:
         """Make ``layer`` (it has ``fp8_state`` and ``recipe``) a member; it leaves its old group."""
@@ -61,19 +63,33 @@ class ScalingGroup:
         ``reduce_amax`` is a collective. Amaxes recorded under a recipe that is not delayed
         scaling (after a recipe change) are dropped.
         """
-        groups: dict[tuple[DelayedScaling, int], list[ScalingState]] = {}
+        groups: dict[tuple[int, int], tuple[DelayedScaling, list[ScalingState]]] = {}
         for layer in self.layers:
             state: ScalingState = layer.fp8_state
             if not state.pending:
                 continue
-            for role in sorted(state.pending):
-                chosen = state.pending[role] or recipe or layer.recipe
+            pending = state.take_pending()
+            for role in sorted(pending):
+                chosen = self._update_group(pending[role] or recipe or layer.recipe)
                 if isinstance(chosen, DelayedScaling):
-                    groups.setdefault((chosen, role), []).append(state)
-            state.pending = {}
-        entries = [(r, role, states) for (r, role), states in groups.items()]
+                    groups.setdefault((id(chosen), role), (chosen, []))[1].append(state)
+        entries = [(r, role, states) for (_, role), (r, states) in groups.items()]
         update_delayed_scaling([e for e in entries if e[0].reduce_amax], reduce_amax, self._tables)
         update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
+
+
+    def _update_group(self, recipe: Recipe) -> Recipe:
+        # The first recipe equal to ``recipe`` this group has seen: layers whose recipes are equal
+        # objects (each converted layer holds its own) update as one group. Found by identity,
+        # so that a recipe is hashed (every field) once, not once per layer, role and step.
+        kept = self._recipe_groups.get(id(recipe))
+        if kept is not None and kept[0] is recipe:
+            return kept[1]
+        if len(self._recipe_groups) >= 4 * len(self.layers) + 16:  # recipes made anew for each step
+            self._recipe_groups.clear()
+        first = next((k[1] for k in self._recipe_groups.values() if k[1] == recipe), recipe)
+        self._recipe_groups[id(recipe)] = (recipe, first)
+        return first
 
 
 def scaling_groups(model: nn.Module) -> list[ScalingGroup]:

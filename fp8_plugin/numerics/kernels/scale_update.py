@@ -26,7 +26,7 @@ load, a device move, a new history length) or the pending rows change.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -36,7 +36,7 @@ from ..device_kind import fp8_family
 from ..formats import fp8_dtype, fp8_max
 from .launch import KernelLaunch, recording_launches
 
-__all__ = ["bulk_update", "build_table", "Row"]
+__all__ = ["bulk_update", "build_table", "Row", "Tables", "table_for"]
 
 # The row of grad_output in a ScalingState (quantizers.GRAD_OUTPUT; the kernels sit below the
 # quantizers, which call them): its format is the recipe's backward one.
@@ -149,20 +149,33 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def layout_key(rows: Sequence[Row]) -> tuple:
-    """What a table depends on: each row's role, recipe and its state's tensors (addresses,
-    history length). Read on the host, no device access."""
-    return tuple((role, recipe, state.amax_history.data_ptr(), state.amax_history.shape[1], state.scale.data_ptr(),
-                  state.initialized.data_ptr(), state.outlier_count.data_ptr(), state.outlier_ratio.data_ptr())
-                 for recipe, role, state in rows)
+    """What a table depends on: each row's role, recipe object and state object, with the state's
+    ``generation`` (which counts the replacements of its tensors: a load, a move, a resized
+    history; each changes the addresses and history lengths a table holds). Identities, read on
+    the host: no tensor attribute read and no recipe hashed per row (a model's update has three
+    rows per layer, every step). The cache that keys on it keeps the objects alive
+    (:func:`table_for`), so that no identity is reused while it holds a table."""
+    return tuple((role, id(recipe), id(state), state.generation) for recipe, role, state in rows)
 
 
-def table_for(rows: Sequence[Row], device: torch.device, tables: Optional[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+class Tables(NamedTuple):
+    """:func:`build_table`'s two tables of some rows, the longest amax history among them, and the
+    rows' recipes and states (kept alive while their identities key a cache: :func:`layout_key`)."""
+
+    table: torch.Tensor
+    params: torch.Tensor
+    longest_history: int
+    objects: list
+
+
+def table_for(rows: Sequence[Row], device: torch.device, tables: Optional[dict]) -> Tables:
     """:func:`build_table` of ``rows``, from the caller's cache ``tables`` (a dict it keeps
     between steps, keyed by :func:`layout_key`; None builds anew) where the layout is there."""
     key = layout_key(rows) if device.type != "meta" else None
     cached = tables.get(key) if tables is not None and key is not None else None
     if cached is None:
-        cached = build_table(rows, device)
+        cached = Tables(*build_table(rows, device), max(state.amax_history.shape[1] for _, _, state in rows),
+                        [(recipe, state) for recipe, _, state in rows])
         if tables is not None and key is not None:
             while len(tables) >= _CACHED_LAYOUTS:  # the oldest first: the steady state repeats a few
                 tables.pop(next(iter(tables)))
@@ -194,9 +207,8 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     from ..._private.torch_api import in_dispatch_mode
 
     device = rows[0][2].scale.device
-    table, params = table_for(rows, device, tables)
-    block = triton.next_power_of_2(max(state.amax_history.shape[1] for _, _, state in rows)) if device.type != "meta" \
-        else 1
+    table, params, longest, _ = table_for(rows, device, tables)
+    block = triton.next_power_of_2(longest) if device.type != "meta" else 1
     current = torch.empty(len(rows), dtype=torch.float32, device=device)
     # Traced (meta tensors, a dispatch mode): the custom ops of .ops, which the quantizers import;
     # while launches are only recorded (the host profile), meta tensors run the eager path.

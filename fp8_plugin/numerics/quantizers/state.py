@@ -143,6 +143,14 @@ class ScalingState(nn.Module):
             self.__dict__["_generation"] = self.__dict__.get("_generation", 0) + 1
         super().__setattr__(name, value)
 
+    def take_pending(self) -> dict[int, Optional[Recipe]]:
+        """The pending amaxes' roles and recipes (:attr:`pending`), leaving none pending: what a
+        scale update consumes, once per layer and step (past ``nn.Module.__setattr__``, a few
+        microseconds of CPU each time)."""
+        pending = self.pending
+        self.__dict__["pending"] = {}
+        return pending
+
     def initialized_known(self, role: int) -> bool:
         """Whether the host knows, without asking the device, that ``role`` holds a scale
         (``initialized[role]`` true): from the flags a fused scale update sends back without a
