@@ -17,7 +17,12 @@ the GPU waits for the host: the step time is the host's. Per recipe:
   checks above all);
 - the per-model share: ``ScalingGroup.update`` (one scale update per step for the whole model,
   not per layer) and the ``fp8_plugin.autocast`` context (entered once per step for the whole
-  model) are reported apart, and **per-layer host µs** leaves them and the meta kernels out.
+  model) are reported apart, and **per-layer host µs** leaves them and the meta kernels out;
+- **a chain of layers as a model runs them** (``--chain``, default 32): each layer's input the
+  previous layer's output (K -> N, then N -> K), one FP8 autocast and one backward per step, one
+  scale update for them all; its host µs per layer, FP8 and ``nn.Linear``, less the meta kernels
+  (the single layer's, per layer). Per-step costs (the autocast, the backward call, the scale
+  update, which grows with the layers it updates) are counted here as a model pays them.
 
 Devices:
 
@@ -56,6 +61,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fp8_plugin  # noqa: E402
+from fp8_plugin.modules.scaling_group import ScalingGroup  # noqa: E402
 from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
 from fp8_plugin.numerics.gemm import force_path  # noqa: E402
 from fp8_plugin.numerics.kernels import GEMM_KERNELS, force_gemm_kernel, force_kernels  # noqa: E402
@@ -141,6 +147,40 @@ def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str,
         bf16.weight.grad = x.grad = None
 
     return fp8_step, bf16_step
+
+
+def _chain(shape: tuple[int, int, int], device: torch.device, recipe_name: str, layers: int,
+           precision: str = "bf16-true") -> tuple[Callable[[], None], Callable[[], None]]:
+    # Steps of ``layers`` FP8 layers and as many nn.Linear layers, each layer's input the previous
+    # one's output (K -> N, N -> K, ...), as a model's blocks run them: one autocast, one backward.
+    m, k, n = shape
+    recipe = RECIPES[recipe_name]()
+    mixed = precision == "bf16-mixed"
+    dtype = torch.float32 if mixed else torch.bfloat16
+    widths = [(k, n) if i % 2 == 0 else (n, k) for i in range(layers)]
+    fp8 = nn.Sequential(*[fp8_plugin.FP8Linear(a, b, bias=False, device=device, dtype=dtype, recipe=recipe)
+                          for a, b in widths])
+    group = ScalingGroup()  # one update for the model, as convert_model makes it
+    for layer in fp8:
+        group.add(layer)
+    bf16 = nn.Sequential(*[nn.Linear(a, b, bias=False, device=device, dtype=dtype) for a, b in widths])
+    x, _ = _step_tensors(shape, device)
+    grad = _step_tensors((m, k, widths[-1][1]), device)[1]
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+
+    def step(model: nn.Module, fp8_context: bool) -> Callable[[], None]:
+        def run() -> None:
+            with autocast(), (fp8_plugin.autocast(recipe=recipe) if fp8_context else contextlib.nullcontext()):
+                y = model(x)
+            y.backward(grad)
+            for p in model.parameters():
+                p.grad = None
+            x.grad = None
+        return run
+
+    return step(fp8, True), step(bf16, False)
 
 
 def _floor_step(shape: tuple[int, int, int], device: torch.device, recipe_name: str) -> Optional[Callable[[], None]]:
@@ -257,12 +297,15 @@ def _gemm_calls(step: Callable[[], None]) -> Counter:
 
 
 def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.device, steps: int, repeats: int,
-                   top: int, precision: str = "bf16-true") -> dict:
+                   top: int, precision: str = "bf16-true", chain: int = 32) -> dict:
     """The figures of one recipe (module docstring), as a dict."""
     with _cuda_path(device.type, recipe) as launches:
         fp8_step, bf16_step = _layers(shape, device, recipe, precision)
         fp8_us = _per_step_us(fp8_step, steps, repeats, device)
         bf16_us = _per_step_us(bf16_step, steps, repeats, device)
+        chain_steps = max(1, steps // max(chain, 1))
+        chain_us = [_per_step_us(s, chain_steps, repeats, device) / chain
+                    for s in _chain(shape, device, recipe, chain, precision)] if chain else [None, None]
         floor_step = _floor_step(shape, device, recipe)
         floor_us = None if floor_step is None else _per_step_us(floor_step, steps, repeats, device)
         launches.clear()
@@ -280,6 +323,8 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
     per_model_us = per_model * scale
     per_layer = fp8_us - meta_us - per_model_us
     bf16_per_layer = bf16_us - bf16_meta_us
+    chain_fp8 = None if chain_us[0] is None else chain_us[0] - meta_us
+    chain_bf16 = None if chain_us[1] is None else chain_us[1] - bf16_meta_us
     return {
         "recipe": recipe,
         "fp8_us": fp8_us,
@@ -289,6 +334,10 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         "per_layer_bf16_us": bf16_per_layer,
         "per_layer_ratio": per_layer / bf16_per_layer,
         "per_model_us": per_model_us,
+        "chain_layers": chain,
+        "chain_fp8_us_per_layer": chain_fp8,
+        "chain_bf16_us_per_layer": chain_bf16,
+        "chain_ratio": None if chain_fp8 is None else chain_fp8 / chain_bf16,
         "floor_us": floor_us,
         "floor_ratio": None if floor_us is None else floor_us / bf16_per_layer,
         "meta_kernels_us": meta_us,
@@ -309,20 +358,25 @@ def table(data: dict) -> str:
              f"{'the Triton GEMM' if kernel == 'triton' else 'torch._scaled_mm'})", "",
              f"{env['device']}; torch {env['torch']}; commit {env['commit']}; {env['date']}", "",
              "| recipe | FP8 µs | nn.Linear µs | ratio | per-layer FP8 µs | per-layer ratio | floor µs | floor ratio "
-             "| per-model µs | meta kernels µs | Triton launches | GEMMs |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| per-model µs | chain FP8 µs/layer | chain nn.Linear µs/layer | chain ratio | meta kernels µs "
+             "| Triton launches | GEMMs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in data["recipes"]:
         floor = (f"{r['floor_us']:.0f} | {r['floor_ratio']:.2f}x" if r.get("floor_us") is not None else "- | -")
+        chain = (f"{r['chain_fp8_us_per_layer']:.0f} | {r['chain_bf16_us_per_layer']:.0f} | {r['chain_ratio']:.2f}x"
+                 if r.get("chain_ratio") is not None else "- | - | -")
         lines.append(f"| {r['recipe']} | {r['fp8_us']:.0f} | {r['bf16_us']:.0f} | {r['ratio']:.2f}x | "
                      f"{r['per_layer_fp8_us']:.0f} | {r['per_layer_ratio']:.2f}x | {floor} | "
-                     f"{r['per_model_us']:.0f} | {r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
+                     f"{r['per_model_us']:.0f} | {chain} | {r['meta_kernels_us']:.0f} | {sum(r['triton_launches'].values())} | "
                      f"{sum(r['gemm_calls'].values())} |")
     lines += ["", "Per-layer: the step less the per-model work (the scale update, the FP8 autocast's entry and "
               "exit: once per step for a whole model) and (meta proxy) torch's Python meta "
               "kernels, which a GPU runs in C++; nn.Linear's less its own meta kernels. Floor: the same casts "
               "and GEMM launches in a bare autograd.Function, nothing else (per-tensor recipes; on the meta "
               "proxy with torch._scaled_mm it includes that op's meta kernels); floor ratio: against nn.Linear's "
-              "per-layer figure.", ""]
+              "per-layer figure. Chain: a step of a chain of layers (each one's input the previous one's output) "
+              "as a model runs them, per layer, the per-step work included (the scale update grows with the "
+              "layers it updates), less the meta kernels per layer.", ""]
     for r in data["recipes"]:
         lines.append(f"## {r['recipe']}: where the FP8 step's host time goes (µs)")
         lines.append("")
@@ -350,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--precision", choices=("bf16-true", "bf16-mixed"), default="bf16-true",
                         help="bf16-true: BF16 weights, no torch autocast (default); bf16-mixed: FP32 master weights "
                              "under torch.autocast(bfloat16), as the precision plugins run them (a GPU only)")
+    parser.add_argument("--chain", type=int, default=32,
+                        help="layers in the chain measured as a model runs them (default 32; 0: none)")
     parser.add_argument("--output", type=Path, default=Path("runs/benchmarks/host_profile.json"))
     args = parser.parse_args(argv)
     if args.precision == "bf16-mixed" and args.device != "cuda":
@@ -363,10 +419,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--device cuda: torch sees no CUDA GPU; valid here: --device meta")
     device = torch.device(args.device)
     with force_gemm_kernel(args.gemm_kernel):
-        profiles = [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top, args.precision)
+        profiles = [profile_recipe(r, args.shape, device, args.steps, args.repeats, args.top, args.precision, args.chain)
                     for r in recipes]
     data = {"device": args.device, "shape": list(args.shape), "steps": args.steps, "repeats": args.repeats,
-            "gemm_kernel": args.gemm_kernel, "precision": args.precision,
+            "gemm_kernel": args.gemm_kernel, "precision": args.precision, "chain": args.chain,
             "environment": environment(torch.device("cuda" if args.device == "cuda" else "cpu")),
             "recipes": profiles}
     write_report(args.output, data, table(data))

@@ -66,6 +66,9 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
     assert "| delayed |" in host and "_delayed_kernel" in host  # the host profile, launches recorded on meta
     # Beside each per-tensor recipe's step, its floor: its casts and GEMMs in a bare autograd.Function.
     assert 0 < host_figures["delayed"]["floor_us"] < host_figures["delayed"]["fp8_us"]
+    # And a chain of 32 layers as a model runs them, per layer, FP8 and nn.Linear.
+    delayed = host_figures["delayed"]
+    assert delayed["chain_layers"] == 32 and delayed["chain_fp8_us_per_layer"] > 0 < delayed["chain_bf16_us_per_layer"]
 
 
 def test_a_spent_budget_skips_the_remaining_steps_and_still_writes_the_archive(tmp_path):

@@ -35,3 +35,17 @@ def test_bf16_mixed_steps_train_fp32_master_weights_under_autocast_with_three_fp
     bf16_step()
     assert gemms.count == 3 and set(gemms.dtypes) == {torch.float8_e4m3fn, torch.float8_e5m2}
     assert {layer.weight.dtype for layer in layers.values()} == {torch.float32} and grads == [torch.float32] * 2
+
+
+def test_the_chain_runs_each_layer_on_the_previous_ones_output_in_fp8_with_one_scale_update():
+    # Four layers K -> N -> K -> N -> K: every GEMM of each in FP8 (3 per layer), one scaling
+    # group (one update per step), and the nn.Linear chain's output shape the same.
+    torch.manual_seed(0)
+    fp8_step, bf16_step = host_profile._chain((16, 32, 48), torch.device("cpu"), "delayed", 4)
+    fp8_model = next(c.cell_contents for c in fp8_step.__closure__ if isinstance(c.cell_contents, torch.nn.Module))
+    with count_fp8_gemms() as gemms:
+        fp8_step()
+    bf16_step()
+    assert gemms.count == 3 * 4
+    assert len({id(layer.scaling_group) for layer in fp8_model}) == 1
+    assert [(layer.in_features, layer.out_features) for layer in fp8_model] == [(32, 48), (48, 32)] * 2
