@@ -15,8 +15,11 @@ it is; so a layer runs in FP8 only where the GPU time it saves exceeds the host 
   (FP8Linear 16384 x 8192 x 8192, delayed scaling, 1.60x BF16 eagerly, docs/benchmarks.md, run 3)
   with BF16 GEMMs at 70% of peak gives FP8 GEMMs at 60% of theirs.
 - **Host time added** per layer step: measured once per process, device and recipe kind
-  (:func:`measured_host_overhead_us`), as the host time of an ``FP8Linear`` step less that of an
-  ``nn.Linear`` step under BF16 autocast, on shapes small enough that the GPU waits for the host.
+  (:func:`measured_host_overhead_us`), as a model pays it: the step of a chain of FP8 layers (each
+  reading the previous one's output, one autocast, one backward, one scale update) less that of
+  the same chain of ``nn.Linear`` under BF16 autocast, per layer, on shapes small enough that the
+  GPU waits for the host. A one-layer step would charge one layer with the step's fixed costs and
+  the whole scale update.
   Zero where the layers run in CUDA graphs (``host_overhead_us=0``): a graph's replay costs the
   host one launch for the whole of it.
 
@@ -28,6 +31,7 @@ is the bottleneck it keeps some layers in BF16 that would have gained. ``convert
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -40,7 +44,7 @@ from ..numerics.kernels import gemm_kernel
 from ..numerics.recipes import DelayedScaling, Recipe
 
 __all__ = ["size_rule", "too_small_for_fp8", "GPU_RATES", "ACHIEVED_BF16", "ACHIEVED_FP8", "DEFAULT_TOKENS", "GpuRates", "SpeedRule", "gpu_rates",
-           "measured_host_overhead_us"]
+           "measured_host_overhead_us", "CHAIN_LAYERS"]
 
 # Tokens per training step a layer is judged at when the caller gives none: a micro-batch of 4
 # sequences of 2048 (convert_model(tokens_per_step=...) to judge at the run's own).
@@ -128,12 +132,16 @@ class SpeedRule:
 
 
 def measured_host_overhead_us(device: torch.device, recipe: Optional[Recipe] = None) -> float:
-    """Host time an ``FP8Linear`` training step adds over ``nn.Linear``'s under BF16 autocast, µs.
+    """Host time one ``FP8Linear`` adds to a model's training step over an ``nn.Linear`` under
+    BF16 autocast, µs.
 
     Measured once per process, device, GEMM kind of ``recipe`` (default delayed scaling) and GEMM
-    kernel (:func:`~fp8_plugin.numerics.kernels.gemm_kernel`): 512
-    tokens x 256 -> 384 (GPU kernels of a few microseconds: the GPU waits for the host), the
-    fastest of 3 runs of 20 steps after 5 untimed ones, each run ended by one synchronisation.
+    kernel (:func:`~fp8_plugin.numerics.kernels.gemm_kernel`) on a chain of :data:`CHAIN_LAYERS`
+    layers, 512 tokens x 256 -> 384 -> 256 ... (GPU kernels of a few microseconds: the GPU waits
+    for the host), each layer reading the previous one's output, the FP8 layers in one scaling
+    group (one scale update per step, as a converted model has): the two chains' step times'
+    difference over the layer count, each the fastest of 3 runs of 20 steps after 5 untimed ones,
+    each run ended by one synchronisation.
     If ``torch.distributed`` is initialized, the ranks' figures are reduced to their maximum (one
     collective), so that every rank decides alike.
 
@@ -160,38 +168,60 @@ def measured_host_overhead_us(device: torch.device, recipe: Optional[Recipe] = N
 _measured: dict[tuple[torch.device, str, str], float] = {}
 
 
+# Layers in the chain the host overhead is measured on (an even count: 256 -> 384, 384 -> 256).
+CHAIN_LAYERS = 8
+
+
 def _measure(device: torch.device, recipe: Recipe) -> float:
+    fp8_step, bf16_step = _chain_steps(device, recipe)
+    return max(0.0, (_step_us(fp8_step, device) - _step_us(bf16_step, device)) / CHAIN_LAYERS)
+
+
+def _chain_steps(device: torch.device, recipe: Recipe) -> tuple[Callable[[], None], Callable[[], None]]:
+    # Training steps of CHAIN_LAYERS FP8 layers in one scaling group and of as many nn.Linear,
+    # each layer reading the previous one's output, under BF16 autocast with FP32 weights.
     from .autocast import autocast
     from .linear import FP8Linear
+    from .scaling_group import ScalingGroup
 
-    fp8 = FP8Linear(256, 384, bias=False, device=device, recipe=recipe)
-    bf16 = nn.Linear(256, 384, bias=False, device=device)
+    widths = [(256, 384) if i % 2 == 0 else (384, 256) for i in range(CHAIN_LAYERS)]
+    fp8 = nn.Sequential(*[FP8Linear(k, n, bias=False, device=device, recipe=recipe) for k, n in widths])
+    group = ScalingGroup()
+    for layer in fp8:
+        group.add(layer)
+    bf16 = nn.Sequential(*[nn.Linear(k, n, bias=False, device=device) for k, n in widths])
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(512, 384, device=device, dtype=torch.bfloat16)
+    grad = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
+    kind = device_kind(device)
 
-    def fp8_step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16), autocast(recipe=recipe):
-            out = fp8(x)
-        out.backward(grad)
+    def step(model: nn.Module, fp8_context: bool) -> Callable[[], None]:
+        weights = list(model.parameters())
 
-    def bf16_step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = bf16(x)
-        out.backward(grad)
+        def run() -> None:
+            with torch.autocast(kind, dtype=torch.bfloat16), (autocast(recipe=recipe) if fp8_context else nullcontext()):
+                out = model(x)
+            out.backward(grad)
+            for weight in weights:
+                weight.grad = None
+        return run
 
-    return max(0.0, _step_us(fp8_step, device) - _step_us(bf16_step, device))
+    return step(fp8, True), step(bf16, False)
 
 
 def _step_us(step, device: torch.device) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(5):
         step()
     runs = []
     for _ in range(3):
-        torch.cuda.synchronize(device)
+        sync()
         start = time.perf_counter()
         for _ in range(20):
             step()
-        torch.cuda.synchronize(device)
+        sync()
         runs.append((time.perf_counter() - start) / 20 * 1e6)
     return min(runs)
 

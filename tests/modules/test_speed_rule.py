@@ -51,6 +51,31 @@ def test_the_host_overhead_is_measured_on_a_cuda_gpu_only():
         measured_host_overhead_us(torch.device("cpu"))
 
 
+def test_the_host_overhead_is_measured_per_layer_on_a_chain_as_a_model_runs_it(monkeypatch):
+    # The chain (on CPU here, for its mechanics): every layer reads the previous one's output,
+    # each FP8 layer runs its three GEMMs in FP8, and all are in one scaling group (one update
+    # per step, as in a converted model).
+    from reference import count_fp8_gemms
+
+    from fp8_plugin.modules import speed_rule
+
+    fp8_step, bf16_step = speed_rule._chain_steps(torch.device("cpu"), fp.DelayedScaling())
+    chain = next(c.cell_contents for c in fp8_step.__closure__ if isinstance(c.cell_contents, nn.Module))
+    with count_fp8_gemms() as gemms:
+        fp8_step()
+    bf16_step()
+    assert gemms.count == 3 * speed_rule.CHAIN_LAYERS == 3 * len(chain)
+    assert len({id(layer.scaling_group) for layer in chain}) == 1
+    # The figure: the two chains' step times' difference over the layer count (never below 0).
+    times = {}
+    monkeypatch.setattr(speed_rule, "_step_us", lambda step, device: times[step is fp8_step])
+    monkeypatch.setattr(speed_rule, "_chain_steps", lambda device, recipe: (fp8_step, bf16_step))
+    times.update({True: 1000.0, False: 200.0})
+    assert speed_rule._measure(torch.device("cpu"), fp.DelayedScaling()) == (1000.0 - 200.0) / speed_rule.CHAIN_LAYERS
+    times.update({True: 100.0, False: 200.0})
+    assert speed_rule._measure(torch.device("cpu"), fp.DelayedScaling()) == 0.0
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
