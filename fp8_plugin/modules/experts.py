@@ -171,7 +171,8 @@ class FP8ExpertsMixin(FrozenExpertsMixin):
 
     def __reduce_ex__(self, protocol: int):
         # The FP8 class is made at run time and cannot be pickled by name: pickle its base class.
-        return _new_fp8_experts, (type(self)._fp8_base,), self.__dict__
+        # The casts' device tables stay behind: keyed by this process's objects, holding their addresses.
+        return _new_fp8_experts, (type(self)._fp8_base,), {**self.__dict__, "_fp8_tables": {}}
 
     @property
     def use_fp8(self) -> bool:

@@ -40,6 +40,11 @@ class ScalingGroup:
         # Recipes by identity -> (the recipe, the first equal recipe seen: its update group).
         self._recipe_groups: dict[int, tuple[Recipe, Recipe]] = {}
 
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) starts without the device tables and recipe groups: both are
+        # keyed by the identities of this process's objects, and the tables hold their addresses.
+        return {**self.__dict__, "_tables": {}, "_recipe_groups": {}}
+
     def add(self, layer: nn.Module) -> None:
         """Make ``layer`` (it has ``fp8_state`` and ``recipe``) a member; it leaves its old group."""
         old = getattr(layer, "scaling_group", None)

@@ -418,10 +418,13 @@ def test_converted_model_deepcopies_and_pickles_whole(tmp_path):
     convert_model(model)
     train_steps(model, 1)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(9))
+    # The fused casts' device tables (a GPU's) are keyed by this process's objects: copies start without.
+    model.model.layers[0].mlp.experts._fp8_tables[("layout",)] = "a table"
     torch.save(model, tmp_path / "model.pt")
     for copy_ in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
         experts = copy_.model.layers[0].mlp.experts
         assert isinstance(experts, FP8ExpertsMixin) and type(experts) is type(model.model.layers[0].mlp.experts)
+        assert experts._fp8_tables == {}
         with torch.no_grad(), autocast():
             assert torch.equal(copy_(ids).logits, model(ids).logits)
 

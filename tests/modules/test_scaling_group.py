@@ -87,6 +87,35 @@ def test_copies_update_on_their_own():
     assert twin[0].scaling_group is twin[2].scaling_group is not model[0].scaling_group
 
 
+def test_copies_and_pickles_start_without_the_updates_device_tables():
+    # The fused update's tables are keyed by this process's objects and hold their addresses: a
+    # deepcopy or a pickle must build its own, or its kernel would write into the original's
+    # (or freed) memory. The fused kernels run here under Triton's interpreter.
+    pytest.importorskip("triton")
+    from fp8_plugin.numerics.kernels import force_kernels
+
+    model = _mlp()
+    fp.convert_model(model, DelayedScaling(amax_history_len=4))
+    group = model[0].scaling_group
+    with force_kernels("triton"):
+        for _ in range(2):
+            _train_step(model, torch.randn(8, 16))
+        group.update()
+    assert group._tables and group._recipe_groups
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        twin_group = twin[0].scaling_group
+        assert twin_group is not group and twin_group._tables == {} and twin_group._recipe_groups == {}
+        with force_kernels("triton"):
+            _train_step(twin, torch.randn(8, 16))
+            twin_group.update()
+        assert [id(state) for _, state in next(iter(twin_group._tables.values())).objects] == \
+            [id(twin[i].fp8_state) for _ in range(3) for i in (0, 2)]  # by role, then layer
+    assert group._tables  # the original keeps its own
+
+
 def test_inf_gradient_reaches_grad_scaler_and_the_step_is_skipped():
     # An overflowed loss-scaled gradient must not be saturated to the E5M2 max: GradScaler has to
     # find the inf, skip the optimizer step and back off its scale. No biases: their gradient
