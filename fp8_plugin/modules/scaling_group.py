@@ -92,7 +92,8 @@ class ScalingGroup:
             return kept[1]
         if len(self._recipe_groups) >= 4 * len(self.layers) + 16:  # recipes made anew for each step
             self._recipe_groups.clear()
-        first = next((k[1] for k in self._recipe_groups.values() if k[1] == recipe), recipe)
+        firsts = {id(k[1]): k[1] for k in self._recipe_groups.values()}.values()  # each group's recipe once
+        first = next((f for f in firsts if f == recipe), recipe)
         self._recipe_groups[id(recipe)] = (recipe, first)
         return first
 
