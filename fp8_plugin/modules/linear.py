@@ -327,7 +327,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             else:
                 dtype = output_dtype(x2d)
                 out = high_precision_gemm(x2d, weight_2d(self.dense_weight(), self.weight_transposed),
-                                           high_precision or dtype, dtype, bias)
+                                          high_precision or dtype, dtype, bias)
         else:
             if record_backward and (gemms[1] or gemms[2]):
                 # Marked now, recorded by the backward: host-side state cannot change inside a
@@ -375,14 +375,14 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # microseconds to build, every step. Keyed by the recipe's identity (hashing a recipe
         # hashes all its fields), checked against the kept one.
         if torch.compiler.is_compiling():  # traced once, kept by the graph: no memo to guard on
-            return BackwardInfo(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
-                             frozen, high_precision)
+            return BackwardInfo(recipe, record, x_block, w_block, self.weight_transposed, gemms,
+                                split_accumulators(recipe), frozen, high_precision)
         key = (id(recipe), record, x_block, w_block, self.weight_transposed, gemms, frozen, high_precision)
         memo = self.__dict__.setdefault("_backward_infos", {})
         info = memo.get(key)
         if info is None or info.recipe is not recipe:
-            info = BackwardInfo(recipe, record, x_block, w_block, self.weight_transposed, gemms, split_accumulators(recipe),
-                             frozen, high_precision)
+            info = BackwardInfo(recipe, record, x_block, w_block, self.weight_transposed, gemms,
+                                split_accumulators(recipe), frozen, high_precision)
             if len(memo) >= 16:  # recipes made anew for each step: keep the newest few
                 memo.clear()
             memo[key] = info
