@@ -120,19 +120,23 @@ def _step_tensors(shape: tuple[int, int, int], device: torch.device) -> tuple[to
     return x.requires_grad_(), grad
 
 
+def _precision(device: torch.device, precision: str) -> tuple[torch.dtype, Callable[[], contextlib.AbstractContextManager]]:
+    # The weights' dtype and the torch autocast of a precision. bf16-true: BF16 weights, no torch
+    # autocast; bf16-mixed: FP32 master weights under torch.autocast(bfloat16), as Lightning's
+    # bf16-mixed and the fp8-* precisions run them.
+    if precision == "bf16-mixed":
+        return torch.float32, lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.bfloat16, contextlib.nullcontext
+
+
 def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str, precision: str = "bf16-true"):
-    # The two layers' steps. bf16-true: BF16 weights, no torch autocast; bf16-mixed: FP32 master
-    # weights under torch.autocast(bfloat16), as Lightning's bf16-mixed and fp8-hybrid run them.
+    # The two layers' steps, in ``precision`` (_precision).
     _, k, n = shape
     recipe = RECIPES[recipe_name]()
-    mixed = precision == "bf16-mixed"
-    weight_dtype = torch.float32 if mixed else torch.bfloat16
+    weight_dtype, autocast = _precision(device, precision)
     fp8 = fp8_plugin.FP8Linear(k, n, bias=False, device=device, dtype=weight_dtype, recipe=recipe)
     bf16 = nn.Linear(k, n, bias=False, device=device, dtype=weight_dtype)
     x, grad = _step_tensors(shape, device)
-
-    def autocast() -> contextlib.AbstractContextManager:
-        return torch.autocast(device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
     def fp8_step() -> None:
         with autocast(), fp8_plugin.autocast(recipe=recipe):
@@ -155,8 +159,7 @@ def _chain(shape: tuple[int, int, int], device: torch.device, recipe_name: str, 
     # one's output (K -> N, N -> K, ...), as a model's blocks run them: one autocast, one backward.
     m, k, n = shape
     recipe = RECIPES[recipe_name]()
-    mixed = precision == "bf16-mixed"
-    dtype = torch.float32 if mixed else torch.bfloat16
+    dtype, autocast = _precision(device, precision)
     widths = [(k, n) if i % 2 == 0 else (n, k) for i in range(layers)]
     fp8 = nn.Sequential(*[fp8_plugin.FP8Linear(a, b, bias=False, device=device, dtype=dtype, recipe=recipe)
                           for a, b in widths])
@@ -166,9 +169,6 @@ def _chain(shape: tuple[int, int, int], device: torch.device, recipe_name: str, 
     bf16 = nn.Sequential(*[nn.Linear(a, b, bias=False, device=device, dtype=dtype) for a, b in widths])
     x, _ = _step_tensors(shape, device)
     grad = _step_tensors((m, k, widths[-1][1]), device)[1]
-
-    def autocast() -> contextlib.AbstractContextManager:
-        return torch.autocast(device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
     def step(model: nn.Module, fp8_context: bool) -> Callable[[], None]:
         weights = list(model.parameters())  # listed once: a walk of the modules is no layer's work
@@ -410,6 +410,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="layers in the chain measured as a model runs them (default 32; 0: none)")
     parser.add_argument("--output", type=Path, default=Path("runs/benchmarks/host_profile.json"))
     args = parser.parse_args(argv)
+    if args.chain < 0:
+        parser.error(f"--chain {args.chain}: a layer count; valid: 0 (no chain) or more")
     if args.precision == "bf16-mixed" and args.device != "cuda":
         parser.error("--precision bf16-mixed needs --device cuda: torch.autocast does nothing on meta tensors, "
                      "and emulating it in Python would add host time a GPU does not spend; valid on meta: bf16-true")
