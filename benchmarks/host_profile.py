@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fp8_plugin  # noqa: E402
-from fp8_plugin.modules.scaling_group import ScalingGroup  # noqa: E402
+from fp8_plugin.modules.speed_rule import chain_steps  # noqa: E402
 from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
 from fp8_plugin.numerics.gemm import force_path  # noqa: E402
 from fp8_plugin.numerics.kernels import GEMM_KERNELS, force_gemm_kernel, force_kernels  # noqa: E402
@@ -156,33 +156,11 @@ def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str,
 def _chain(shape: tuple[int, int, int], device: torch.device, recipe_name: str, layers: int,
            precision: str = "bf16-true") -> tuple[Callable[[], None], Callable[[], None]]:
     # Steps of ``layers`` FP8 layers and as many nn.Linear layers, each layer's input the previous
-    # one's output (K -> N, N -> K, ...), as a model's blocks run them: one autocast, one backward.
+    # one's output (K -> N, N -> K, ...), as a model's blocks run them: the chain skip_small="auto"
+    # measures (fp8_plugin.modules.speed_rule.chain_steps) at this profile's shape and precision.
     m, k, n = shape
-    recipe = RECIPES[recipe_name]()
-    dtype, autocast = _precision(device, precision)
-    widths = [(k, n) if i % 2 == 0 else (n, k) for i in range(layers)]
-    fp8 = nn.Sequential(*[fp8_plugin.FP8Linear(a, b, bias=False, device=device, dtype=dtype, recipe=recipe)
-                          for a, b in widths])
-    group = ScalingGroup()  # one update for the model, as convert_model makes it
-    for layer in fp8:
-        group.add(layer)
-    bf16 = nn.Sequential(*[nn.Linear(a, b, bias=False, device=device, dtype=dtype) for a, b in widths])
-    x, _ = _step_tensors(shape, device)
-    grad = _step_tensors((m, k, widths[-1][1]), device)[1]
-
-    def step(model: nn.Module, fp8_context: bool) -> Callable[[], None]:
-        weights = list(model.parameters())  # listed once: a walk of the modules is no layer's work
-
-        def run() -> None:
-            with autocast(), (fp8_plugin.autocast(recipe=recipe) if fp8_context else contextlib.nullcontext()):
-                y = model(x)
-            y.backward(grad)
-            for weight in weights:
-                weight.grad = None
-            x.grad = None
-        return run
-
-    return step(fp8, True), step(bf16, False)
+    return chain_steps(device, RECIPES[recipe_name](), layers=layers, tokens=m, features=(k, n),
+                       mixed=precision == "bf16-mixed")
 
 
 def _floor_step(shape: tuple[int, int, int], device: torch.device, recipe_name: str) -> Optional[Callable[[], None]]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..numerics.quantizers import ScalingState, update_delayed_scaling
-from ..numerics.recipes import DelayedScaling, Recipe
+from ..numerics.recipes import DelayedScaling, Recipe, kept_per_recipe
 
 __all__ = ["ScalingGroup", "AmaxReducer", "update_pending_scales", "scaling_groups"]
 
@@ -86,16 +86,12 @@ class ScalingGroup:
     def _update_group(self, recipe: Recipe) -> Recipe:
         # The first recipe equal to ``recipe`` this group has seen: layers whose recipes are equal
         # objects (each converted layer holds its own) update as one group. Found by identity,
-        # so that a recipe is hashed (every field) once, not once per layer, role and step.
-        kept = self._recipe_groups.get(id(recipe))
-        if kept is not None and kept[0] is recipe:
-            return kept[1]
-        if len(self._recipe_groups) >= 4 * len(self.layers) + 16:  # recipes made anew for each step
-            self._recipe_groups.clear()
+        # so that a recipe is compared (every field) once, not once per layer, role and step.
+        return kept_per_recipe(self._recipe_groups, recipe, self._first_equal, limit=4 * len(self.layers) + 16)
+
+    def _first_equal(self, recipe: Recipe) -> Recipe:
         firsts = {id(k[1]): k[1] for k in self._recipe_groups.values()}.values()  # each group's recipe once
-        first = next((f for f in firsts if f == recipe), recipe)
-        self._recipe_groups[id(recipe)] = (recipe, first)
-        return first
+        return next((f for f in firsts if f == recipe), recipe)
 
 
 def scaling_groups(model: nn.Module) -> list[ScalingGroup]:

@@ -44,7 +44,7 @@ from ..numerics.kernels import gemm_kernel
 from ..numerics.recipes import DelayedScaling, Recipe
 
 __all__ = ["size_rule", "too_small_for_fp8", "GPU_RATES", "ACHIEVED_BF16", "ACHIEVED_FP8", "DEFAULT_TOKENS", "GpuRates", "SpeedRule", "gpu_rates",
-           "measured_host_overhead_us", "CHAIN_LAYERS"]
+           "measured_host_overhead_us", "CHAIN_LAYERS", "chain_steps"]
 
 # Tokens per training step a layer is judged at when the caller gives none: a micro-batch of 4
 # sequences of 2048 (convert_model(tokens_per_step=...) to judge at the run's own).
@@ -173,36 +173,56 @@ CHAIN_LAYERS = 8
 
 
 def _measure(device: torch.device, recipe: Recipe) -> float:
-    fp8_step, bf16_step = _chain_steps(device, recipe)
+    fp8_step, bf16_step = chain_steps(device, recipe)
     return max(0.0, (_step_us(fp8_step, device) - _step_us(bf16_step, device)) / CHAIN_LAYERS)
 
 
-def _chain_steps(device: torch.device, recipe: Recipe) -> tuple[Callable[[], None], Callable[[], None]]:
-    # Training steps of CHAIN_LAYERS FP8 layers in one scaling group and of as many nn.Linear,
-    # each layer reading the previous one's output, under BF16 autocast with FP32 weights.
+def chain_steps(device: torch.device, recipe: Recipe, *, layers: int = CHAIN_LAYERS, tokens: int = 512,
+                features: tuple[int, int] = (256, 384), mixed: bool = True
+                ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Training steps of a chain of FP8 layers and of the same chain of ``nn.Linear``, as a model's
+    blocks run them: each layer reads the previous one's output (``features[0] -> features[1] ->
+    features[0]`` ...), one FP8 autocast, one backward, the gradients reset; the FP8 layers in one
+    scaling group (one scale update per step, as a converted model has). What the host time a
+    layer adds to a model's step is measured on (here and in ``benchmarks/host_profile.py``).
+
+    Args:
+        device: where the layers and the BF16 input ``[tokens, features[0]]`` live.
+        recipe: the FP8 layers' recipe.
+        layers: how many layers each chain has.
+        mixed: FP32 weights under BF16 torch autocast (bf16-mixed, default); False: BF16 weights
+            and no torch autocast.
+
+    Returns:
+        ``(fp8_step, bf16_step)``, callables of no argument.
+    """
     from .autocast import autocast
     from .linear import FP8Linear
     from .scaling_group import ScalingGroup
 
-    widths = [(256, 384) if i % 2 == 0 else (384, 256) for i in range(CHAIN_LAYERS)]
-    fp8 = nn.Sequential(*[FP8Linear(k, n, bias=False, device=device, recipe=recipe) for k, n in widths])
+    k, n = features
+    dtype = torch.float32 if mixed else torch.bfloat16
+    widths = [(k, n) if i % 2 == 0 else (n, k) for i in range(layers)]
+    fp8 = nn.Sequential(*[FP8Linear(a, b, bias=False, device=device, dtype=dtype, recipe=recipe) for a, b in widths])
     group = ScalingGroup()
     for layer in fp8:
         group.add(layer)
-    bf16 = nn.Sequential(*[nn.Linear(k, n, bias=False, device=device) for k, n in widths])
-    x = torch.randn(512, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
+    bf16 = nn.Sequential(*[nn.Linear(a, b, bias=False, device=device, dtype=dtype) for a, b in widths])
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, widths[-1][1], device=device, dtype=torch.bfloat16)
     kind = device_kind(device)
 
     def step(model: nn.Module, fp8_context: bool) -> Callable[[], None]:
-        weights = list(model.parameters())
+        weights = list(model.parameters())  # listed once: a walk of the modules is no layer's work
 
         def run() -> None:
-            with torch.autocast(kind, dtype=torch.bfloat16), (autocast(recipe=recipe) if fp8_context else nullcontext()):
+            with (torch.autocast(kind, dtype=torch.bfloat16) if mixed else nullcontext()), \
+                    (autocast(recipe=recipe) if fp8_context else nullcontext()):
                 out = model(x)
             out.backward(grad)
             for weight in weights:
                 weight.grad = None
+            x.grad = None
         return run
 
     return step(fp8, True), step(bf16, False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, TypeVar, Union
 
 import torch
 
@@ -32,6 +32,7 @@ __all__ = [
     "OverrideLinearPrecision",
     "GEMMS",
     "gemms_in_fp8",
+    "kept_per_recipe",
     "as_gemm_flags",
     "check_recipe",
     "blockwise_variant",
@@ -473,8 +474,27 @@ class AutoRecipe(Recipe):
                            _check_override(self.override_linear_precision, "AutoRecipe"))
 
 
-# blockwise_variant's, by the per-tensor recipe's identity (a recipe with a callable
-# amax_compute_algo is not hashable); the recipe itself is kept to check the identity.
+_T = TypeVar("_T")
+
+
+def kept_per_recipe(cache: dict[int, tuple[Recipe, _T]], recipe: Recipe, make: Callable[[Recipe], _T],
+                    limit: int = 64) -> _T:
+    """``make(recipe)``, kept in ``cache`` by the recipe object's identity and checked against the
+    kept object. Recipes are frozen dataclasses, so what is derived from one object stays true;
+    hashing one hashes every field (microseconds, asked every cast), and a recipe with a
+    callable ``amax_compute_algo`` is not hashable at all. Where recipes are made anew for each
+    step the cache is emptied once it holds ``limit`` entries."""
+    kept = cache.get(id(recipe))
+    if kept is not None and kept[0] is recipe:
+        return kept[1]
+    value = make(recipe)
+    if len(cache) >= limit:
+        cache.clear()
+    cache[id(recipe)] = (recipe, value)
+    return value
+
+
+# blockwise_variant's, by the per-tensor recipe's identity (kept_per_recipe).
 _BLOCKWISE_VARIANTS: dict[int, tuple[Recipe, Recipe]] = {}
 
 
@@ -493,11 +513,5 @@ def blockwise_variant(recipe: Recipe) -> Recipe:
     """
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         return recipe
-    kept = _BLOCKWISE_VARIANTS.get(id(recipe))
-    if kept is not None and kept[0] is recipe:
-        return kept[1]
-    variant = Float8BlockScaling(override_linear_precision=recipe.override_linear_precision)
-    if len(_BLOCKWISE_VARIANTS) >= 64:  # recipes made anew for each step: keep the newest few
-        _BLOCKWISE_VARIANTS.clear()
-    _BLOCKWISE_VARIANTS[id(recipe)] = (recipe, variant)
-    return variant
+    return kept_per_recipe(_BLOCKWISE_VARIANTS, recipe,
+                           lambda r: Float8BlockScaling(override_linear_precision=r.override_linear_precision))

@@ -59,7 +59,7 @@ def test_the_host_overhead_is_measured_per_layer_on_a_chain_as_a_model_runs_it(m
 
     from fp8_plugin.modules import speed_rule
 
-    fp8_step, bf16_step = speed_rule._chain_steps(torch.device("cpu"), fp.DelayedScaling())
+    fp8_step, bf16_step = speed_rule.chain_steps(torch.device("cpu"), fp.DelayedScaling())
     chain = next(c.cell_contents for c in fp8_step.__closure__ if isinstance(c.cell_contents, nn.Module))
     with count_fp8_gemms() as gemms:
         fp8_step()
@@ -69,7 +69,7 @@ def test_the_host_overhead_is_measured_per_layer_on_a_chain_as_a_model_runs_it(m
     # The figure: the two chains' step times' difference over the layer count (never below 0).
     times = {}
     monkeypatch.setattr(speed_rule, "_step_us", lambda step, device: times[step is fp8_step])
-    monkeypatch.setattr(speed_rule, "_chain_steps", lambda device, recipe: (fp8_step, bf16_step))
+    monkeypatch.setattr(speed_rule, "chain_steps", lambda device, recipe: (fp8_step, bf16_step))
     times.update({True: 1000.0, False: 200.0})
     assert speed_rule._measure(torch.device("cpu"), fp.DelayedScaling()) == (1000.0 - 200.0) / speed_rule.CHAIN_LAYERS
     times.update({True: 100.0, False: 200.0})

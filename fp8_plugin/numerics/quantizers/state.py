@@ -12,7 +12,7 @@ from torch import nn
 from ..device_kind import fp8_family
 from ..formats import FAMILIES, fp8_dtype, fp8_max
 from ..kernels.rows import StateRows
-from ..recipes import DelayedScaling, Recipe
+from ..recipes import DelayedScaling, Recipe, kept_per_recipe
 from .tensor import GRAD_OUTPUT, INPUT, ROLES
 
 __all__ = ["ScalingState", "is_scaling_state_key", "recipe_key", "check_saved_state", "STATE_VERSION", "SCALINGS"]
@@ -427,16 +427,7 @@ def recipe_key(recipe: Recipe) -> str:
     margin (``"DelayedScaling(HYBRID, margin=0)"``); history length and algorithm may differ."""
     if torch.compiler.is_compiling():  # traced: the string is a constant of the graph, no cache
         return _recipe_key(recipe)
-    # Every cast asks: formatted once per recipe object, found by its identity (hashing a recipe
-    # hashes every field), the kept object checked (recipes are frozen dataclasses).
-    kept = _recipe_keys.get(id(recipe))
-    if kept is not None and kept[0] is recipe:
-        return kept[1]
-    key = _recipe_key(recipe)
-    if len(_recipe_keys) >= 256:  # recipes made anew for each step: keep the newest few
-        _recipe_keys.clear()
-    _recipe_keys[id(recipe)] = (recipe, key)
-    return key
+    return kept_per_recipe(_recipe_keys, recipe, _recipe_key, limit=256)  # every cast asks
 
 
 def _recipe_key(recipe: Recipe) -> str:
