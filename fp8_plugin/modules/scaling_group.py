@@ -69,13 +69,17 @@ class ScalingGroup:
         scaling (after a recipe change) are dropped.
         """
         groups: dict[tuple[int, int], tuple[DelayedScaling, list[ScalingState]]] = {}
+        last: tuple[Optional[Recipe], Optional[Recipe]] = (None, None)  # rows in a row mostly share one recipe
         for layer in self.layers:
             state: ScalingState = layer.fp8_state
             if not state.pending:
                 continue
             pending = state.take_pending()
             for role in sorted(pending):
-                chosen = self._update_group(pending[role] or recipe or layer.recipe)
+                given = pending[role] or recipe or layer.recipe
+                if given is not last[0]:
+                    last = (given, self._update_group(given))
+                chosen = last[1]
                 if isinstance(chosen, DelayedScaling):
                     groups.setdefault((id(chosen), role), (chosen, []))[1].append(state)
         entries = [(r, role, states) for (_, role), (r, states) in groups.items()]
