@@ -17,7 +17,8 @@ the GPU waits for the host: the step time is the host's. Per recipe:
   checks above all);
 - the per-model share: ``ScalingGroup.update`` (one scale update per step for the whole model,
   not per layer) and the ``fp8_plugin.autocast`` context (entered once per step for the whole
-  model) are reported apart, and **per-layer host µs** leaves them and the meta kernels out;
+  model), timed as they run (not from the profile), are reported apart, and **per-layer host
+  µs** leaves them and the meta kernels out;
 - **a chain of layers as a model runs them** (``--chain``, default 32): each layer's input the
   previous layer's output (K -> N, then N -> K), one FP8 autocast and one backward per step, one
   scale update for them all; its host µs per layer, FP8 and ``nn.Linear``, less the meta kernels
@@ -130,7 +131,8 @@ def _precision(device: torch.device, precision: str) -> tuple[torch.dtype, Calla
 
 
 def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str, precision: str = "bf16-true"):
-    # The two layers' steps, in ``precision`` (_precision).
+    # The two layers' steps, in ``precision`` (_precision), and a function (steps, repeats) -> the
+    # FP8 step's per-model host µs (_per_model_us).
     _, k, n = shape
     recipe = RECIPES[recipe_name]()
     weight_dtype, autocast = _precision(device, precision)
@@ -150,7 +152,54 @@ def _layers(shape: tuple[int, int, int], device: torch.device, recipe_name: str,
         y.backward(grad)
         bf16.weight.grad = x.grad = None
 
-    return fp8_step, bf16_step
+    def per_model_us(steps: int, repeats: int) -> float:
+        return _per_model_us(fp8, lambda: fp8_plugin.autocast(recipe=recipe), autocast, x, grad, steps, repeats)
+
+    return fp8_step, bf16_step, per_model_us
+
+
+def _per_model_us(layer: nn.Module, fp8_autocast: Callable[[], contextlib.AbstractContextManager],
+                  autocast: Callable[[], contextlib.AbstractContextManager], x: torch.Tensor, grad: torch.Tensor,
+                  steps: int, repeats: int) -> float:
+    # The per-model host work of the FP8 step, timed as it runs (no profiler: cProfile inflates
+    # Python-heavy work unevenly): the scale update (the layer's group's, wrapped on the instance
+    # for the runs) and the FP8 autocast's entry and exit. The least of ``repeats`` means.
+    group = layer.scaling_group
+    update, spent = group.update, [0.0]
+
+    def timed_update(*args, **kwargs) -> None:
+        start = time.perf_counter()
+        update(*args, **kwargs)
+        spent[0] += time.perf_counter() - start
+
+    def step() -> None:
+        with autocast():
+            start = time.perf_counter()
+            context = fp8_autocast()
+            context.__enter__()
+            entered = time.perf_counter()
+            y = layer(x)
+            left = time.perf_counter()
+            context.__exit__(None, None, None)
+            spent[0] += entered - start + time.perf_counter() - left
+        y.backward(grad)
+        layer.weight.grad = x.grad = None
+
+    group.update = timed_update  # an instance attribute: the forward's group.update(...) finds it first
+    try:
+        for _ in range(5):
+            step()
+        runs = []
+        for _ in range(repeats):
+            spent[0] = 0.0
+            for _ in range(steps):
+                step()
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            runs.append(spent[0] / steps * 1e6)
+    finally:
+        del group.update
+    return min(runs)
 
 
 def _chain(shape: tuple[int, int, int], device: torch.device, recipe_name: str, layers: int,
@@ -231,10 +280,9 @@ def _category(filename: str) -> str:
     return "other Python"
 
 
-def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], dict[str, float], float, float]:
-    """Own time per category and per fp8-plugin function (seconds per step), the cumulative time
-    of the per-model work per step (the scale update, the FP8 autocast's entry and exit), and the
-    whole profiled step."""
+def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], dict[str, float], float]:
+    """Own time per category and per fp8-plugin function (seconds per step), and the whole
+    profiled step."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -243,17 +291,14 @@ def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], di
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own, cumulative, callers)}
     categories: dict[str, float] = defaultdict(float)
     functions: dict[str, float] = defaultdict(float)
-    per_model = total = 0.0
-    for (filename, line, name), (_, _, own, cumulative, _) in stats.items():
+    total = 0.0
+    for (filename, line, name), (_, _, own, _, _) in stats.items():
         category = _category(filename)
         categories[category] += own / steps
         total += own / steps
         if category == "fp8-plugin Python":
             functions[f"{filename.split('fp8_plugin/')[-1]}:{name}"] += own / steps
-        if (filename.endswith("scaling_group.py") and name == "update"
-                or filename.endswith("modules/autocast.py") and name == "autocast"):  # the generator's both halves
-            per_model += cumulative / steps
-    return dict(categories), dict(functions), per_model, total
+    return dict(categories), dict(functions), total
 
 
 def _gemm_calls(step: Callable[[], None]) -> Counter:
@@ -280,9 +325,10 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
                    top: int, precision: str = "bf16-true", chain: int = 32) -> dict:
     """The figures of one recipe (module docstring), as a dict."""
     with _cuda_path(device.type, recipe) as launches:
-        fp8_step, bf16_step = _layers(shape, device, recipe, precision)
+        fp8_step, bf16_step, per_model = _layers(shape, device, recipe, precision)
         fp8_us = _per_step_us(fp8_step, steps, repeats, device)
         bf16_us = _per_step_us(bf16_step, steps, repeats, device)
+        per_model_us = per_model(steps, repeats)
         chain_steps = max(1, steps // max(chain, 1))
         chain_us = [_per_step_us(s, chain_steps, repeats, device) / chain
                     for s in _chain(shape, device, recipe, chain, precision)] if chain else [None, None]
@@ -291,8 +337,8 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         launches.clear()
         fp8_step()
         triton = dict(launches)
-        categories, functions, per_model, profiled = _profile(fp8_step, steps)
-        bf16_categories, _, _, bf16_profiled = _profile(bf16_step, steps)
+        categories, functions, profiled = _profile(fp8_step, steps)
+        bf16_categories, _, bf16_profiled = _profile(bf16_step, steps)
         # The Triton GEMM's are launches (a dispatch mode would see torch._scaled_mm in their place).
         gemms = ({"_scaled_gemm_kernel": triton["_scaled_gemm_kernel"]} if "_scaled_gemm_kernel" in triton
                  else dict(_gemm_calls(fp8_step)))
@@ -300,7 +346,6 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
     shares = {name: seconds * scale for name, seconds in sorted(categories.items(), key=lambda kv: -kv[1])}
     meta_us = shares.get("meta kernels (proxy only)", 0.0)
     bf16_meta_us = bf16_categories.get("meta kernels (proxy only)", 0.0) * bf16_us / bf16_profiled
-    per_model_us = per_model * scale
     per_layer = fp8_us - meta_us - per_model_us
     bf16_per_layer = bf16_us - bf16_meta_us
     chain_fp8 = None if chain_us[0] is None else chain_us[0] - meta_us

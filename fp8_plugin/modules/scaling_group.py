@@ -83,8 +83,11 @@ class ScalingGroup:
                 if isinstance(chosen, DelayedScaling):
                     groups.setdefault((id(chosen), role), (chosen, []))[1].append(state)
         entries = [(r, role, states) for (_, role), (r, states) in groups.items()]
-        update_delayed_scaling([e for e in entries if e[0].reduce_amax], reduce_amax, self._tables)
-        update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
+        reduced = [e for e in entries if e[0].reduce_amax]
+        if reduced:
+            update_delayed_scaling(reduced, reduce_amax, self._tables)
+        if len(reduced) < len(entries):
+            update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
 
 
     def _update_group(self, recipe: Recipe) -> Recipe:

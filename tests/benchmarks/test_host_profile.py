@@ -24,7 +24,7 @@ def test_bf16_mixed_steps_train_fp32_master_weights_under_autocast_with_three_fp
     # On CPU (torch autocast acts there): the FP8 step runs its three GEMMs in FP8 under the
     # BF16 autocast, the nn.Linear step runs in BF16, and both weights get float32 gradients.
     torch.manual_seed(0)
-    fp8_step, bf16_step = host_profile._layers((32, 64, 48), torch.device("cpu"), "current", "bf16-mixed")
+    fp8_step, bf16_step, _ = host_profile._layers((32, 64, 48), torch.device("cpu"), "current", "bf16-mixed")
     layers = {type(c.cell_contents).__name__: c.cell_contents for c in fp8_step.__closure__ + bf16_step.__closure__
               if isinstance(c.cell_contents, torch.nn.Module)}
     grads = []
@@ -35,6 +35,26 @@ def test_bf16_mixed_steps_train_fp32_master_weights_under_autocast_with_three_fp
     bf16_step()
     assert gemms.count == 3 and set(gemms.dtypes) == {torch.float8_e4m3fn, torch.float8_e5m2}
     assert {layer.weight.dtype for layer in layers.values()} == {torch.float32} and grads == [torch.float32] * 2
+
+
+def test_the_per_model_figure_times_the_scale_update_as_the_step_runs_it(monkeypatch):
+    # A scale update made 2 ms slower must show as at least 2,000 µs of per-model work per step
+    # (each step's first FP8 forward updates once), and the timer leaves the group as it was.
+    import time
+
+    from fp8_plugin.modules.scaling_group import ScalingGroup
+
+    update = ScalingGroup.update
+
+    def slow_update(self, *args, **kwargs):
+        update(self, *args, **kwargs)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(ScalingGroup, "update", slow_update)
+    fp8_step, _, per_model_us = host_profile._layers((16, 32, 48), torch.device("cpu"), "delayed")
+    layer = next(c.cell_contents for c in fp8_step.__closure__ if isinstance(c.cell_contents, torch.nn.Module))
+    assert 2000 <= per_model_us(3, 2) < 50_000
+    assert "update" not in vars(layer.scaling_group)
 
 
 def test_the_chain_runs_each_layer_on_the_previous_ones_output_in_fp8_with_one_scale_update():

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._private.torch_api import in_dispatch_mode
 from ..device_kind import fp8_family
 from ..formats import fp8_dtype, fp8_max
 from .launch import KernelLaunch, recording_launches
@@ -171,7 +172,9 @@ class Tables(NamedTuple):
 def table_for(rows: Sequence[Row], device: torch.device, tables: Optional[dict]) -> Tables:
     """:func:`build_table` of ``rows``, from the caller's cache ``tables`` (a dict it keeps
     between steps, keyed by :func:`layout_key`; None builds anew) where the layout is there."""
-    key = layout_key(rows) if device.type != "meta" else None
+    # Meta tables (shapes alone) are kept only while launches are recorded (the host profile,
+    # which measures a GPU's steady state): traced code on meta makes its own.
+    key = layout_key(rows) if device.type != "meta" or recording_launches() else None
     cached = tables.get(key) if tables is not None and key is not None else None
     if cached is None:
         cached = Tables(*build_table(rows, device), max(state.amax_history.shape[1] for _, _, state in rows),
@@ -204,8 +207,6 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     """
     if not rows:
         return
-    from ..._private.torch_api import in_dispatch_mode
-
     device = rows[0][2].scale.device
     table, params, longest, _ = table_for(rows, device, tables)
     block = triton.next_power_of_2(longest) if device.type != "meta" else 1
@@ -222,7 +223,7 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     # Rows whose state does not yet know, on the host, that it holds a scale: their flags come
     # back (once per state and role, in the first steps of a run or after a load).
     unknown = [i for i, (_, role, state) in enumerate(rows) if not state.initialized_known(role)]
-    if device.type == "meta":  # recorded launches: no flags come back; the steady state of a GPU, whose do, set
+    if device.type == "meta" and unknown:  # recorded launches: no flags come back; the steady state of a GPU, whose do, set
         _publish_initialized(rows, torch.ones(len(rows), dtype=torch.int8), unknown)
         unknown = []
     flags = torch.empty(len(rows), dtype=torch.int8, device=device) if unknown else None

@@ -3,6 +3,7 @@ number of batched kernels (one launch where the fused kernels run), after one am
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -39,13 +40,12 @@ def update_delayed_scaling(
     caller keeps, one per model) caches its device tables between steps. A callable
     ``amax_compute_algo`` keeps the torch ops.
     """
+    groups = [g for g in groups if g[2]]
+    if not groups:
+        return
     with torch.no_grad():
-        groups = [g for g in groups if g[2]]
-        if not groups:
-            return
         if fused_casts(groups[0][2][0].device)[0]:
-            from ..kernels import ops, scale_update  # noqa: F401  (ops: registers the update's custom ops)
-
+            scale_update = _scale_update()
             if all(scale_update.supported(recipe) for recipe, _, _ in groups):
                 rows = [(recipe, role, state) for recipe, role, states in groups for state in states]
                 scale_update.bulk_update(rows, reduce_amax, tables)
@@ -70,6 +70,16 @@ def update_delayed_scaling(
             torch._foreach_copy_([s.amax_history[role] for s in states], list(history.unbind(0)))
             torch._foreach_copy_([s.scale[role] for s in states], list(scale.unbind(0)))
             torch._foreach_copy_([s.initialized[role] for s in states], list(initialized.unbind(0)))
+
+
+@lru_cache(maxsize=None)
+def _scale_update():
+    # kernels.scale_update, imported at its first use (it imports Triton), then kept: an import
+    # statement per update costs about a microsecond of CPU. Importing kernels.ops registers the
+    # update's custom ops, which traced code calls.
+    from ..kernels import ops, scale_update  # noqa: F401
+
+    return scale_update
 
 
 def _handle_outliers(recipe: DelayedScaling, role: int, states: list[ScalingState], history: torch.Tensor,
