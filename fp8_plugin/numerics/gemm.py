@@ -17,7 +17,7 @@ On a CUDA GPU in eager code the ``tensorwise`` kind can run as a Triton kernel i
 without padding).
 
 On CUDA, operands whose dims the kernel refuses are zero-padded to its multiples
-(:func:`pad_to_alignment`; most often the token count, which is M of the forward and dgrad and
+(:func:`~fp8_plugin.numerics.gemm_kernels.pad_to_alignment`; most often the token count, which is M of the forward and dgrad and
 K of wgrad) and the output cut back: exact, and far faster than the emulation.
 
 Whether a kind is native on a device is decided once per device and cached: from the device,
@@ -66,6 +66,7 @@ from .formats import is_fnuz
 from .gemm_kernels import emulated as _emulated
 from .gemm_kernels import emulated_bf16 as _emulated_bf16
 from .gemm_kernels import fp8_gemm_in_bf16, fp8_values_in_bf16  # noqa: F401  (public here too)
+from .gemm_kernels import alignment, pad_to_alignment  # noqa: F401  (pad_to_alignment: public here too)
 from .gemm_kernels import kernel_bias as _kernel_bias
 from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
 from .gemm_kernels import scaled_mm_tensorwise as _scaled_mm_tensorwise
@@ -85,7 +86,6 @@ __all__ = [
 GEMM_KINDS = ("tensorwise", "blockwise", "mxfp8")
 # Compute capabilities (major) whose tensor cores run each block kind through cuBLAS.
 _BLOCK_KIND_MAJORS = {"blockwise": (9,), "mxfp8": (10, 11, 12)}
-_BLOCK_KIND_K_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
 
 _warned: set[str] = set()
 
@@ -233,48 +233,6 @@ def clear_plans() -> None:
     per-call plans): for tests that present the meta device as another GPU."""
     _plans.clear()
     _native_gemm.cache_clear()
-
-
-def _alignment(kind: str, b: QuantizedTensor) -> tuple[int, int, int]:
-    # The multiples (M, K, N) a CUDA kernel needs: 16 everywhere (cuBLASLt FP8), K a whole number
-    # of blocks for the block kinds, and whole 128x128 blocks for a 128x128-scaled operand.
-    k = _BLOCK_KIND_K_MULTIPLE.get(kind, 16)
-    n = 128 if b.block == (128, 128) else 16
-    return 16, k, n
-
-
-def _pad_rows_cols(q: QuantizedTensor, rows: int, cols: int) -> QuantizedTensor:
-    # Zero FP8 data beyond the original [r, c]: zeros add nothing to any product. A block grid
-    # gains rows of 1.0 for the new 1xB rows; new columns stay inside its last block, or in
-    # whole blocks of zeros (scale 1.0) for 128x128 rows.
-    r, c = q.data.shape
-    if (r, c) == (rows, cols):
-        return q
-    data = q.data.new_zeros(rows, cols)
-    data[:r, :c].copy_(q.data)
-    scale_inv = q.scale_inv
-    if q.block is not None:
-        grid_rows, grid_cols = -(-rows // q.block[0]), -(-cols // q.block[1])
-        grid = scale_inv.new_ones(grid_rows, grid_cols)
-        grid[: scale_inv.shape[0], : scale_inv.shape[1]].copy_(scale_inv)
-        scale_inv = grid
-    return QuantizedTensor(data, scale_inv, q.block)
-
-
-def pad_to_alignment(a: QuantizedTensor, b: QuantizedTensor, multiples: tuple[int, int, int]) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """``a`` ``[M, K]`` and ``b`` ``[N, K]`` zero-padded to multiples ``(m, k, n)`` of M, K, N.
-
-    ``a @ b.T`` of the padded operands holds the original product in its top-left ``[M, N]``,
-    exactly: the padding is FP8 zeros, and block grids grow by blocks of scale 1.0 (new rows) or
-    not at all (K padded inside its last block). Costs one copy of each operand that grows.
-    """
-    (m, k), n = a.data.shape, b.data.shape[0]
-    mm, mk, mn = multiples
-    if not (m % mm or k % mk or n % mn):  # aligned already (the common case): nothing to build
-        return a, b
-    up = lambda d, mult: -(-d // mult) * mult  # noqa: E731
-    k2 = up(k, mk)
-    return _pad_rows_cols(a, up(m, mm), k2), _pad_rows_cols(b, up(n, mn), k2)
 
 
 def scaled_mm_supported(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, str]:
@@ -553,8 +511,7 @@ def fp8_gemm(
     if device_type == "cuda":
         # Shapes the kernel refuses (often the token count, the K of wgrad) are padded with
         # zeros rather than emulated: one copy of each operand against a far slower GEMM.
-        multiples = _alignment(kind, b)
-        a, b = pad_to_alignment(a, b, multiples)
+        a, b = pad_to_alignment(a, b, alignment(kind, b))
         if bias is not None and b.data.shape[0] != n:
             bias = torch.cat([bias, bias.new_zeros(b.data.shape[0] - n)])
     # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower. Only

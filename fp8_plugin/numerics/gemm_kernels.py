@@ -18,7 +18,11 @@ from .device_kind import device_kind, eager_on_cpu
 from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
-__all__ = ["emulated", "emulated_bf16", "fp8_gemm_in_bf16", "fp8_values_in_bf16", "kernel_bias", "scaled_mm_tensorwise", "scaled_mm_blocks"]
+__all__ = ["emulated", "emulated_bf16", "fp8_gemm_in_bf16", "fp8_values_in_bf16", "kernel_bias", "scaled_mm_tensorwise",
+           "scaled_mm_blocks", "alignment", "pad_to_alignment"]
+
+# K multiple of the block kinds' kernels: whole blocks along the contraction.
+_BLOCK_KIND_K_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
 
 
 def emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -170,3 +174,46 @@ def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtyp
         blockwise_1x128_gemm_scale(a.scale_inv), S.BlockWise1x128,
         scale_b, recipe_b, output_dtype=out_dtype,
     )  # fmt: skip
+
+
+def alignment(kind: str, b: QuantizedTensor) -> tuple[int, int, int]:
+    """The multiples ``(M, K, N)`` a CUDA kernel of GEMM ``kind`` needs (``b`` the ``[N, K]``
+    operand): 16 everywhere (cuBLASLt FP8), K a whole number of blocks for the block kinds, and
+    whole 128x128 blocks for a 128x128-scaled operand."""
+    k = _BLOCK_KIND_K_MULTIPLE.get(kind, 16)
+    n = 128 if b.block == (128, 128) else 16
+    return 16, k, n
+
+
+def _pad_rows_cols(q: QuantizedTensor, rows: int, cols: int) -> QuantizedTensor:
+    # Zero FP8 data beyond the original [r, c]: zeros add nothing to any product. A block grid
+    # gains rows of 1.0 for the new 1xB rows; new columns stay inside its last block, or in
+    # whole blocks of zeros (scale 1.0) for 128x128 rows.
+    r, c = q.data.shape
+    if (r, c) == (rows, cols):
+        return q
+    data = q.data.new_zeros(rows, cols)
+    data[:r, :c].copy_(q.data)
+    scale_inv = q.scale_inv
+    if q.block is not None:
+        grid_rows, grid_cols = -(-rows // q.block[0]), -(-cols // q.block[1])
+        grid = scale_inv.new_ones(grid_rows, grid_cols)
+        grid[: scale_inv.shape[0], : scale_inv.shape[1]].copy_(scale_inv)
+        scale_inv = grid
+    return QuantizedTensor(data, scale_inv, q.block)
+
+
+def pad_to_alignment(a: QuantizedTensor, b: QuantizedTensor, multiples: tuple[int, int, int]) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``a`` ``[M, K]`` and ``b`` ``[N, K]`` zero-padded to multiples ``(m, k, n)`` of M, K, N.
+
+    ``a @ b.T`` of the padded operands holds the original product in its top-left ``[M, N]``,
+    exactly: the padding is FP8 zeros, and block grids grow by blocks of scale 1.0 (new rows) or
+    not at all (K padded inside its last block). Costs one copy of each operand that grows.
+    """
+    (m, k), n = a.data.shape, b.data.shape[0]
+    mm, mk, mn = multiples
+    if not (m % mm or k % mk or n % mn):  # aligned already (the common case): nothing to build
+        return a, b
+    up = lambda d, mult: -(-d // mult) * mult  # noqa: E731
+    k2 = up(k, mk)
+    return _pad_rows_cols(a, up(m, mm), k2), _pad_rows_cols(b, up(n, mn), k2)

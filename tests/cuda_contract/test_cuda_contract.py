@@ -32,7 +32,7 @@ Branches of ``fp8_plugin/numerics/gemm.py`` taken only on a CUDA device, and the
 3. ``_plan``: on CUDA the tensorwise kernel is taken without the CPU's timed choice
    -- ``test_tensorwise_auto_path_on_cuda_takes_the_kernel_untimed``; E5M2 x E5M2 has no CUDA
    kernel and is emulated -- ``test_e5m2_by_e5m2_is_emulated_on_cuda``.
-4. ``fp8_gemm``: the padding of every operand to the kernel's multiples (``_alignment``:
+4. ``fp8_gemm``: the padding of every operand to the kernel's multiples (``gemm_kernels.alignment``:
    16 / 16 / 16 tensorwise, K to 128 blockwise with N to 128 for 128x128 weights, K to 32
    MXFP8), the bias padded with N, the output cut back -- ``test_gemm_pads_to_the_kernels_multiples``
    and the layer tests with token counts and feature sizes off the multiples.
