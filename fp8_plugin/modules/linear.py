@@ -21,8 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._private.torch_api import in_backward_pass
-from ..numerics.device_kind import device_kind, tensor_device_kind
+from ..numerics.device_kind import device_kind, presented_device, tensor_device_kind
+from ..numerics.gemm import forced_path
+from ..numerics.kernels import forced_kernels, gemm_kernel
 from ..numerics.kernels.launch import capturing
+from ..numerics.kernels.ops import traced
 from .autocast import current_context, note_fp8_forward
 from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
 from ..numerics.quantizers import (
@@ -31,13 +34,20 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, gemms_in_fp8, split_accumulators
 from .linear_function import (
-    BackwardInfo, FP8LinearFunction, fprop, high_precision_gemm, output_dtype, unpack_columnwise, weight_2d,
+    BackwardInfo, FP8LinearFunction, StepPlan, fprop, high_precision_gemm, output_dtype, unpack_columnwise, weight_2d,
 )  # fmt: skip
 from .scaling_group import ScalingGroup
 from .shared_input import find_shared_cast, keep_cast
 from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
 
 __all__ = ["FP8Linear"]
+
+
+def _cast(quantizer, plan, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+    # A cast through a step plan's launches where it has them, else the quantizer's own path.
+    if plan is not None:
+        return quantizer.cast_with(plan, x, columnwise)
+    return quantizer.quantize_pair(x, columnwise=columnwise)
 
 # recipe_key prefixes of the block-scaled recipes (ScalingState.recipe: the recipe that last recorded).
 _BLOCK_KEYS = ("Float8BlockScaling(", "MXFP8BlockScaling(")
@@ -314,16 +324,20 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         need_bgrad = grad and bias is not None and bias.requires_grad
         # Compiled code and CUDA graph captures cast every time: nothing kept from one call to the next.
         plain = not (torch.compiler.is_compiling() or capturing())
+        flags = (record_forward, record_backward, need_dgrad, need_wgrad, need_bgrad, gemms, high_precision)
+        info = (self._step_info(x2d, weight, bias, recipe, flags, state)
+                if plain and self._frozen is None and not traced(x2d) else None)
+        plan = None if info is None else info.plan
         qx, qx_t, recorded = self._input_casts(x, x2d, recipe, record_forward, need_wgrad and gemms[2],
-                                               share and plain, state)
+                                               share and plain, state, plan)
         # A frozen weight's transposed copy is made by the backward (and freed after), not kept from here.
         qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad and gemms[1] and self._frozen is None,
-                                      state=state, weight=weight, plain=plain)
+                                      state=state, weight=weight, plain=plain, plan=plan)
         if recorded is not None:
             mark_recorded(recorded, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
             if gemms[0]:
-                out = fprop(qx, qw, output_dtype(x2d), bias, split_accumulators(recipe)[0])
+                out = fprop(qx, qw, output_dtype(x2d), bias, split_accumulators(recipe)[0], plan)
             else:
                 dtype = output_dtype(x2d)
                 out = high_precision_gemm(x2d, weight_2d(self.dense_weight(), self.weight_transposed),
@@ -335,7 +349,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 # which no scale update takes for a scale.
                 mark_recorded(state, recipe, GRAD_OUTPUT)
             frozen = self._frozen is not None
-            info = self._backward_info(recipe, record_backward, qx.block, qw.block, gemms, frozen, high_precision)
+            if info is None:
+                info = self._backward_info(recipe, record_backward, qx.block, qw.block, gemms, frozen, high_precision)
             # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
             if frozen and not (gemms[0] and gemms[1]):
                 weight = self.dense_weight()
@@ -347,13 +362,14 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def _input_casts(self, x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, record: bool, columnwise: bool,
-                     share: bool, state: ScalingState
+                     share: bool, state: ScalingState, plan: Optional[StepPlan] = None
                      ) -> tuple[QuantizedTensor, Optional[QuantizedTensor], Optional[ScalingState]]:
         # The input's FP8 copies and the state that recorded the cast (None: none). An autocast
         # forward outside compiled code and captures (``share``) takes the cast an FP8 layer just
         # made of the same tensor, or keeps its own (a layer that shared and now casts alone takes
         # the row back first). Elsewhere (recompute, compiled code, a capture, hooks) it casts with
-        # the row the input last used, as training.
+        # the row the input last used, as training. ``plan``: the step's (_step_info), whose
+        # quantizer and launches cast with the layer's own row.
         if share:
             kept = find_shared_cast(x, recipe, record, columnwise)
             if kept is not None:
@@ -363,10 +379,41 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             if record:
                 state.stop_sharing_input()
         source = state.input_source
-        qx, qx_t = make_quantizer(recipe, INPUT, source, record, host=False).quantize_pair(x2d, columnwise=columnwise)
+        if plan is not None and source is state:
+            qx, qx_t = _cast(plan.input_quantizer, plan.input_cast, x2d, columnwise)
+        else:
+            qx, qx_t = make_quantizer(recipe, INPUT, source, record, host=False).quantize_pair(x2d, columnwise=columnwise)
         if share:
             keep_cast(x, recipe, record, qx, qx_t, source)
         return qx, qx_t, (source if record else None)
+
+    def _step_info(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: Recipe,
+                   flags: tuple, state: ScalingState) -> BackwardInfo:
+        # The BackwardInfo of an eager forward with its StepPlan (linear_function.py), kept per
+        # layer under one key for everything the plan's answers depend on: the recipe object, the
+        # flags (record_forward, record_backward, need_dgrad, need_wgrad, need_bgrad, gemms,
+        # high_precision), the input's and the weight's layouts, the output dtype (torch
+        # autocast's), the state's tensors (generation) and the kernel and device settings.
+        key = (id(recipe), flags, x2d.shape, x2d.stride(), x2d.dtype, x2d.get_device(), weight.dtype, weight.stride(),
+               bias is None, output_dtype(x2d), state.generation, forced_kernels(), forced_path(), gemm_kernel(),
+               presented_device())
+        infos = self.__dict__.setdefault("_step_infos", {})
+        info = infos.get(key)
+        if info is not None and info.recipe is recipe:
+            return info
+        record_forward, record_backward, need_dgrad, need_wgrad, _, gemms, high_precision = flags
+        w = weight.t() if self.weight_transposed else weight
+        input_quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
+        weight_quantizer = make_quantizer(recipe, WEIGHT, state, record_forward)
+        plan = StepPlan(input_quantizer, input_quantizer.eager_plan(x2d, need_wgrad and gemms[2]),
+                        weight_quantizer, weight_quantizer.eager_plan(w, need_dgrad and gemms[1]),
+                        make_quantizer(recipe, GRAD_OUTPUT, state, record_backward, host=False))
+        info = BackwardInfo(recipe, record_backward, input_quantizer.block, weight_quantizer.block,
+                            self.weight_transposed, gemms, split_accumulators(recipe), False, high_precision, plan)
+        if len(infos) >= 8:  # layouts or recipes that keep changing: keep the newest few
+            infos.clear()
+        infos[key] = info
+        return info
 
     def _backward_info(self, recipe: Recipe, record: bool, x_block: Optional[tuple[int, int]],
                        w_block: Optional[tuple[int, int]], gemms: tuple[bool, bool, bool], frozen: bool,
@@ -389,13 +436,14 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         return info
 
     def _weight_casts(self, recipe: Recipe, record: bool, columnwise: bool, *, state: Optional[ScalingState] = None,
-                      weight: Optional[torch.Tensor] = None, plain: Optional[bool] = None
-                      ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+                      weight: Optional[torch.Tensor] = None, plain: Optional[bool] = None,
+                      plan: Optional[StepPlan] = None) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The weight's FP8 copies (rowwise, and columnwise for dgrad), cast once and reused while
         # nothing they depend on changes: the micro-batches of gradient accumulation and
         # evaluation batches cast each weight once (as Transformer Engine's weight caching does).
         # ``state``, ``weight``: fp8_state and weight, where the caller has read them; ``plain``:
-        # not compiled code nor a CUDA graph capture (None: asked here).
+        # not compiled code nor a CUDA graph capture (None: asked here); ``plan``: the step's
+        # (_step_info), whose quantizer and launches cast the weight.
         if self._frozen is not None:  # kept only in FP8: the stored bytes, transposed on request
             rowwise = self._frozen_casts(recipe)
             return rowwise, (frozen_columnwise(rowwise, recipe) if columnwise else None)
@@ -406,14 +454,15 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             rowwise = fp8_operand(self.weight_transposed)
             return rowwise, (rowwise.t() if columnwise else None)
         w = weight.t() if self.weight_transposed else weight
-        quantizer = make_quantizer(recipe, WEIGHT, state, record)
+        quantizer = make_quantizer(recipe, WEIGHT, state, record) if plan is None else plan.weight_quantizer
+        cast = None if plan is None else plan.weight_cast
         if not (plain if plain is not None else not (torch.compiler.is_compiling() or capturing())):
             # Compiled or captured into a CUDA graph: the cast is part of the graph, run every time.
             return quantizer.quantize_pair(w, columnwise=columnwise)
         step = self.scaling_group.step if record else None  # a recording cast fills this step's amax slot
         if not keeps_weight_casts(self, step):
             self.__dict__["_weight_cache"] = None  # what an earlier forward kept goes (modules/weight_cache.py)
-            return quantizer.quantize_pair(w, columnwise=columnwise)
+            return _cast(quantizer, cast, w, columnwise)
         key = weight_cast_key(weight, recipe, (state,), step)
         cached = self._weight_cache
         if cached is not None and cached.matches(key, record) and (cached.columnwise is not None or not columnwise):
@@ -421,9 +470,14 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 mark_recorded(state, recipe, WEIGHT)
             return cached.rowwise, (cached.columnwise if columnwise else None)
         self._weight_cache = None  # free the stale copies before casting new ones
-        rowwise, columnwise_copy = quantizer.quantize_pair(w, columnwise=columnwise)
+        rowwise, columnwise_copy = _cast(quantizer, cast, w, columnwise)
         self._weight_cache = WeightCache(key, record, rowwise, columnwise_copy)
         return rowwise, columnwise_copy
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) starts without the step plans: they hold this layer's
+        # quantizers and launch plans (Triton kernels, which do not pickle), keyed by identities.
+        return {**super().__getstate__(), "_step_infos": {}}
 
     def clear_weight_cache(self) -> None:
         """Drop the cached FP8 copies of the weight (they are rebuilt at the next FP8 forward).

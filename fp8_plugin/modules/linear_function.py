@@ -8,20 +8,24 @@ bookkeeping; this module only multiplies, so that ``torch.compile`` traces it wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..numerics.device_kind import device_kind, tensor_device_kind
-from ..numerics.gemm import fp8_gemm
+from ..numerics.kernels.ops import traced
+from ..numerics.gemm import fp8_gemm, triton_route
 from ..numerics.quantizers import GRAD_OUTPUT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Recipe
 from .frozen_weight import frozen_columnwise
 
-__all__ = ["BackwardInfo", "FP8LinearFunction", "fprop", "high_precision_gemm", "output_dtype", "unpack_columnwise",
-           "weight_2d"]
+__all__ = ["BackwardInfo", "FP8LinearFunction", "StepPlan", "fprop", "high_precision_gemm", "output_dtype",
+           "unpack_columnwise", "weight_2d"]
+
+FPROP, DGRAD, WGRAD = 0, 1, 2
+_UNRESOLVED = object()  # a GEMM route not yet asked for
 
 
 def unpack_columnwise(q: Optional[QuantizedTensor], rowwise: QuantizedTensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -55,6 +59,34 @@ class BackwardInfo:
     # The dtype the GEMMs run in high precision use (the autocast's high_precision_dtype), None:
     # the output dtype, as nn.Linear under torch autocast.
     high_precision: Optional[torch.dtype] = None
+    # The eager step's plan (StepPlan), which made this; None in traced code. Not a constant of
+    # the step: left out of the comparison and the hash.
+    plan: Optional["StepPlan"] = field(default=None, compare=False, repr=False)
+
+
+class StepPlan:
+    """What an FP8 linear layer's eager step decides from its recipe, flags, input layout and the
+    kernel settings, resolved once and kept by the layer under one key for them all, checked
+    once per forward (``FP8Linear._step_info``): the quantizers of the three casts, the fused
+    launch plans of the input and weight casts (None where the casts take another path), and
+    each GEMM's route (:func:`triton_route`, asked at its first call). Each of these would
+    otherwise be looked up under a key of its own, every call."""
+
+    __slots__ = ("input_quantizer", "input_cast", "weight_quantizer", "weight_cast", "grad_quantizer", "routes")
+
+    def __init__(self, input_quantizer, input_cast, weight_quantizer, weight_cast, grad_quantizer) -> None:
+        self.input_quantizer, self.input_cast = input_quantizer, input_cast
+        self.weight_quantizer, self.weight_cast = weight_quantizer, weight_cast
+        self.grad_quantizer = grad_quantizer
+        self.routes = [_UNRESOLVED] * 3  # fprop, dgrad, wgrad
+
+    def gemm(self, index: int, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor], use_split_accumulator: bool) -> torch.Tensor:
+        """GEMM ``index`` (FPROP, DGRAD, WGRAD) of the step: :func:`fp8_gemm` with its kept route."""
+        route = self.routes[index]
+        if route is _UNRESOLVED:
+            route = self.routes[index] = triton_route(a, b, out_dtype, bias is not None, use_split_accumulator)
+        return fp8_gemm(a, b, out_dtype, bias, use_split_accumulator, route=route)
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -82,11 +114,13 @@ def high_precision_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, ou
 
 
 def fprop(qx: QuantizedTensor, qw: QuantizedTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor],
-          use_split_accumulator: bool) -> torch.Tensor:
+          use_split_accumulator: bool, plan: Optional[StepPlan] = None) -> torch.Tensor:
     """fprop's FP8 GEMM, ``qx [M, K] @ qw [N, K].T (+ bias [N])`` with FP32 accumulation, as
-    ``[M, N]`` in ``out_dtype`` (:func:`~fp8_plugin.numerics.gemm.fp8_gemm`). Every FP8 GEMM of an
-    FP8 linear layer is called from this module: the forward of :class:`FP8LinearFunction`, and
-    the layer itself where no backward will run."""
+    ``[M, N]`` in ``out_dtype`` (:func:`~fp8_plugin.numerics.gemm.fp8_gemm`, through ``plan``'s
+    route where given). Every FP8 GEMM of an FP8 linear layer is called from this module: the
+    forward of :class:`FP8LinearFunction`, and the layer itself where no backward will run."""
+    if plan is not None:
+        return plan.gemm(FPROP, qx, qw, out_dtype, bias, use_split_accumulator)
     return fp8_gemm(qx, qw, out_dtype, bias, use_split_accumulator)
 
 
@@ -117,7 +151,7 @@ class FP8LinearFunction(torch.autograd.Function):
         if fp8_fprop:
             qx = QuantizedTensor(x_data, x_scale_inv, info.x_block, x_gemm)
             qw = QuantizedTensor(w_data, w_scale_inv, info.w_block, w_gemm)
-            out = fprop(qx, qw, dtype, bias, info.split[0])
+            out = fprop(qx, qw, dtype, bias, info.split[0], info.plan)
         else:
             out = high_precision_gemm(x2d, weight_2d(weight, info.weight_transposed), hp_dtype, dtype, bias)
         # A per-tensor scale_inv serves both copies and is passed once (None for the copy). A
@@ -144,8 +178,11 @@ class FP8LinearFunction(torch.autograd.Function):
         fp8_x, fp8_w = need_x and fp8_dgrad, need_w and fp8_wgrad
         grad_x = grad_w = grad_b = None
         bias_sum = None  # grad_out.sum(0) in float32, from the grad_output cast where it runs
+        # The forward's step plan, unless this backward is traced (compiled autograd, a dispatch mode).
+        plan = info.plan if info.plan is not None and not traced(grad_out) else None
         if fp8_x or fp8_w:
-            quantizer = make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False)
+            quantizer = (plan.grad_quantizer if plan is not None
+                         else make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False))
             if need_b:  # the bias gradient in the same pass over grad_out (TE's bgrad_quantize)
                 qg, qg_t, bias_sum = quantizer.quantize_pair_and_sum(grad_out, columnwise=fp8_w)
             else:
@@ -154,7 +191,8 @@ class FP8LinearFunction(torch.autograd.Function):
             qw_t = QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm)
             if info.frozen:
                 qw_t = frozen_columnwise(qw_t, info.recipe)
-            grad_x = fp8_gemm(qg, qw_t, ctx.x_dtype, None, info.split[1])
+            grad_x = (fp8_gemm(qg, qw_t, ctx.x_dtype, None, info.split[1]) if plan is None
+                      else plan.gemm(DGRAD, qg, qw_t, ctx.x_dtype, None, info.split[1]))
             del qw_t, qg  # grad_output's rowwise cast is dgrad's alone: freed before wgrad allocates
         elif need_x:
             w_t = weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
@@ -163,8 +201,9 @@ class FP8LinearFunction(torch.autograd.Function):
             # Written in the weight's dtype (FP32 master weights: float32; a BF16 weight: BF16, as
             # nn.Linear's): one rounding of the FP32 accumulator, and no float32 [N, K] copy.
             if fp8_w:
-                grad_w = fp8_gemm(qg_t, QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm), ctx.weight_dtype,
-                                  None, info.split[2])
+                qx_t = QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm)
+                grad_w = (fp8_gemm(qg_t, qx_t, ctx.weight_dtype, None, info.split[2]) if plan is None
+                          else plan.gemm(WGRAD, qg_t, qx_t, ctx.weight_dtype, None, info.split[2]))
             else:
                 grad_w = high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, ctx.weight_dtype)
             if info.weight_transposed:

@@ -55,7 +55,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ from .kernels.ops import traced
 from .quantizers import QuantizedTensor
 
 __all__ = [
-    "fp8_gemm", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
+    "fp8_gemm", "triton_route", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
     "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "forced_path", "emulates_in_bf16",
     "pad_to_alignment",
     "fp8_gemm_in_bf16", "fp8_values_in_bf16",
@@ -458,6 +458,7 @@ def fp8_gemm(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     use_split_accumulator: bool = True,
+    route: Optional[Callable[..., torch.Tensor]] = None,
 ) -> torch.Tensor:
     """``(a.data * a.scale_inv) @ (b.data * b.scale_inv).T + bias`` with FP32 accumulation.
 
@@ -483,6 +484,8 @@ def fp8_gemm(
             accumulation (``torch._scaled_mm(use_fast_accum=True)``, the partial sums in the
             tensor cores' own precision; :class:`~fp8_plugin.numerics.recipes.MMParams`); the
             emulation and the block kernels accumulate in float32 whatever it says.
+        route: :func:`triton_route`'s answer for operands like these, kept by the caller (a layer's
+            step plan): the Triton GEMM's launch, run with no decision made again. None decides here.
 
     Returns:
         ``[M, N]`` tensor in ``out_dtype``, a new tensor (never a view).
@@ -494,6 +497,8 @@ def fp8_gemm(
         UserWarning: once per reason, when a GEMM is emulated because no native kernel can run it
             (not when :func:`tensorwise_choice` prefers the emulation).
     """
+    if route is not None:
+        return route(a.data, b.data, a.scale_inv, b.scale_inv, None if bias is None else _kernel_bias(bias, out_dtype))
     if out_dtype not in _KERNEL_OUT_DTYPES:
         # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
         return fp8_gemm(a, b, torch.float32, bias, use_split_accumulator).to(out_dtype)
@@ -528,6 +533,24 @@ def fp8_gemm(
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
     return out
+
+
+def triton_route(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, has_bias: bool,
+                 use_split_accumulator: bool = True) -> Optional[Callable[..., torch.Tensor]]:
+    """The Triton GEMM's launch (:class:`~fp8_plugin.numerics.kernels.scaled_gemm.GemmLaunch`)
+    that :func:`fp8_gemm` runs for operands of ``a``'s and ``b``'s shapes, dtypes, scaling and
+    device, with this output dtype, bias presence and accumulation, in the eager code and GEMM
+    settings of now; None where it takes another path. A caller that keeps it for such operands
+    passes it as ``fp8_gemm``'s ``route`` while those settings hold.
+
+    Raises:
+        ValueError: operands that do not multiply (``scaled_gemm``'s).
+    """
+    if out_dtype not in _KERNEL_OUT_DTYPES or not _cached_plan(a, b, out_dtype)[3] or traced(a.data):
+        return None
+    from .kernels.scaled_gemm import gemm_launch
+
+    return gemm_launch(a.data, b.data, out_dtype, has_bias, not use_split_accumulator)
 
 
 @lru_cache(maxsize=None)

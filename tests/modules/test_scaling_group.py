@@ -105,12 +105,15 @@ def test_copies_and_pickles_start_without_the_updates_device_tables():
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
+    original = [m.fp8_state.amax_history.clone() for m in (model[0], model[2])]
     for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         twin_group = twin[0].scaling_group
         assert twin_group is not group and twin_group._tables == {} and twin_group._recipe_groups == {}
         with force_kernels("triton"):
             _train_step(twin, torch.randn(8, 16))
             twin_group.update()
+        # The twin's casts recorded into its own states, none into the original's.
+        assert all(torch.equal(m.fp8_state.amax_history, h) for m, h in zip((model[0], model[2]), original))
         assert [id(state) for _, state in next(iter(twin_group._tables.values())).objects] == \
             [id(twin[i].fp8_state) for _ in range(3) for i in (0, 2)]  # by role, then layer
     assert group._tables  # the original keeps its own

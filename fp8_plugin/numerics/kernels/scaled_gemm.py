@@ -38,7 +38,7 @@ import triton.language as tl
 from .fp8_bits import as_float32, raw_pointer
 from .launch import KernelLaunch
 
-__all__ = ["scaled_gemm", "block_sizes", "OUT_DTYPES"]
+__all__ = ["scaled_gemm", "gemm_launch", "GemmLaunch", "block_sizes", "OUT_DTYPES"]
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _GROUP_M = 8  # tiles of 8 row blocks share their B tiles in L2 (Triton's matmul tutorial)
@@ -134,22 +134,46 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     Raises:
         ValueError: operands that do not multiply, or an ``out_dtype`` the kernel does not write.
     """
-    plan = _plans.get((a.shape, b.shape, out_dtype, bias is not None, fast_accum))
-    if plan is None:
-        plan = _plan(a, b, out_dtype, bias is not None, fast_accum)
-    launch, grid, m, n, k = plan
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    launch(grid, a, b, out, scale_a, scale_b, scale_a if bias is None else bias, m, n, k, a.stride(0), a.stride(1),
-           b.stride(0), b.stride(1), n, 1)
-    return out
+    return gemm_launch(a, b, out_dtype, bias is not None, fast_accum)(a, b, scale_a, scale_b, bias)
+
+
+class GemmLaunch:
+    """:func:`scaled_gemm` for one pair of operand shapes, output dtype, bias presence and
+    accumulation, resolved once (:func:`gemm_launch`): a call allocates the output and launches,
+    nothing else. Called as ``scaled_gemm`` without its last three arguments, on operands of the
+    shapes it was made for (any strides), with a bias exactly where it was made with one."""
+
+    __slots__ = ("launch", "grid", "m", "n", "k", "out_dtype")
+
+    def __init__(self, launch: KernelLaunch, grid: tuple[int], m: int, n: int, k: int, out_dtype: torch.dtype) -> None:
+        self.launch, self.grid, self.m, self.n, self.k, self.out_dtype = launch, grid, m, n, k, out_dtype
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        m, n = self.m, self.n
+        out = torch.empty(m, n, dtype=self.out_dtype, device=a.device)
+        self.launch(self.grid, a, b, out, scale_a, scale_b, scale_a if bias is None else bias, m, n, self.k,
+                    a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, 1)
+        return out
 
 
 # The launch of each GEMM shape seen (a few per layer: fprop, dgrad, wgrad; the last short batch).
-_plans: dict[tuple, tuple] = {}
+_plans: dict[tuple, GemmLaunch] = {}
 
 
-def _plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, has_bias: bool, fast_accum: bool) -> tuple:
-    # (launch, grid, M, N, K) of scaled_gemm's arguments, checked, made once per shape.
+def gemm_launch(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, has_bias: bool,
+                fast_accum: bool) -> GemmLaunch:
+    """The :class:`GemmLaunch` of :func:`scaled_gemm` for operands of ``a``'s and ``b``'s shapes,
+    checked and made once per shape (arguments as :func:`scaled_gemm`; ``has_bias``: a bias
+    will be given).
+
+    Raises:
+        ValueError: as :func:`scaled_gemm`.
+    """
+    key = (a.shape, b.shape, out_dtype, has_bias, fast_accum)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"scaled_gemm: a {list(a.shape)} and b {list(b.shape)} do not multiply; valid: a [M, K], "
                          "b [N, K]")
@@ -158,8 +182,9 @@ def _plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, has_bias: bo
                          f"{', '.join(str(d) for d in OUT_DTYPES)}")
     (m, k), n = a.shape, b.shape[0]
     block = block_sizes(m, n, k)
-    plan = (_launch(block, has_bias, fast_accum), (triton.cdiv(m, block[0]) * triton.cdiv(n, block[1]),), m, n, k)
+    plan = GemmLaunch(_launch(block, has_bias, fast_accum), (triton.cdiv(m, block[0]) * triton.cdiv(n, block[1]),),
+                      m, n, k, out_dtype)
     if len(_plans) >= 256:  # shapes that keep changing: keep the newest few
         _plans.clear()
-    _plans[(a.shape, b.shape, out_dtype, has_bias, fast_accum)] = plan
+    _plans[key] = plan
     return plan

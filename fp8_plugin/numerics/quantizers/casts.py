@@ -43,8 +43,15 @@ def columnwise_copy(row: QuantizedTensor) -> QuantizedTensor:
 
 class _LayerQuantizer(Quantizer):
     # What every cast of one role of one layer holds (the arguments of both quantizers below).
+    block: Optional[tuple[int, int]] = None  # the casts' scale block (None: per tensor)
+
     def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool, host: bool) -> None:
         self.recipe, self.role, self.state, self.record, self.host = recipe, role, state, record, host
+
+    def eager_plan(self, x: torch.Tensor, columnwise: bool):
+        """The launch plan a caller may keep for casts of ``x``'s layout (:meth:`PerTensorQuantizer.eager_plan`);
+        None here: block casts keep none."""
+        return None
 
 
 class PerTensorQuantizer(_LayerQuantizer):
@@ -101,12 +108,30 @@ class PerTensorQuantizer(_LayerQuantizer):
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         plan = self._kept_plan(x, columnwise)
         if plan is not None:  # the steady state of a layer: the launches, nothing else
-            data, data_t, _, scale_inv, _ = plan(x, ops.skips_amax_pass(self.kind, self.state, self.role))
-            return self._result(data, data_t, scale_inv, columnwise)
+            return self.cast_with(plan, x, columnwise)
         if fusable(x, self.dtype):
             return self._fused(x, columnwise)
         row = self.quantize(x)
         return row, (columnwise_copy(row) if columnwise else None)
+
+    def eager_plan(self, x: torch.Tensor, columnwise: bool):
+        """The fused cast's launch plan (:class:`~fp8_plugin.numerics.kernels.tensorwise.RecordingCast`)
+        that :meth:`quantize_pair` runs for a 2-D ``x`` of this layout in plain eager code, or
+        None where it takes another path (not 2-D, not fusable, traced). A caller that keeps it
+        for tensors of this layout casts them with :meth:`cast_with` while the state's
+        ``generation`` and the kernel settings are the same."""
+        if x.dim() != 2 or not fusable(x, self.dtype) or ops.traced(x):
+            return None
+        return ops.eager_cast_plan(self.kind, x, self.state, self.role, self.dtype, self.recipe.margin, columnwise,
+                                   self.record, False)
+
+    def cast_with(self, plan, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        """:meth:`quantize_pair` of ``x`` through ``plan`` (:meth:`eager_plan`'s for ``x``'s layout
+        and ``columnwise``): the launches and the host-side records, nothing checked."""
+        if self.host:
+            self.state.use_recipe(self.recipe)
+        data, data_t, _, scale_inv, _ = plan(x, ops.skips_amax_pass(self.kind, self.state, self.role))
+        return self._result(data, data_t, scale_inv, columnwise)
 
     def _eager_key(self, x: torch.Tensor, columnwise: bool) -> tuple:
         # What an eager fused cast's plan was chosen on: the layout, the state's tensors, the
@@ -120,8 +145,6 @@ class PerTensorQuantizer(_LayerQuantizer):
         kept = self._eager
         if kept is None or kept[0] != self._eager_key(x, columnwise) or ops.traced(x):
             return None
-        if self.host:
-            self.state.use_recipe(self.recipe)
         return kept[1]
 
     def _result(self, data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torch.Tensor,

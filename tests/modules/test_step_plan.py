@@ -1,0 +1,202 @@
+"""An FP8 layer's eager step plan (modules/linear_function.StepPlan, FP8Linear._step_info): one
+key per forward in place of a lookup per quantizer, cast and GEMM, with the same results.
+
+The expectation is the same model whose layers make no plan (each forward then looks every
+answer up as it did before plans existed). The fused casts run under Triton's interpreter on
+CPU (``force_kernels("triton")``), so that the plans' kept launches are the ones that cast; on
+the meta proxy (meta tensors presented as sm90, launches recorded) the plans' GEMM routes
+launch the Triton GEMM.
+"""
+
+import contextlib
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_plugin as fp
+from fp8_plugin import DelayedScaling, Float8CurrentScaling
+from fp8_plugin.modules.linear import FP8Linear
+
+triton = pytest.importorskip("triton")
+
+from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
+from fp8_plugin.numerics.gemm import force_path  # noqa: E402
+from fp8_plugin.numerics.kernels import force_gemm_kernel, force_kernels  # noqa: E402
+from fp8_plugin.numerics.kernels.launch import record_launches  # noqa: E402
+
+
+def _model(recipe, bias=True):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 32, bias=bias))
+    fp.convert_model(model, recipe)
+    return model
+
+
+def _without_plans(model):
+    # Every layer answers each forward's questions one lookup at a time, as before step plans.
+    for layer in model.modules():
+        if isinstance(layer, FP8Linear):
+            layer._step_info = lambda *args, **kwargs: None
+    return model
+
+
+def _fp8_layers(model):
+    return [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+
+def _train(model, batches, autocast_steps=()):
+    # SGD steps; the steps listed in ``autocast_steps`` run under torch's CPU autocast (BF16).
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step, x in enumerate(batches):
+        cpu_autocast = torch.autocast("cpu", torch.bfloat16) if step in autocast_steps else contextlib.nullcontext()
+        with cpu_autocast, fp.autocast():
+            loss = model(x).float().square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _cpu_routes(monkeypatch):
+    # fp8_gemm takes no Triton route on CPU. A stand-in route, fp8_gemm at the output dtype,
+    # bias presence and accumulation it was resolved for, makes a plan's kept routes compute
+    # here: one kept past a change of what it was resolved for computes the wrong dtype.
+    import fp8_plugin.modules.linear_function as linear_function
+    from fp8_plugin.numerics.gemm import fp8_gemm
+    from fp8_plugin.numerics.quantizers import QuantizedTensor
+
+    def route_for(a, b, out_dtype, has_bias, use_split_accumulator):
+        def route(a_data, b_data, scale_a, scale_b, bias):
+            assert (bias is not None) == has_bias
+            return fp8_gemm(QuantizedTensor(a_data, scale_a), QuantizedTensor(b_data, scale_b), out_dtype, bias,
+                            use_split_accumulator)
+        return route
+
+    monkeypatch.setattr(linear_function, "triton_route", route_for)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_steps_with_plans_train_bit_for_bit_as_steps_without(recipe, monkeypatch):
+    # Layouts and settings change between steps (a short batch, a 3-D batch, a non-contiguous
+    # one, torch autocast, BF16 weights, evaluation), so every plan key part that tells them apart is used: a
+    # plan kept for another layout would cast or multiply the wrong shapes or dtypes.
+    _cpu_routes(monkeypatch)
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 32), torch.randn(8, 32), torch.randn(5, 32), torch.randn(2, 4, 32),
+               torch.randn(32, 8).t(), torch.randn(8, 32), torch.randn(8, 32)]
+    runs = []
+    with force_kernels("triton"):
+        for model in (_model(recipe), _without_plans(_model(recipe))):
+            losses = _train(model, batches, autocast_steps=(5,))
+            with torch.no_grad(), fp.autocast():
+                evaluated = model(batches[0])
+            # BF16 weights, the same FP32 input under torch autocast: only the weight's dtype (wgrad's
+            # output dtype) tells this step's layout from step 5's.
+            losses += _train(model.to(torch.bfloat16), [batches[5]], autocast_steps=(0,))
+            runs.append((losses, evaluated, model.state_dict(), fp8_stats(model)))
+    (losses, evaluated, weights, stats), (want_losses, want_evaluated, want_weights, want_stats) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True))
+    assert torch.equal(evaluated, want_evaluated)
+    # Weights, biases and every layer's scaling state as saved: exactly equal.
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=0, equal_nan=True)
+    assert stats == want_stats
+
+
+def fp8_stats(model):
+    return [{k: {n: t.tolist() for n, t in v.items()} for k, v in layer.fp8_stats().items()}
+            for layer in _fp8_layers(model)]
+
+
+def test_a_steady_step_asks_no_quantizer_and_decides_no_gemm_path(monkeypatch):
+    # The point of the plan: after a layout's first step, its steps make no quantizer lookup
+    # and no GEMM-path decision. Counted by wrapping both where the layer and its autograd
+    # function call them; without the plan each step asks 3 quantizers per layer.
+    import fp8_plugin.modules.linear as linear
+    import fp8_plugin.modules.linear_function as linear_function
+
+    model = _model(DelayedScaling(amax_history_len=4))
+    calls = Counter()
+    for module in (linear, linear_function):
+        original = module.make_quantizer
+
+        def counting(*args, _original=original, **kwargs):
+            calls["make_quantizer"] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "make_quantizer", counting)
+    with force_kernels("triton"):
+        _train(model, [torch.randn(8, 32)])
+        calls.clear()
+        _train(model, [torch.randn(8, 32) for _ in range(3)])
+        assert calls == Counter()
+        _train(_without_plans(model), [torch.randn(8, 32)])
+    assert calls["make_quantizer"] == 3 * 2  # input, weight, grad_output of each of the two layers
+
+
+def _meta_step(layer, x, grad):
+    with fp.autocast():
+        y = layer(x)
+    y.backward(grad)
+    layer.weight.grad = x.grad = None
+
+
+@contextlib.contextmanager
+def _meta_proxy():
+    # The host profile's CUDA path: meta tensors presented as sm90, launches recorded not run.
+    with meta_as_cuda((9, 0)), force_path("native"), force_kernels("triton"), record_launches() as launches:
+        yield launches
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_on_the_cuda_path_plans_launch_what_the_lookups_launch_and_follow_the_gemm_kernel_setting(recipe, monkeypatch):
+    # Per step, with and without plans: the same launches by kernel. Under the Triton GEMM
+    # setting each step launches it three times (fprop, dgrad, wgrad), and with plans no GEMM
+    # path is decided again after the first step. Switched to torch._scaled_mm, the kept plan
+    # must not keep launching the Triton GEMM.
+    import fp8_plugin.numerics.gemm as gemm
+
+    decided = Counter()
+    cached_plan = gemm._cached_plan
+    monkeypatch.setattr(gemm, "_cached_plan", lambda *a: decided.update(["plan"]) or cached_plan(*a))
+    per_step = {}
+    with _meta_proxy() as launches:
+        for planned in (True, False):
+            layer = FP8Linear(32, 48, device="meta", dtype=torch.bfloat16, recipe=copy.deepcopy(recipe))
+            if not planned:
+                layer._step_info = lambda *args, **kwargs: None
+            x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.empty(64, 48, device="meta", dtype=torch.bfloat16)
+            with force_gemm_kernel("triton"):
+                for _ in range(3):
+                    _meta_step(layer, x, grad)
+                launches.clear(), decided.clear()
+                _meta_step(layer, x, grad)
+                per_step[planned] = (Counter(launches), decided["plan"])
+            with force_gemm_kernel("torch"):
+                launches.clear()
+                _meta_step(layer, x, grad)
+                assert "_scaled_gemm_kernel" not in launches, planned
+    (with_plans, decisions), (without, lookups) = per_step[True], per_step[False]
+    assert with_plans == without and with_plans["_scaled_gemm_kernel"] == 3
+    assert decisions == 0 and lookups == 3
+
+
+def test_copies_of_a_layer_start_without_its_plans():
+    # A plan holds the layer's quantizers and its state's launch plans: a copy must make its
+    # own, or its casts would record into the original's state.
+    model = _model(DelayedScaling(amax_history_len=4))
+    with force_kernels("triton"):
+        _train(model, [torch.randn(8, 32)])
+        twin = copy.deepcopy(model)
+        before = [layer.fp8_state.amax_history.clone() for layer in _fp8_layers(model)]
+        x = torch.randn(8, 32) * 50
+        _train(twin, [x])
+    assert all(torch.equal(layer.fp8_state.amax_history, h) for layer, h in zip(_fp8_layers(model), before))
+    assert _fp8_layers(twin)[0].fp8_state.amax_history[0, 0] == x.abs().max()  # the twin's input, in its own row
