@@ -337,7 +337,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             mark_recorded(recorded, recipe, INPUT)
         if not (need_dgrad or need_wgrad or need_bgrad):
             if gemms[0]:
-                out = fprop(qx, qw, output_dtype(x2d), bias, split_accumulators(recipe)[0], plan)
+                out = fprop(qx, qw, output_dtype(x2d) if plan is None else plan.out_dtype, bias,
+                            split_accumulators(recipe)[0], plan)
             else:
                 dtype = output_dtype(x2d)
                 out = high_precision_gemm(x2d, weight_2d(self.dense_weight(), self.weight_transposed),
@@ -394,8 +395,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # flags (record_forward, record_backward, need_dgrad, need_wgrad, need_bgrad, gemms,
         # high_precision), the input's and the weight's layouts, the output dtype (torch
         # autocast's), the state's tensors (generation) and the kernel and device settings.
-        key = (id(recipe), flags, x2d.shape, x2d.stride(), x2d.dtype, x2d.get_device(), weight.dtype, weight.stride(),
-               bias is None, output_dtype(x2d), state.generation, forced_kernels(), forced_path(), gemm_kernel(),
+        out_dtype = output_dtype(x2d)
+        key = (id(recipe), flags, x2d.shape, x2d.stride(), x2d.dtype, x2d.get_device(), weight.dtype, weight.shape,
+               weight.stride(), bias is None, out_dtype, state.generation, forced_kernels(), forced_path(), gemm_kernel(),
                presented_device())
         infos = self.__dict__.setdefault("_step_infos", {})
         info = infos.get(key)
@@ -405,7 +407,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         w = weight.t() if self.weight_transposed else weight
         input_quantizer = make_quantizer(recipe, INPUT, state, record_forward, host=False)
         weight_quantizer = make_quantizer(recipe, WEIGHT, state, record_forward)
-        plan = StepPlan(input_quantizer, input_quantizer.eager_plan(x2d, need_wgrad and gemms[2]),
+        plan = StepPlan(out_dtype, input_quantizer, input_quantizer.eager_plan(x2d, need_wgrad and gemms[2]),
                         weight_quantizer, weight_quantizer.eager_plan(w, need_dgrad and gemms[1]),
                         make_quantizer(recipe, GRAD_OUTPUT, state, record_backward, host=False))
         info = BackwardInfo(recipe, record_backward, input_quantizer.block, weight_quantizer.block,

@@ -72,9 +72,12 @@ class StepPlan:
     each GEMM's route (:func:`triton_route`, asked at its first call). Each of these would
     otherwise be looked up under a key of its own, every call."""
 
-    __slots__ = ("input_quantizer", "input_cast", "weight_quantizer", "weight_cast", "grad_quantizer", "routes")
+    __slots__ = ("out_dtype", "input_quantizer", "input_cast", "weight_quantizer", "weight_cast", "grad_quantizer",
+                 "routes")
 
-    def __init__(self, input_quantizer, input_cast, weight_quantizer, weight_cast, grad_quantizer) -> None:
+    def __init__(self, out_dtype: torch.dtype, input_quantizer, input_cast, weight_quantizer, weight_cast,
+                 grad_quantizer) -> None:
+        self.out_dtype = out_dtype  # the forward's (output_dtype), part of the key
         self.input_quantizer, self.input_cast = input_quantizer, input_cast
         self.weight_quantizer, self.weight_cast = weight_quantizer, weight_cast
         self.grad_quantizer = grad_quantizer
@@ -146,7 +149,7 @@ class FP8LinearFunction(torch.autograd.Function):
         # A tensor's rowwise and columnwise copies have blocks of one shape (1xB along each
         # copy's rows, or BxB), so one block tuple per operand serves both.
         fp8_fprop, fp8_dgrad, fp8_wgrad = info.gemms
-        dtype = output_dtype(x2d)
+        dtype = output_dtype(x2d) if info.plan is None else info.plan.out_dtype
         hp_dtype = info.high_precision or dtype
         if fp8_fprop:
             qx = QuantizedTensor(x_data, x_scale_inv, info.x_block, x_gemm)

@@ -57,6 +57,8 @@ def tensor_device_kind(tensor: torch.Tensor) -> str:
         return "cuda"
     if tensor.is_cpu:
         return "cpu"
+    if tensor.is_meta and _meta_capability is not None:  # as cheap as a GPU's (the host profile's proxy)
+        return "cuda"
     return device_kind(tensor.device)
 
 
