@@ -125,3 +125,32 @@ def test_constexprs_before_runtime_parameters_are_refused():
 
     with pytest.raises(ValueError, match="constexpr parameters must follow the runtime ones"):
         KernelLaunch(Kernel(), BLOCK=64)
+
+
+def test_a_launch_site_finds_its_launcher_once_per_variant_and_alignment(convention, monkeypatch):
+    # A site skips the launch key (one entry per argument) once it holds the launcher for a
+    # (variant, alignment): counted by wrapping the key. A misaligned address, a new variant
+    # and a recorded run each take the full path; the launches are those of KernelLaunch.
+    kernel = _Kernel()
+    go = KernelLaunch(kernel, BLOCK=64, FLAG=True)
+    keys = []
+    key = go._key
+    monkeypatch.setattr(go, "_key", lambda grid, args: keys.append(args) or key(grid, args))
+    site = launch.LaunchSite(go, (2,))
+    base = torch.zeros(64)
+    for _ in range(3):
+        site(None, base.data_ptr(), base, 64, 0.5)
+    assert [k for k, _, _ in kernel.launched] == ["jit", "runner", "runner"]
+    assert kernel.launched[2] == ("runner", (2, 1, 1), (base, 64, 0.5, 64, True))
+    assert len(keys) == 2  # the first call's launch and its launcher's lookup: none since
+    shifted = base[1:]  # 4 bytes in: Triton's key differs, so the site's does
+    site(None, shifted.data_ptr(), shifted, 63, 0.5)
+    site(None, shifted.data_ptr(), shifted, 63, 0.5)
+    site("another", base.data_ptr(), base, 64, 0.5)
+    assert [k for k, _, _ in kernel.launched][3:] == ["jit", "runner", "runner"]
+    with record_launches() as launches:
+        site(None, base.data_ptr(), base, 64, 0.5)
+        site(None, base.data_ptr(), base, 64, 0.5)
+    assert launches == {"_body": 2} and len(kernel.launched) == 6  # counted, not run
+    site(None, base.data_ptr(), base, 64, 0.5)  # recording over: launched again
+    assert kernel.launched[-1] == ("runner", (2, 1, 1), (base, 64, 0.5, 64, True))

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .fp8_bits import as_float32, raw_pointer
-from .launch import KernelLaunch
+from .launch import KernelLaunch, LaunchSite
 
 __all__ = ["scaled_gemm", "gemm_launch", "GemmLaunch", "block_sizes", "OUT_DTYPES"]
 
@@ -146,14 +146,19 @@ class GemmLaunch:
     __slots__ = ("launch", "grid", "m", "n", "k", "out_dtype")
 
     def __init__(self, launch: KernelLaunch, grid: tuple[int], m: int, n: int, k: int, out_dtype: torch.dtype) -> None:
-        self.launch, self.grid, self.m, self.n, self.k, self.out_dtype = launch, grid, m, n, k, out_dtype
+        # A launch site: the operands' device, dtypes and strides are what may differ between calls.
+        self.launch, self.grid = LaunchSite(launch, grid), grid
+        self.m, self.n, self.k, self.out_dtype = m, n, k, out_dtype
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         m, n = self.m, self.n
         out = torch.empty(m, n, dtype=self.out_dtype, device=a.device)
-        self.launch(self.grid, a, b, out, scale_a, scale_b, scale_a if bias is None else bias, m, n, self.k,
-                    a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, 1)
+        bias = scale_a if bias is None else bias
+        (sam, sak), (sbn, sbk) = a.stride(), b.stride()
+        self.launch((a.get_device(), a.dtype, b.dtype, bias.dtype, sam, sak, sbn, sbk),
+                    a.data_ptr() | b.data_ptr() | out.data_ptr() | scale_a.data_ptr() | scale_b.data_ptr() | bias.data_ptr(),
+                    a, b, out, scale_a, scale_b, bias, m, n, self.k, sam, sak, sbn, sbk, n, 1)
         return out
 
 

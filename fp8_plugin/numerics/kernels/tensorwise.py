@@ -44,7 +44,7 @@ import triton.language as tl
 from functools import lru_cache
 
 from ..formats import fp8_max
-from .launch import KernelLaunch
+from .launch import KernelLaunch, LaunchSite
 from .rows import StateRows
 from ..scaling import amax as torch_amax
 from ..scaling import divide, quantize, scale_from_amax
@@ -447,7 +447,9 @@ class RecordingCast:
         self.kind, self.rows, self.device, self.shape, self.dtype = kind, rows, x.device, tuple(x.shape), dtype
         self.transpose, self.bias_grad, self.scale_out = transpose, bias_grad, scale_out
         self.grid = _grid(x)  # at least one program: the scale is written and recorded for an empty x too
-        self.amax_pass, self.cast = _recording_cast(kind, dtype, transpose, record, bias_grad, scale_out)
+        # Launch sites: all but the per-call tensors' addresses (x, the outputs) is fixed by the plan.
+        self.amax_pass, self.cast = (LaunchSite(launch, self.grid)
+                                     for launch in _recording_cast(kind, dtype, transpose, record, bias_grad, scale_out))
         self.args = (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
         self.tail = (*self.args, self.grid[0] * self.grid[1], fp8_max(dtype) / 2.0**margin)
 
@@ -470,14 +472,16 @@ class RecordingCast:
         elif self.bias_grad:
             bias, partials = bias_grad_out, _partials(x, self.grid, bias_grad_out)  # the caller's buffer, checked
         outputs = (scale_inv if scale is None else scale, scale_inv, scale_inv if partials is None else partials)
+        x_address = x.data_ptr()
+        addresses = x_address | out.data_ptr() | out_t.data_ptr() | outputs[0].data_ptr() | outputs[2].data_ptr()
         if self.kind == "delayed":
             if not initialized_known:
-                self.amax_pass(self.grid, x, rows.workspace, rows.initialized, *self.args)
-            self.cast(self.grid, x, out, out_t, rows.workspace, rows.initialized, rows.scale, rows.amax_history,
+                self.amax_pass(None, x_address, x, rows.workspace, rows.initialized, *self.args)
+            self.cast(None, addresses, x, out, out_t, rows.workspace, rows.initialized, rows.scale, rows.amax_history,
                       rows.nonfinite_amax_count, *outputs, *self.tail)
         else:
-            self.amax_pass(self.grid, x, rows.workspace, *self.args)
-            self.cast(self.grid, x, out, out_t, rows.workspace, rows.amax_history, rows.nonfinite_amax_count,
+            self.amax_pass(None, x_address, x, rows.workspace, *self.args)
+            self.cast(None, addresses, x, out, out_t, rows.workspace, rows.amax_history, rows.nonfinite_amax_count,
                       rows.scale, *outputs, *self.tail)
         if partials is not None:
             torch.sum(partials, 0, out=bias)
