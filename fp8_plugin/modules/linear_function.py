@@ -73,7 +73,7 @@ class StepPlan:
     otherwise be looked up under a key of its own, every call."""
 
     __slots__ = ("out_dtype", "input_quantizer", "input_cast", "weight_quantizer", "weight_cast", "grad_quantizer",
-                 "routes")
+                 "grad_cast", "routes")
 
     def __init__(self, out_dtype: torch.dtype, input_quantizer, input_cast, weight_quantizer, weight_cast,
                  grad_quantizer) -> None:
@@ -81,7 +81,20 @@ class StepPlan:
         self.input_quantizer, self.input_cast = input_quantizer, input_cast
         self.weight_quantizer, self.weight_cast = weight_quantizer, weight_cast
         self.grad_quantizer = grad_quantizer
+        self.grad_cast: Optional[tuple] = None  # (grad_output's layout, its launches), at the first backward
         self.routes = [_UNRESOLVED] * 3  # fprop, dgrad, wgrad
+
+    def grad_casts(self, grad_out: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        """grad_output's casts (the grad quantizer's ``quantize_pair``), through the launches
+        kept for its layout: grad_output is laid out as the layer's output, step after step."""
+        quantizer, kept = self.grad_quantizer, self.grad_cast
+        layout = (grad_out.shape, grad_out.stride(), grad_out.dtype, columnwise)
+        if kept is None or kept[0] != layout:
+            cast = quantizer.eager_plan(grad_out, columnwise)
+            if cast is None:
+                return quantizer.quantize_pair(grad_out, columnwise=columnwise)
+            kept = self.grad_cast = (layout, cast)
+        return quantizer.cast_with(kept[1], grad_out, columnwise)
 
     def gemm(self, index: int, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
              bias: Optional[torch.Tensor], use_split_accumulator: bool) -> torch.Tensor:
@@ -188,6 +201,8 @@ class FP8LinearFunction(torch.autograd.Function):
                          else make_quantizer(info.recipe, GRAD_OUTPUT, ctx.state, info.record, host=False))
             if need_b:  # the bias gradient in the same pass over grad_out (TE's bgrad_quantize)
                 qg, qg_t, bias_sum = quantizer.quantize_pair_and_sum(grad_out, columnwise=fp8_w)
+            elif plan is not None:
+                qg, qg_t = plan.grad_casts(grad_out, fp8_w)
             else:
                 qg, qg_t = quantizer.quantize_pair(grad_out, columnwise=fp8_w)
         if fp8_x:  # dgrad [M, K] = g [M, N] @ W [N, K]

@@ -28,9 +28,10 @@ from fp8_plugin.numerics.kernels import force_gemm_kernel, force_kernels  # noqa
 from fp8_plugin.numerics.kernels.launch import record_launches  # noqa: E402
 
 
-def _model(recipe, bias=True):
+def _model(recipe):
+    # The first layer with a bias (its grad_output cast sums it too), the second without.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 32, bias=bias))
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32, bias=False))
     fp.convert_model(model, recipe)
     return model
 
@@ -47,14 +48,16 @@ def _fp8_layers(model):
     return [m for m in model.modules() if isinstance(m, FP8Linear)]
 
 
-def _train(model, batches, autocast_steps=()):
-    # SGD steps; the steps listed in ``autocast_steps`` run under torch's CPU autocast (BF16).
+def _train(model, batches, autocast_steps=(), sum_steps=()):
+    # SGD steps; the steps listed in ``autocast_steps`` run under torch's CPU autocast (BF16),
+    # those in ``sum_steps`` take the outputs' sum for a loss (its gradient: a stride-0 expand).
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for step, x in enumerate(batches):
         cpu_autocast = torch.autocast("cpu", torch.bfloat16) if step in autocast_steps else contextlib.nullcontext()
         with cpu_autocast, fp.autocast():
-            loss = model(x).float().square().mean()
+            out = model(x).float()
+            loss = out.sum() / 1000 if step in sum_steps else out.square().mean()
         loss.backward()
         losses.append(loss.detach())
         opt.step()
@@ -84,7 +87,7 @@ def _cpu_routes(monkeypatch):
                          ids=["delayed", "current"])
 def test_steps_with_plans_train_bit_for_bit_as_steps_without(recipe, monkeypatch):
     # Layouts and settings change between steps (a short batch, a 3-D batch, a non-contiguous
-    # one, torch autocast, BF16 weights, evaluation), so every plan key part that tells them apart is used: a
+    # one, torch autocast, a stride-0 output gradient, BF16 weights, evaluation), so every plan key part that tells them apart is used: a
     # plan kept for another layout would cast or multiply the wrong shapes or dtypes.
     _cpu_routes(monkeypatch)
     torch.manual_seed(1)
@@ -93,7 +96,7 @@ def test_steps_with_plans_train_bit_for_bit_as_steps_without(recipe, monkeypatch
     runs = []
     with force_kernels("triton"):
         for model in (_model(recipe), _without_plans(_model(recipe))):
-            losses = _train(model, batches, autocast_steps=(5,))
+            losses = _train(model, batches, autocast_steps=(5,), sum_steps=(6,))
             with torch.no_grad(), fp.autocast():
                 evaluated = model(batches[0])
             # BF16 weights, the same FP32 input under torch autocast: only the weight's dtype (wgrad's
