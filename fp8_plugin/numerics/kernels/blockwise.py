@@ -40,7 +40,7 @@ from ..formats import fp8_max
 from ..scaling import divide
 from .fp8_bits import as_float32, e4m3_bits, e5m2_bits, loadable, saturated
 from .tensorwise import _finish, _fold_amax, _state_pointers
-from .launch import KernelLaunch
+from .launch import KernelLaunch, LaunchSite
 from .rows import StateRows
 
 __all__ = ["cast_blocks", "BlockCast", "reference_blocks", "grid_tensors"]
@@ -228,8 +228,9 @@ class BlockCast:
         else:
             self.grid = (-(-max(m, 1) // b), -(-max(n, 1) // b))
         self.gemm_bytes = self.grid[0] * self.grid[1] * 32 if mx else 0
-        self.launch = _block_cast(b, block[0] == block[1], mx, dtype, bool(power_2_scale), float(amax_epsilon),
-                                  transpose, record)
+        # A launch site: all but the per-call tensors' addresses (x, the outputs) is fixed by the plan.
+        self.launch = LaunchSite(_block_cast(b, block[0] == block[1], mx, dtype, bool(power_2_scale),
+                                             float(amax_epsilon), transpose, record), self.grid)
         self.tail = (m, n, x.stride(0), x.stride(1), self.grid[0] * self.grid[1])
 
     def __call__(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
@@ -241,8 +242,11 @@ class BlockCast:
         scale_inv, scale_inv_t = grid_tensors(m, n, self.block, self.transpose, device)
         gemm = torch.empty(self.gemm_bytes, dtype=torch.uint8, device=device) if self.mx else out
         gemm_t = torch.empty(self.gemm_bytes, dtype=torch.uint8, device=device) if self.mx and self.transpose else out
-        self.launch(self.grid, loadable(x), out, out_t, scale_inv, scale_inv if scale_inv_t is None else scale_inv_t,
-                    gemm, gemm_t, rows.workspace, rows.amax_history, rows.nonfinite_amax_count, rows.scale, *self.tail)
+        scale_inv_t_arg = scale_inv if scale_inv_t is None else scale_inv_t
+        addresses = (x.data_ptr() | out.data_ptr() | out_t.data_ptr() | scale_inv.data_ptr() | scale_inv_t_arg.data_ptr()
+                     | gemm.data_ptr() | gemm_t.data_ptr())
+        self.launch(None, addresses, loadable(x), out, out_t, scale_inv, scale_inv_t_arg, gemm, gemm_t, rows.workspace,
+                    rows.amax_history, rows.nonfinite_amax_count, rows.scale, *self.tail)
         e8m0 = torch.float8_e8m0fnu
         return (out.view(self.dtype), scale_inv, out_t.view(self.dtype) if self.transpose else None, scale_inv_t,
                 gemm.view(e8m0) if self.mx else None, gemm_t.view(e8m0) if self.mx and self.transpose else None)

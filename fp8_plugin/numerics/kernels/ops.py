@@ -275,20 +275,29 @@ def cast_blocks(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tu
     """The block-scaled fused cast of ``x`` ``[M, N]`` for ``role`` of ``state``: see
     :func:`~fp8_plugin.numerics.kernels.blockwise.cast_blocks`; ``(data, scale_inv, data_t,
     scale_inv_t, gemm_scale, gemm_scale_t)``, None for what was not made."""
-    if not traced(x):
-        # A plain eager call: the cast's plan for this row and input layout, as eager_cast keeps.
-        from . import blockwise
-
-        rows = state.kernel_rows(role)
-        key = ("blocks", role, x.shape, x.stride(), x.dtype, dtype, block, mx, power_2_scale, amax_epsilon,
-               transpose, record)
-        return _kept_plan(state, rows, key, lambda: blockwise.BlockCast(
-            x, dtype, block, mx, power_2_scale, amax_epsilon, transpose, record, rows))(x)
+    if not traced(x):  # a plain eager call: the cast's plan for this row and input layout
+        return eager_block_plan(x, state, role, dtype, block, mx=mx, power_2_scale=power_2_scale,
+                                amax_epsilon=amax_epsilon, transpose=transpose, record=record)(x)
     args = (x, state.scale, state.amax_history, state.nonfinite_amax_count, state.kernel_workspace, role, dtype,
             block[0], block[1], mx, power_2_scale, float(amax_epsilon), transpose, record)
     outputs = torch.ops.fp8_plugin.cast_blocks(*args)
     made = (True, True, transpose, transpose, mx, mx and transpose)
     return tuple(t if keep else None for t, keep in zip(outputs, made))
+
+
+def eager_block_plan(x: torch.Tensor, state, role: int, dtype: torch.dtype, block: tuple[int, int], *, mx: bool,
+                     power_2_scale: bool, amax_epsilon: float, transpose: bool, record: bool):
+    """The :class:`~fp8_plugin.numerics.kernels.blockwise.BlockCast` that :func:`cast_blocks` runs
+    for these arguments in plain eager code: made on the first call and kept by ``state`` while
+    its tensors are the same, as :func:`eager_cast_plan` keeps a per-tensor cast's. Call it as
+    ``plan(x)``."""
+    from . import blockwise
+
+    rows = state.kernel_rows(role)
+    key = ("blocks", role, x.shape, x.stride(), x.dtype, dtype, block, mx, power_2_scale, amax_epsilon,
+           transpose, record)
+    return _kept_plan(state, rows, key, lambda: blockwise.BlockCast(
+        x, dtype, block, mx, power_2_scale, amax_epsilon, transpose, record, rows))
 
 
 def cast_groups(x: torch.Tensor, group_of_row: Optional[torch.Tensor], states: list, role: int, recipe,

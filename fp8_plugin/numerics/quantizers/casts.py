@@ -248,6 +248,29 @@ class BlockQuantizer(_LayerQuantizer):
     def _fusable(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and self.block in ((1, 32), (1, 128), (128, 128)) and fusable(x, self.dtype)
 
+    def eager_plan(self, x: torch.Tensor, columnwise: bool):
+        """The fused block cast's launch plan (:class:`~fp8_plugin.numerics.kernels.blockwise.BlockCast`)
+        that :meth:`quantize_pair` runs for a 2-D ``x`` of this layout in plain eager code, or
+        None where it takes another path; kept by a caller as :meth:`PerTensorQuantizer.eager_plan`'s."""
+        if not self._fusable(x) or ops.traced(x):
+            return None
+        params = self.qparams
+        return ops.eager_block_plan(x, self.state, self.role, self.dtype, self.block, mx=params is None,
+                                    power_2_scale=bool(params and params.power_2_scale),
+                                    amax_epsilon=params.amax_epsilon if params else 0.0, transpose=columnwise,
+                                    record=self.record)
+
+    def cast_with(self, plan, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        """:meth:`quantize_pair` of ``x`` through ``plan`` (:meth:`eager_plan`'s for ``x``'s layout
+        and ``columnwise``): the launch and the host-side records, nothing checked."""
+        if self.host:
+            self.state.use_recipe(self.recipe)
+        data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = plan(x)
+        if self.record and self.host:
+            mark_recorded(self.state, self.recipe, self.role)
+        row = QuantizedTensor(data, scale_inv, self.block, gemm)
+        return row, (QuantizedTensor(data_t, scale_inv_t, self.block, gemm_t) if columnwise else None)
+
     def _fused(self, x: torch.Tensor, columnwise: bool, record: bool
                ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The torch ops of _cast (and of the columnwise copy, the cast of x.T) in one pass
