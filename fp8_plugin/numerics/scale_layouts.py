@@ -59,7 +59,10 @@ def mx_gemm_scale(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def blockwise_1x128_gemm_scale(scale_inv: torch.Tensor) -> torch.Tensor:
-    """1x128 ``scale_inv`` grid ``[R, K / 128]`` -> the same values with strides ``(1, R)``."""
+    """1x128 ``scale_inv`` grid ``[R, K / 128]`` -> the same values with strides ``(1, R)``: the
+    grid itself where it is laid out so already (the casts make it column-major), no op."""
+    if scale_inv.stride() == (1, scale_inv.shape[0]):
+        return scale_inv
     return scale_inv.t().contiguous().t()
 
 

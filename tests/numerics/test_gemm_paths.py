@@ -66,6 +66,7 @@ def test_blockwise_scale_layouts_match_torch_scaled_mm_shapes():
     a = torch.randn(m, k // 128)
     sa = blockwise_1x128_gemm_scale(a)
     assert sa.shape == (m, k // 128) and sa.stride() == (1, m) and torch.equal(sa, a)
+    assert blockwise_1x128_gemm_scale(sa) is sa  # the casts' column-major grids are used as they are
     b = torch.randn(n // 128, k // 128)
     sb = blockwise_128x128_gemm_scale(b)
     assert sb.shape == (8, n // 128) and sb.stride() == (1, 8)
