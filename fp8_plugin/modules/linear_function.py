@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..numerics.device_kind import device_kind, tensor_device_kind
 from ..numerics.kernels.ops import traced
-from ..numerics.gemm import fp8_gemm, triton_route
+from ..numerics.gemm import fp8_gemm, gemm_route
 from ..numerics.quantizers import GRAD_OUTPUT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Recipe
 from .frozen_weight import frozen_columnwise
@@ -69,7 +69,7 @@ class StepPlan:
     kernel settings, resolved once and kept by the layer under one key for them all, checked
     once per forward (``FP8Linear._step_info``): the quantizers of the three casts, the fused
     launch plans of the input and weight casts (None where the casts take another path), and
-    each GEMM's route (:func:`triton_route`, asked at its first call). Each of these would
+    each GEMM's route (:func:`gemm_route`, asked at its first call). Each of these would
     otherwise be looked up under a key of its own, every call."""
 
     __slots__ = ("out_dtype", "input_quantizer", "input_cast", "weight_quantizer", "weight_cast", "grad_quantizer",
@@ -101,7 +101,7 @@ class StepPlan:
         """GEMM ``index`` (FPROP, DGRAD, WGRAD) of the step: :func:`fp8_gemm` with its kept route."""
         route = self.routes[index]
         if route is _UNRESOLVED:
-            route = self.routes[index] = triton_route(a, b, out_dtype, bias is not None, use_split_accumulator)
+            route = self.routes[index] = gemm_route(a, b, out_dtype, bias is not None, use_split_accumulator)
         return fp8_gemm(a, b, out_dtype, bias, use_split_accumulator, route=route)
 
 

@@ -50,6 +50,7 @@ emulation: :mod:`~fp8_plugin.numerics.cpu_emulation` says which emulation a proc
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -77,7 +78,7 @@ from .kernels.ops import traced
 from .quantizers import QuantizedTensor
 
 __all__ = [
-    "fp8_gemm", "triton_route", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
+    "fp8_gemm", "gemm_route", "gemm_kind", "native_gemm", "NativeGemm", "GEMM_KINDS", "scaled_mm_supported", "normalize_device",
     "tensorwise_choice", "TensorwiseChoice", "choose_native", "force_path", "forced_path", "emulates_in_bf16",
     "pad_to_alignment",
     "fp8_gemm_in_bf16", "fp8_values_in_bf16",
@@ -484,8 +485,8 @@ def fp8_gemm(
             accumulation (``torch._scaled_mm(use_fast_accum=True)``, the partial sums in the
             tensor cores' own precision; :class:`~fp8_plugin.numerics.recipes.MMParams`); the
             emulation and the block kernels accumulate in float32 whatever it says.
-        route: :func:`triton_route`'s answer for operands like these, kept by the caller (a layer's
-            step plan): the Triton GEMM's launch, run with no decision made again. None decides here.
+        route: :func:`gemm_route`'s answer for operands like these, kept by the caller (a layer's
+            step plan): run with no decision made again. None decides here.
 
     Returns:
         ``[M, N]`` tensor in ``out_dtype``, a new tensor (never a view).
@@ -535,22 +536,42 @@ def fp8_gemm(
     return out
 
 
-def triton_route(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, has_bias: bool,
-                 use_split_accumulator: bool = True) -> Optional[Callable[..., torch.Tensor]]:
-    """The Triton GEMM's launch (:class:`~fp8_plugin.numerics.kernels.scaled_gemm.GemmLaunch`)
-    that :func:`fp8_gemm` runs for operands of ``a``'s and ``b``'s shapes, dtypes, scaling and
+def gemm_route(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, has_bias: bool,
+               use_split_accumulator: bool = True) -> Optional[Callable[..., torch.Tensor]]:
+    """What :func:`fp8_gemm` runs for operands of ``a``'s and ``b``'s shapes, dtypes, scaling and
     device, with this output dtype, bias presence and accumulation, in the eager code and GEMM
-    settings of now; None where it takes another path. A caller that keeps it for such operands
-    passes it as ``fp8_gemm``'s ``route`` while those settings hold.
+    settings of now, decided once: the Triton GEMM's launch
+    (:class:`~fp8_plugin.numerics.kernels.scaled_gemm.GemmLaunch`), or on a GPU
+    ``torch._scaled_mm`` of operands that need no padding; None for every other path (decided
+    per call). A caller that keeps it for such operands passes it as ``fp8_gemm``'s ``route``
+    while those settings hold. Called as ``route(a.data, b.data, a.scale_inv, b.scale_inv, bias)``
+    with the bias as the kernels take it (``kernel_bias``).
 
     Raises:
         ValueError: operands that do not multiply (``scaled_gemm``'s).
     """
-    if out_dtype not in _KERNEL_OUT_DTYPES or not _cached_plan(a, b, out_dtype)[3] or traced(a.data):
+    if out_dtype not in _KERNEL_OUT_DTYPES or traced(a.data):
         return None
-    from .kernels.scaled_gemm import gemm_launch
+    kind, support, _, triton = _cached_plan(a, b, out_dtype)
+    if triton:
+        from .kernels.scaled_gemm import gemm_launch
 
-    return gemm_launch(a.data, b.data, out_dtype, has_bias, not use_split_accumulator)
+        return gemm_launch(a.data, b.data, out_dtype, has_bias, not use_split_accumulator)
+    (m, k), n = a.data.shape, b.data.shape[0]
+    if (support is None or kind != "tensorwise" or device_kind(a.data.device) != "cuda"
+            or any(d % multiple for d, multiple in zip((m, k, n), alignment(kind, b)))):
+        return None
+    return functools.partial(_scaled_mm_route, out_dtype, not use_split_accumulator)
+
+
+def _scaled_mm_route(out_dtype: torch.dtype, fast_accum: bool, a_data: torch.Tensor, b_data: torch.Tensor,
+                     scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # fp8_gemm's native tensorwise call on a GPU, for operands that need no padding (gemm_route).
+    a, b = QuantizedTensor(a_data, scale_a), QuantizedTensor(b_data, scale_b)
+    if torch.is_autocast_enabled("cuda"):
+        with torch.autocast("cuda", enabled=False):
+            return _scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
+    return _scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
 
 
 @lru_cache(maxsize=None)

@@ -83,7 +83,7 @@ def _cpu_routes(monkeypatch):
                             use_split_accumulator)
         return route
 
-    monkeypatch.setattr(linear_function, "triton_route", route_for)
+    monkeypatch.setattr(linear_function, "gemm_route", route_for)
 
 
 # Block casts: 128-blockwise (MXFP8's take the same quantizer path; its swizzled grid makes
@@ -194,6 +194,31 @@ def test_on_the_cuda_path_plans_launch_what_the_lookups_launch_and_follow_the_ge
     (with_plans, decisions), (without, lookups) = per_step[True], per_step[False]
     assert with_plans == without and with_plans["_scaled_gemm_kernel"] == 3
     assert decisions == 0 and lookups == 3
+
+
+@pytest.mark.parametrize("tokens, decisions", [(64, 0), (72, 3)], ids=["aligned", "padded"])
+def test_on_the_cuda_path_plans_keep_scaled_mm_for_operands_that_need_no_padding(tokens, decisions, monkeypatch):
+    # torch._scaled_mm (the default GEMM kernel) is a kept route where M, K and N are multiples
+    # of 16: a steady step decides no GEMM path and calls torch._scaled_mm three times. With 72
+    # tokens fp8_gemm pads each call, so each GEMM is decided as it comes.
+    import fp8_plugin.numerics.gemm as gemm
+
+    decided, scaled_mm = Counter(), Counter()
+    cached_plan = gemm._cached_plan
+    monkeypatch.setattr(gemm, "_cached_plan", lambda *a: decided.update(["plan"]) or cached_plan(*a))
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: scaled_mm.update([a[0].shape[0]]) or original(*a, **k))
+    with _meta_proxy(), force_gemm_kernel("torch"):
+        layer = FP8Linear(32, 48, device="meta", dtype=torch.bfloat16, recipe=DelayedScaling(amax_history_len=4))
+        x = torch.empty(tokens, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.empty(tokens, 48, device="meta", dtype=torch.bfloat16)
+        for _ in range(2):
+            _meta_step(layer, x, grad)
+        decided.clear(), scaled_mm.clear()
+        _meta_step(layer, x, grad)
+    assert decided["plan"] == decisions
+    m = -(-tokens // 16) * 16  # the GEMMs' M after padding: fprop's and dgrad's tokens, wgrad's N
+    assert scaled_mm == Counter({m: 2, 48: 1})
 
 
 def test_copies_of_a_layer_start_without_its_plans():
