@@ -42,15 +42,15 @@ from .weight_cache import WeightCache, keeps_weight_casts, weight_cast_key
 
 __all__ = ["FP8Linear"]
 
+# recipe_key prefixes of the block-scaled recipes (ScalingState.recipe: the recipe that last recorded).
+_BLOCK_KEYS = ("Float8BlockScaling(", "MXFP8BlockScaling(")
+
 
 def _cast(quantizer, plan, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
     # A cast through a step plan's launches where it has them, else the quantizer's own path.
     if plan is not None:
         return quantizer.cast_with(plan, x, columnwise)
     return quantizer.quantize_pair(x, columnwise=columnwise)
-
-# recipe_key prefixes of the block-scaled recipes (ScalingState.recipe: the recipe that last recorded).
-_BLOCK_KEYS = ("Float8BlockScaling(", "MXFP8BlockScaling(")
 
 
 class _ForwardContext(NamedTuple):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics.device_kind import device_kind, tensor_device_kind
-from ..numerics.kernels.ops import traced
 from ..numerics.gemm import fp8_gemm, gemm_route
+from ..numerics.kernels.ops import traced
 from ..numerics.quantizers import GRAD_OUTPUT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Recipe
 from .frozen_weight import frozen_columnwise

@@ -49,8 +49,9 @@ class _LayerQuantizer(Quantizer):
         self.recipe, self.role, self.state, self.record, self.host = recipe, role, state, record, host
 
     def eager_plan(self, x: torch.Tensor, columnwise: bool):
-        """The launch plan a caller may keep for casts of ``x``'s layout (:meth:`PerTensorQuantizer.eager_plan`);
-        None here: block casts keep none."""
+        """The launch plan a caller may keep for casts of ``x``'s layout, cast through
+        :meth:`cast_with` (:meth:`PerTensorQuantizer.eager_plan`, :meth:`BlockQuantizer.eager_plan`);
+        None: every cast takes :meth:`quantize_pair`."""
         return None
 
 
