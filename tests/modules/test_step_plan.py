@@ -14,10 +14,12 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import fp8_plugin as fp
 from fp8_plugin import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from fp8_plugin.modules.autocast import new_step_id
 from fp8_plugin.modules.linear import FP8Linear
 
 triton = pytest.importorskip("triton")
@@ -48,18 +50,25 @@ def _fp8_layers(model):
     return [m for m in model.modules() if isinstance(m, FP8Linear)]
 
 
-def _train(model, batches, autocast_steps=(), sum_steps=()):
+def _train(model, batches, autocast_steps=(), sum_steps=(), accumulate_steps=(), checkpoint_steps=()):
     # SGD steps; the steps listed in ``autocast_steps`` run under torch's CPU autocast (BF16),
-    # those in ``sum_steps`` take the outputs' sum for a loss (its gradient: a stride-0 expand).
+    # those in ``sum_steps`` take the outputs' sum for a loss (its gradient: a stride-0 expand),
+    # those in ``accumulate_steps`` run two micro-batches (the second takes the weight casts the
+    # first kept), those in ``checkpoint_steps`` recompute the forward in the backward.
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for step, x in enumerate(batches):
         cpu_autocast = torch.autocast("cpu", torch.bfloat16) if step in autocast_steps else contextlib.nullcontext()
-        with cpu_autocast, fp.autocast():
-            out = model(x).float()
-            loss = out.sum() / 1000 if step in sum_steps else out.square().mean()
-        loss.backward()
-        losses.append(loss.detach())
+        step_id = new_step_id()
+        for micro_batch in (x, x.flip(0)) if step in accumulate_steps else (x,):
+            with cpu_autocast, fp.autocast(step=step_id):
+                if step in checkpoint_steps:
+                    out = torch.utils.checkpoint.checkpoint(model, micro_batch, use_reentrant=False).float()
+                else:
+                    out = model(micro_batch).float()
+                loss = out.sum() / 1000 if step in sum_steps else out.square().mean()
+            loss.backward()
+            losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
     return losses
@@ -92,16 +101,19 @@ def _cpu_routes(monkeypatch):
                          ids=["delayed", "current", "blockwise"])
 def test_steps_with_plans_train_bit_for_bit_as_steps_without(recipe, monkeypatch):
     # Layouts and settings change between steps (a short batch, a 3-D batch, a non-contiguous
-    # one, torch autocast, a stride-0 output gradient, BF16 weights, evaluation), so every plan key part that tells them apart is used: a
-    # plan kept for another layout would cast or multiply the wrong shapes or dtypes.
+    # one, torch autocast, a stride-0 output gradient, two micro-batches, an activation-checkpoint
+    # recomputation, BF16 weights, evaluation), so every plan key part that tells them apart is
+    # used: a plan kept for another layout would cast or multiply the wrong shapes or dtypes.
     _cpu_routes(monkeypatch)
     torch.manual_seed(1)
     batches = [torch.randn(8, 32), torch.randn(8, 32), torch.randn(5, 32), torch.randn(2, 4, 32),
-               torch.randn(32, 8).t(), torch.randn(8, 32), torch.randn(8, 32)]
+               torch.randn(32, 8).t(), torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32),
+               torch.randn(8, 32)]
     runs = []
     with force_kernels("triton"):
         for model in (_model(recipe), _without_plans(_model(recipe))):
-            losses = _train(model, batches, autocast_steps=(5,), sum_steps=(6,))
+            losses = _train(model, batches, autocast_steps=(5,), sum_steps=(6,), accumulate_steps=(7,),
+                            checkpoint_steps=(8,))
             with torch.no_grad(), fp.autocast():
                 evaluated = model(batches[0])
             # BF16 weights, the same FP32 input under torch autocast: only the weight's dtype (wgrad's
