@@ -141,17 +141,17 @@ def test_inf_gradient_reaches_grad_scaler_and_the_step_is_skipped():
     assert model[0].fp8_state.initialized[INPUT].item() is False  # step 1: nothing applied yet
 
 
-def test_the_fused_update_writes_into_a_loaded_states_new_tensors_and_keeps_its_table_while_nothing_changes(monkeypatch):
-    # The fused update keeps the table of the states' addresses from one update to the next, and
-    # skips even its per-row key while rows and tensors stay (counted: no layout_key call). A
-    # checkpoint load replaces the tensors: the next update must write into the new ones, as a
-    # model that loaded the same checkpoint fresh does. The kernels run under Triton's interpreter.
+def test_the_fused_update_writes_into_a_loaded_states_new_tensors(monkeypatch):
+    # The fused update keeps the table of the states' addresses from one update to the next
+    # (counted: no table built in the steady state). A checkpoint load replaces the tensors: the
+    # next update builds a new table and writes into the new tensors, as a model that loaded the
+    # same checkpoint fresh does. The kernels run under Triton's interpreter.
     pytest.importorskip("triton")
     from fp8_plugin.numerics.kernels import force_kernels, scale_update
 
-    keys = []
-    layout_key = scale_update.layout_key
-    monkeypatch.setattr(scale_update, "layout_key", lambda rows: keys.append(len(rows)) or layout_key(rows))
+    built = []
+    build_table = scale_update.build_table
+    monkeypatch.setattr(scale_update, "build_table", lambda rows, device: built.append(len(rows)) or build_table(rows, device))
     torch.manual_seed(0)
     model = _mlp()
     fp.convert_model(model, DelayedScaling(amax_history_len=4))
@@ -159,17 +159,19 @@ def test_the_fused_update_writes_into_a_loaded_states_new_tensors_and_keeps_its_
     with force_kernels("triton"):
         for x in batches[:3]:
             _train_step(model, x)
-        keys.clear()
+        built.clear()
         _train_step(model, batches[3])
-        assert keys == []  # the steady update: its table kept, no key made
+        assert built == []  # the steady state: the kept table
         saved = copy.deepcopy(model.state_dict())
         _train_step(model, batches[4])
         model.load_state_dict(saved)
         twin = _mlp()
         fp.convert_model(twin, DelayedScaling(amax_history_len=4))
         twin.load_state_dict(saved)
-        for m in (model, twin):
-            _train_step(m, batches[5])
-            m[0].scaling_group.update()
-    assert keys  # the loaded states' new tensors: a new table
+        built.clear()
+        _train_step(model, batches[5])
+        model[0].scaling_group.update()
+        assert built == [6]  # the loaded states' new tensors: a new table, 2 layers x 3 roles
+        _train_step(twin, batches[5])
+        twin[0].scaling_group.update()
     torch.testing.assert_close(fp8_state_dict(model), fp8_state_dict(twin), rtol=0, atol=0)
