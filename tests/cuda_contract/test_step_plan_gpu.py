@@ -44,12 +44,12 @@ def _train(planned: bool, recipe, tokens):
     return record, model.state_dict()
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
-@pytest.mark.parametrize("recipe", [fp.DelayedScaling(amax_history_len=4), fp.Float8CurrentScaling()],
-                         ids=["delayed", "current"])
+@pytest.mark.parametrize("kernel, recipe", [("torch", fp.DelayedScaling(amax_history_len=4)),
+                                            ("triton", fp.Float8CurrentScaling())], ids=["torch-delayed", "triton-current"])
 def test_training_with_plans_equals_training_without_bit_for_bit(recipe, kernel):
-    # 128 and 64 tokens need no padding (torch._scaled_mm's route is kept), 72 does.
-    tokens = [128, 128, 72, 128, 64]
+    # 128 and 64 tokens need no padding (torch._scaled_mm's route is kept), 72 does. Few steps of
+    # a small model: the contract step's time on the GPU run is capped.
+    tokens = [128, 72, 64, 128]
     with force_gemm_kernel(kernel):
         (planned, planned_state), (looked_up, looked_up_state) = (_train(p, recipe, tokens) for p in (True, False))
     for (y, g), (y_ref, g_ref) in zip(planned, looked_up, strict=True):
