@@ -17,8 +17,9 @@ On a CUDA GPU in eager code the ``tensorwise`` kind can run as a Triton kernel i
 without padding).
 
 On CUDA, operands whose dims the kernel refuses are zero-padded to its multiples
-(:func:`~fp8_plugin.numerics.gemm_kernels.pad_to_alignment`; most often the token count, which is M of the forward and dgrad and
-K of wgrad) and the output cut back: exact, and far faster than the emulation.
+(:func:`~fp8_plugin.numerics.gemm_kernels.pad_to_alignment`; most often the token count, which
+is M of the forward and dgrad and K of wgrad) and the output cut back: exact, and far faster
+than the emulation.
 
 Whether a kind is native on a device is decided once per device and cached: from the device,
 the installed torch, and for the block kinds a one-off probe on that device of every operand
@@ -50,12 +51,11 @@ emulation: :mod:`~fp8_plugin.numerics.cpu_emulation` says which emulation a proc
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Iterator, Optional, Union
 
 import torch
@@ -561,7 +561,7 @@ def gemm_route(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, h
     if (support is None or kind != "tensorwise" or device_kind(a.data.device) != "cuda"
             or any(d % multiple for d, multiple in zip((m, k, n), alignment(kind, b)))):
         return None
-    return functools.partial(_scaled_mm_route, out_dtype, not use_split_accumulator)
+    return partial(_scaled_mm_route, out_dtype, not use_split_accumulator)
 
 
 def _scaled_mm_route(out_dtype: torch.dtype, fast_accum: bool, a_data: torch.Tensor, b_data: torch.Tensor,

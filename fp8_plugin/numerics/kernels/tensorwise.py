@@ -473,7 +473,8 @@ class RecordingCast:
             bias, partials = bias_grad_out, _partials(x, self.grid, bias_grad_out)  # the caller's buffer, checked
         outputs = (scale_inv if scale is None else scale, scale_inv, scale_inv if partials is None else partials)
         x_address = x.data_ptr()
-        addresses = x_address | out.data_ptr() | out_t.data_ptr() | outputs[0].data_ptr() | outputs[2].data_ptr()
+        addresses = (x_address | out.data_ptr() | out_t.data_ptr() | outputs[0].data_ptr() | scale_inv.data_ptr()
+                     | outputs[2].data_ptr())
         if self.kind == "delayed":
             if not initialized_known:
                 self.amax_pass(None, x_address, x, rows.workspace, rows.initialized, *self.args)
