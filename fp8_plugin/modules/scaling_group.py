@@ -39,11 +39,13 @@ class ScalingGroup:
         self._tables: dict = {}
         # Recipes by identity -> (the recipe, the first equal recipe seen: its update group).
         self._recipe_groups: dict[int, tuple[Recipe, Recipe]] = {}
+        # The last update's pending layers and their grouping (update's steady state), or None.
+        self._last_update: Optional[tuple[list, list]] = None
 
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickle) starts without the device tables and recipe groups: both are
         # keyed by the identities of this process's objects, and the tables hold their addresses.
-        return {**self.__dict__, "_tables": {}, "_recipe_groups": {}}
+        return {**self.__dict__, "_tables": {}, "_recipe_groups": {}, "_last_update": None}
 
     def add(self, layer: nn.Module) -> None:
         """Make ``layer`` (it has ``fp8_state`` and ``recipe``) a member; it leaves its old group."""
@@ -68,13 +70,35 @@ class ScalingGroup:
         ``reduce_amax`` is a collective. Amaxes recorded under a recipe that is not delayed
         scaling (after a recipe change) are dropped.
         """
-        groups: dict[tuple[int, int], tuple[DelayedScaling, list[ScalingState]]] = {}
-        last: tuple[Optional[Recipe], Optional[Recipe]] = (None, None)  # rows in a row mostly share one recipe
+        taken = []  # (layer, its state, the roles and recipes it had pending)
+        known = True  # every pending amax's recorder known (none restored from a checkpoint)
         for layer in self.layers:
             state: ScalingState = layer.fp8_state
-            if not state.pending:
-                continue
-            pending = state.take_pending()
+            if state.pending:
+                pending = state.take_pending()
+                known = known and None not in pending.values()
+                taken.append((layer, state, pending))
+        # The steady state: the same layers and states with the same roles pending under the same
+        # recipe objects as the last update: its grouping again (one comparison, in C, per layer).
+        kept = self.__dict__.get("_last_update")  # a group unpickled from before it has none
+        if known and kept is not None and kept[0] == taken:
+            entries = kept[1]
+        else:
+            entries = self._entries(taken, recipe)
+            self._last_update = (taken, entries) if known else None
+        reduced = [e for e in entries if e[0].reduce_amax]
+        if reduced:
+            update_delayed_scaling(reduced, reduce_amax, self._tables)
+        if len(reduced) < len(entries):
+            update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
+
+
+    def _entries(self, taken: list, recipe: Optional[Recipe]) -> list[tuple[DelayedScaling, int, list[ScalingState]]]:
+        # The update's (recipe, role, states) groups of what the layers had pending (update's
+        # ``taken``): layers whose recipes are equal update as one group, per role.
+        groups: dict[tuple[int, int], tuple[DelayedScaling, list[ScalingState]]] = {}
+        last: tuple[Optional[Recipe], Optional[Recipe]] = (None, None)  # rows in a row mostly share one recipe
+        for layer, state, pending in taken:
             for role in sorted(pending):
                 given = pending[role] or recipe or layer.recipe
                 if given is not last[0]:
@@ -82,13 +106,7 @@ class ScalingGroup:
                 chosen = last[1]
                 if isinstance(chosen, DelayedScaling):
                     groups.setdefault((id(chosen), role), (chosen, []))[1].append(state)
-        entries = [(r, role, states) for (_, role), (r, states) in groups.items()]
-        reduced = [e for e in entries if e[0].reduce_amax]
-        if reduced:
-            update_delayed_scaling(reduced, reduce_amax, self._tables)
-        if len(reduced) < len(entries):
-            update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
-
+        return [(r, role, states) for (_, role), (r, states) in groups.items()]
 
     def _update_group(self, recipe: Recipe) -> Recipe:
         # The first recipe equal to ``recipe`` this group has seen: layers whose recipes are equal

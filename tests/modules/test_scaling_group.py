@@ -175,3 +175,39 @@ def test_the_fused_update_writes_into_a_loaded_states_new_tensors(monkeypatch):
         _train_step(twin, batches[5])
         twin[0].scaling_group.update()
     torch.testing.assert_close(fp8_state_dict(model), fp8_state_dict(twin), rtol=0, atol=0)
+
+
+def test_the_updates_grouping_is_kept_while_the_same_roles_are_pending_and_made_anew_when_they_change(monkeypatch):
+    # A step whose layers had the same roles pending under the same recipe objects as the last
+    # update's reuses that update's grouping (counted: no _entries call). A step under another
+    # recipe object, or with a layer off FP8, must group anew: the scales equal those of a twin
+    # whose every update groups anew.
+    from fp8_plugin.modules.scaling_group import ScalingGroup
+
+    made = []
+    entries = ScalingGroup._entries
+    monkeypatch.setattr(ScalingGroup, "_entries", lambda self, *a: made.append(1) or entries(self, *a))
+    torch.manual_seed(0)
+    model, twin = _mlp(), _mlp()
+    twin.load_state_dict(model.state_dict())
+    for m in (model, twin):
+        fp.convert_model(m, DelayedScaling(amax_history_len=4))
+    other = DelayedScaling(amax_history_len=4, margin=1)
+    plan = [None, None, None, None, other, other, None, "off", None, None]
+    counts = []
+    for step, recipe in enumerate(plan):
+        x = torch.randn(8, 16) * (step + 1)
+        for m in (model, twin):
+            m[2].use_fp8 = recipe != "off"
+            if m is twin:
+                m[0].scaling_group._last_update = None  # the twin groups anew at every update
+            made.clear()
+            _train_step(m, x, None if recipe == "off" else recipe)
+            if m is model:
+                counts.append(len(made))
+    # The update at a step's start groups what the step before recorded: step 0 groups nothing
+    # (a first grouping), step 1 the first recordings; steps 2 to 4 the same again; 5 the other
+    # recipe's, 6 the same again; 7 the default recipe's once more, 8 one layer's (the other was
+    # off FP8), 9 both layers again.
+    assert counts == [1, 1, 0, 0, 0, 1, 0, 1, 1, 1], counts
+    torch.testing.assert_close(fp8_state_dict(model), fp8_state_dict(twin), rtol=0, atol=0)

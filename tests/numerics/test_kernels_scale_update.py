@@ -94,8 +94,11 @@ def test_the_device_tables_are_built_once_per_layout(monkeypatch):
         group[0].resize_history(8)  # a longer history: new tensors, a new layout
         update_delayed_scaling([(recipe, 0, group)], None, tables)
         assert built == [15, 15, 5, 5] and group[0].amax_history.shape == (3, 8)
-        same = fp.DelayedScaling(amax_history_len=6)  # an equal recipe object: its own table, same numerics
+        same = fp.DelayedScaling(amax_history_len=6)  # an equal recipe object: the same table serves
         update_delayed_scaling([(same, 0, group)], None, tables)
+        assert built == [15, 15, 5, 5]
+        other = fp.DelayedScaling(amax_history_len=6, margin=1)  # another recipe: a table of its own
+        update_delayed_scaling([(other, 0, group)], None, tables)
         assert built == [15, 15, 5, 5, 5]
 
 

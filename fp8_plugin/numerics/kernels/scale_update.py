@@ -35,6 +35,7 @@ import triton.language as tl
 from ..._private.torch_api import in_dispatch_mode
 from ..device_kind import fp8_family
 from ..formats import fp8_dtype, fp8_max
+from ..quantizers.state import tensors_epoch
 from .launch import KernelLaunch, recording_launches
 
 __all__ = ["bulk_update", "build_table", "Row", "Tables", "table_for"]
@@ -208,12 +209,17 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     if not rows:
         return
     device = rows[0][2].scale.device
-    table, params, longest, _ = table_for(rows, device, tables)
-    block = triton.next_power_of_2(longest) if device.type != "meta" else 1
-    current = torch.empty(len(rows), dtype=torch.float32, device=device)
     # Traced (meta tensors, a dispatch mode): the custom ops of .ops, which the quantizers import;
     # while launches are only recorded (the host profile), meta tensors run the eager path.
     traced = (device.type == "meta" and not recording_launches()) or in_dispatch_mode()
+    # The eager steady state: the same rows as the last update, every state's tensors and flags as
+    # they were then (tensors_epoch), all known initialized: its tables, no per-row key or scan.
+    epoch, last = tensors_epoch(), None if traced or tables is None else tables.get(_LAST)
+    steady = last is not None and last[1] == epoch and last[0] == rows
+    kept = last[2] if steady else table_for(rows, device, tables)
+    table, params, longest, _ = kept
+    block = triton.next_power_of_2(longest) if device.type != "meta" else 1
+    current = torch.empty(len(rows), dtype=torch.float32, device=device)
     if reduce_amax is not None:
         (torch.ops.fp8_plugin.scale_update_gather if traced else _gather)(table, current)
         reduce_amax(current)
@@ -222,7 +228,9 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
         return
     # Rows whose state does not yet know, on the host, that it holds a scale: their flags come
     # back (once per state and role, in the first steps of a run or after a load).
-    unknown = [i for i, (_, role, state) in enumerate(rows) if not state.initialized_known(role)]
+    unknown = [] if steady else [i for i, (_, role, state) in enumerate(rows) if not state.initialized_known(role)]
+    if tables is not None and not unknown and not steady:
+        tables[_LAST] = (list(rows), epoch, kept)
     if device.type == "meta" and unknown:  # recorded launches: no flags come back; the steady state of a GPU, whose do, set
         _publish_initialized(rows, torch.ones(len(rows), dtype=torch.int8), unknown)
         unknown = []
@@ -230,6 +238,10 @@ def bulk_update(rows: Sequence[Row], reduce_amax: Optional[Callable[[torch.Tenso
     _update(table, params, current, reduce_amax is not None, block, flags)
     if unknown:
         _publish_initialized(rows, flags, unknown)
+
+
+# The key, in a caller's ``tables``, of the last steady update: (its rows, tensors_epoch, Tables).
+_LAST = "last steady update"
 
 
 def _gather(table: torch.Tensor, current: torch.Tensor) -> None:
