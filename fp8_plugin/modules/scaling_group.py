@@ -92,7 +92,6 @@ class ScalingGroup:
         if len(reduced) < len(entries):
             update_delayed_scaling([e for e in entries if not e[0].reduce_amax], None, self._tables)
 
-
     def _entries(self, taken: list, recipe: Optional[Recipe]) -> list[tuple[DelayedScaling, int, list[ScalingState]]]:
         # The update's (recipe, role, states) groups of what the layers had pending (update's
         # ``taken``): layers whose recipes are equal update as one group, per role.
