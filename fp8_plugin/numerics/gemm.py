@@ -520,17 +520,10 @@ def fp8_gemm(
         a, b = pad_to_alignment(a, b, alignment(kind, b))
         if bias is not None and b.data.shape[0] != n:
             bias = torch.cat([bias, bias.new_zeros(b.data.shape[0] - n)])
-    # Outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x slower. Only
-    # where autocast is on (the forward, under the integrations): a context costs microseconds
-    # of CPU, and backward GEMMs run with autocast off.
     fast = not use_split_accumulator and device_type == "cuda"
     if device_type == "cpu":  # a columnwise copy may be a transposed view (quantizers/casts.py)
         a, b = _row_major(a), _row_major(b)
-    if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            out = _native(kind, support, a, b, out_dtype, bias, fast)
-    else:
-        out = _native(kind, support, a, b, out_dtype, bias, fast)
+    out = _outside_autocast(device_type, _native, kind, support, a, b, out_dtype, bias, fast)
     if out.shape != (m, n):
         out = out[:m, :n].clone()  # a tensor of its own: the caller may modify it in place
     return out
@@ -568,10 +561,17 @@ def _scaled_mm_route(out_dtype: torch.dtype, fast_accum: bool, a_data: torch.Ten
                      scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     # fp8_gemm's native tensorwise call on a GPU, for operands that need no padding (gemm_route).
     a, b = QuantizedTensor(a_data, scale_a), QuantizedTensor(b_data, scale_b)
-    if torch.is_autocast_enabled("cuda"):
-        with torch.autocast("cuda", enabled=False):
-            return _scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
-    return _scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
+    return _outside_autocast("cuda", _scaled_mm_tensorwise, a, b, out_dtype, bias, fast_accum)
+
+
+def _outside_autocast(device_type: str, gemm: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    # A native GEMM outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x
+    # slower. The context only where autocast is on (the forward, under the integrations): it
+    # costs microseconds of CPU, and backward GEMMs run with autocast off.
+    if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return gemm(*args)
+    return gemm(*args)
 
 
 @lru_cache(maxsize=None)

@@ -214,6 +214,10 @@ class BlockQuantizer(_LayerQuantizer):
             params = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
             self.block = (128, 128) if dims[role] == 2 else (1, 128)
             self.qparams = params[role]
+        # The fused cast's scale options (ops.cast_blocks, ops.eager_block_plan), from the recipe.
+        qparams = self.qparams
+        self._options = dict(mx=qparams is None, power_2_scale=bool(qparams and qparams.power_2_scale),
+                             amax_epsilon=qparams.amax_epsilon if qparams else 0.0)
 
     def _cast(self, x: torch.Tensor) -> tuple[QuantizedTensor, torch.Tensor]:
         with torch.no_grad():
@@ -255,20 +259,23 @@ class BlockQuantizer(_LayerQuantizer):
         None where it takes another path; kept by a caller as :meth:`PerTensorQuantizer.eager_plan`'s."""
         if not self._fusable(x) or ops.traced(x):
             return None
-        params = self.qparams
-        return ops.eager_block_plan(x, self.state, self.role, self.dtype, self.block, mx=params is None,
-                                    power_2_scale=bool(params and params.power_2_scale),
-                                    amax_epsilon=params.amax_epsilon if params else 0.0, transpose=columnwise,
-                                    record=self.record)
+        return ops.eager_block_plan(x, self.state, self.role, self.dtype, self.block, transpose=columnwise,
+                                    record=self.record, **self._options)
 
     def cast_with(self, plan, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         """:meth:`quantize_pair` of ``x`` through ``plan`` (:meth:`eager_plan`'s for ``x``'s layout
         and ``columnwise``): the launch and the host-side records, nothing checked."""
         if self.host:
             self.state.use_recipe(self.recipe)
-        data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = plan(x)
+        outputs = plan(x)
         if self.record and self.host:
             mark_recorded(self.state, self.recipe, self.role)
+        return self._pair(outputs, columnwise)
+
+    def _pair(self, outputs: tuple, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
+        # A fused block cast's outputs (data, scale_inv, data_t, scale_inv_t, gemm, gemm_t) as
+        # the rowwise and (where asked) columnwise QuantizedTensors.
+        data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = outputs
         row = QuantizedTensor(data, scale_inv, self.block, gemm)
         return row, (QuantizedTensor(data_t, scale_inv_t, self.block, gemm_t) if columnwise else None)
 
@@ -276,14 +283,10 @@ class BlockQuantizer(_LayerQuantizer):
                ) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # The torch ops of _cast (and of the columnwise copy, the cast of x.T) in one pass
         # (numerics/kernels/blockwise.py), bit for bit; the amax recorded by the kernel.
-        params = self.qparams
         with torch.no_grad():
-            data, scale_inv, data_t, scale_inv_t, gemm, gemm_t = ops.cast_blocks(
-                x, self.state, self.role, self.dtype, self.block, mx=params is None,
-                power_2_scale=bool(params and params.power_2_scale), amax_epsilon=params.amax_epsilon if params else 0.0,
-                transpose=columnwise, record=record)
-        row = QuantizedTensor(data, scale_inv, self.block, gemm)
-        return row, (QuantizedTensor(data_t, scale_inv_t, self.block, gemm_t) if columnwise else None)
+            outputs = ops.cast_blocks(x, self.state, self.role, self.dtype, self.block, transpose=columnwise,
+                                      record=record, **self._options)
+        return self._pair(outputs, columnwise)
 
 
 def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:
