@@ -28,6 +28,7 @@ from fp8_plugin.numerics.device_kind import meta_as_cuda  # noqa: E402
 from fp8_plugin.numerics.gemm import force_path  # noqa: E402
 from fp8_plugin.numerics.kernels import force_gemm_kernel, force_kernels  # noqa: E402
 from fp8_plugin.numerics.kernels.launch import record_launches  # noqa: E402
+from reference import count_fp8_gemms  # noqa: E402
 
 
 def _model(recipe):
@@ -112,13 +113,18 @@ def test_steps_with_plans_train_bit_for_bit_as_steps_without(recipe, monkeypatch
     runs = []
     with force_kernels("triton"):
         for model in (_model(recipe), _without_plans(_model(recipe))):
-            losses = _train(model, batches, autocast_steps=(5,), sum_steps=(6,), accumulate_steps=(7,),
-                            checkpoint_steps=(8,))
-            with torch.no_grad(), fp.autocast():
-                evaluated = model(batches[0])
-            # BF16 weights, the same FP32 input under torch autocast: only the weight's dtype (wgrad's
-            # output dtype) tells this step's layout from step 5's.
-            losses += _train(model.to(torch.bfloat16), [batches[5]], autocast_steps=(0,))
+            with count_fp8_gemms() as gemms:
+                losses = _train(model, batches, autocast_steps=(5,), sum_steps=(6,), accumulate_steps=(7,),
+                                checkpoint_steps=(8,))
+                with torch.no_grad(), fp.autocast():
+                    evaluated = model(batches[0])
+                # BF16 weights, the same FP32 input under torch autocast: only the weight's dtype
+                # (wgrad's output dtype) tells this step's layout from step 5's.
+                losses += _train(model.to(torch.bfloat16), [batches[5]], autocast_steps=(0,))
+            # Every GEMM in FP8: per micro-batch the first layer's fprop and wgrad (its input needs
+            # no gradient, so no dgrad) and the second's three; 11 micro-batches (9 steps, one of
+            # two, the BF16-weight step), the checkpointed step's recomputed fprops, the evaluation's.
+            assert gemms.count == 5 * 11 + 2 + 2, gemms.count
             runs.append((losses, evaluated, model.state_dict(), fp8_stats(model)))
     (losses, evaluated, weights, stats), (want_losses, want_evaluated, want_weights, want_stats) = runs
     assert all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True))
