@@ -35,8 +35,8 @@ import triton.language as tl
 from ..._private.torch_api import in_dispatch_mode
 from ..device_kind import fp8_family
 from ..formats import fp8_dtype, fp8_max
-from ..quantizers.state import tensors_epoch
 from .launch import KernelLaunch, recording_launches
+from .rows import tensors_epoch
 
 __all__ = ["bulk_update", "build_table", "Row", "Tables", "table_for"]
 

@@ -11,12 +11,11 @@ from torch import nn
 
 from ..device_kind import fp8_family
 from ..formats import FAMILIES, fp8_dtype, fp8_max
-from ..kernels.rows import StateRows
+from ..kernels.rows import StateRows, rows_changed
 from ..recipes import DelayedScaling, Recipe, kept_per_recipe
 from .tensor import GRAD_OUTPUT, INPUT, ROLES
 
-__all__ = ["ScalingState", "is_scaling_state_key", "recipe_key", "check_saved_state", "tensors_epoch", "STATE_VERSION",
-           "SCALINGS"]
+__all__ = ["ScalingState", "is_scaling_state_key", "recipe_key", "check_saved_state", "STATE_VERSION", "SCALINGS"]
 
 class ScalingState(nn.Module):
     """Per-tensor FP8 scaling state of one layer: a row per role (input, weight, grad_output).
@@ -142,7 +141,7 @@ class ScalingState(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ROW_TENSORS:
             self.__dict__["_generation"] = self.__dict__.get("_generation", 0) + 1
-            _epoch[0] += 1
+            rows_changed()
         super().__setattr__(name, value)
 
     def take_pending(self) -> dict[int, Optional[Recipe]]:
@@ -230,7 +229,7 @@ class ScalingState(nn.Module):
         # attributes, set past nn.Module's __setattr__.
         self.__dict__["_initialized_known"] = [False, False, False]
         self.__dict__["_initialized_probe"] = {}
-        _epoch[0] += 1
+        rows_changed()
 
     def resize_history(self, length: int) -> None:
         """Keep the ``length`` most recent columns, padding older ones with zeros."""
@@ -382,19 +381,6 @@ class ScalingState(nn.Module):
         if device != self.device:
             self.follow(device)
         return self
-
-
-# Counts, over every ScalingState of the process, the replacements of state tensors and what the
-# host forgets of their initialized flags (tensors_epoch).
-_epoch = [0]
-
-
-def tensors_epoch() -> int:
-    """A count that changes whenever any :class:`ScalingState` of this process has a state tensor
-    replaced (its ``generation`` counts up) or forgets what it knew of its ``initialized`` flags
-    (:meth:`ScalingState.initialized_known` may then answer False again): what a cache of many
-    states' addresses and flags checks, in one comparison, against all of them."""
-    return _epoch[0]
 
 
 def _copy_input_row(tensors: dict[str, torch.Tensor], source: ScalingState) -> None:
