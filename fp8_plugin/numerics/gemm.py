@@ -317,6 +317,8 @@ class TensorwiseChoice:
         same_computation: ``torch._scaled_mm`` gave the emulation's bits (torch's own float32
             computation, no oneDNN): the paths are one computation, so the emulation is used
             and nothing is timed.
+        refused: the error ``torch._scaled_mm`` raised for this pairing ("" where it ran):
+            oneDNN, which takes CPU FP8 GEMMs on CPUs with AMX, refuses the FNUZ formats.
     """
 
     native: bool
@@ -324,10 +326,13 @@ class TensorwiseChoice:
     emulated_s: float
     shape: tuple[int, int, int]
     same_computation: bool = False
+    refused: str = ""
 
     def describe(self) -> str:
         m, k, n = self.shape
         emulation = "BF16 emulation" if cpu_emulation().bf16 else "float32 emulation"
+        if self.refused:
+            return f"{emulation} (torch._scaled_mm refuses this pairing: {self.refused})"
         if self.same_computation:
             if emulation == "float32 emulation":
                 return f"{emulation} (same bits as torch._scaled_mm on a {m}x{k}x{n} check: not timed)"
@@ -400,6 +405,7 @@ def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch
     fixed: the emulation, which ``torch.compile`` can fuse. Timing them instead would put a
     ratio near 1 against ``NATIVE_SPEEDUP_REQUIRED`` and decide by noise.
 
+    A pairing the kernel refuses (it raises: oneDNN and the FNUZ formats) takes the emulation.
     Only where the kernel computes otherwise (oneDNN, on CPUs with AMX: AMX-INT8 for equal
     formats, AMX-FP16 for mixed ones) is it timed against the emulation, and used only if at
     least ``NATIVE_SPEEDUP_REQUIRED`` times faster. There the speeds are far apart: E4M3 x E4M3
@@ -440,7 +446,11 @@ def tensorwise_choice(device: torch.device, dtype_a: torch.dtype, dtype_b: torch
         # Scales 1/3 and 1/5: no power of two, so each path's roundings show.
         a, b = operands(*_SCOUT_SHAPE, 1 / 3, 1 / 5)
         bias = torch.randn(_SCOUT_SHAPE[2], generator=gen).to(device)
-        if _same_computation(a, b, out_dtype, bias):  # also the warm-up of both paths (oneDNN primitives)
+        try:
+            same = _same_computation(a, b, out_dtype, bias)  # also the warm-up of both paths (oneDNN primitives)
+        except RuntimeError as err:  # a pairing the kernel refuses (oneDNN: the FNUZ formats)
+            return TensorwiseChoice(False, math.inf, math.nan, _SCOUT_SHAPE, refused=str(err).splitlines()[0])
+        if same:
             return TensorwiseChoice(False, math.nan, math.nan, _SCOUT_SHAPE, same_computation=True)
         emulated_s = min(_time_gemm("emulated", a, b, out_dtype) for _ in range(_PROBE_REPEATS))
         native_s = native_seconds(a, b, emulated_s, 2)

@@ -202,6 +202,25 @@ def test_probe_picks_the_native_kernel_where_it_is_clearly_faster(monkeypatch, f
     assert choice.describe().startswith("torch._scaled_mm (64x128x128: _scaled_mm ")
 
 
+def test_a_pairing_the_cpu_kernel_refuses_takes_the_emulation(monkeypatch, fresh_probe):
+    # torch's CPU _scaled_mm hands FP8 GEMMs to oneDNN on CPUs with AMX, and oneDNN refuses the
+    # FNUZ formats of an AMD MI300 ("itensor_view_from_dense expects float/bfloat16/half/int8/fp8
+    # tensor input"): the choice must send that pairing to the emulation, not fail the step.
+    def refusing_kernel(*args):
+        raise RuntimeError("itensor_view_from_dense expects float/bfloat16/half/int8/fp8 tensor input")
+
+    monkeypatch.setattr(gemm, "_scaled_mm_tensorwise", refusing_kernel)
+    cpu, e4m3 = torch.device("cpu"), torch.float8_e4m3fnuz
+    choice = tensorwise_choice(cpu, e4m3, e4m3, torch.float32)
+    assert not choice.native and "refuses" in choice.describe() and "itensor_view_from_dense" in choice.describe()
+    # Integers in [-2, 2] and power-of-two scales: every product and sum (at most 128 in size) is
+    # exact in float32 and in bfloat16, whichever emulation the process runs.
+    gen = torch.Generator().manual_seed(0)
+    a_int, b_int = (torch.randint(-2, 3, shape, generator=gen).double() for shape in ((16, 32), (8, 32)))
+    a, b = QuantizedTensor(a_int.to(e4m3), torch.tensor(0.5)), QuantizedTensor(b_int.to(e4m3), torch.tensor(0.25))
+    assert torch.equal(fp8_gemm(a, b, torch.float32).double(), a_int @ b_int.t() * 0.125)
+
+
 def test_forced_paths_and_bad_path_names():
     a = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.5))
     b = QuantizedTensor(torch.randn(16, 32).to(torch.float8_e4m3fn), torch.tensor(0.25))
