@@ -40,6 +40,13 @@ def _assert_every_kept_move_was_justified(result, config):
 # A massive activation: one LayerNorm weight channel 3e4 times the others
 
 
+# The massive activation's checks fail on the gradient cosine. The planted channel turns the FP8
+# gradient to a cosine of about 0.7 against FP8 off: under 0.7 on an AMD EPYC, 0.72 on an Intel
+# Xeon with AMX, whose float32 and BF16 GEMMs round otherwise. The tests judge it against 0.85,
+# clear of both, which every fix they expect exceeds by 0.1 or more (0.95 to 0.9996 on the Xeon).
+_MIN_GRAD_COSINE = 0.85
+
+
 def _massive_activation_bert(layer: int = 2):
     """A tiny BERT classifier (4 layers of width 384) whose layer-``layer`` attention LayerNorm has one
     weight channel scaled by 3e4: the hidden state's channel 5 is then 3e4 times the others,
@@ -95,7 +102,7 @@ def test_massive_activation_is_fixed_by_blockwise_scaling_with_every_gemm_still_
     model, batch = _massive_activation_bert()
     _fp8_training_step(model, batch)
     reference = _grads(model, batch, fp8=False)
-    config = ReferenceCheck(policy="fallback")
+    config = ReferenceCheck(policy="fallback", min_grad_cosine=_MIN_GRAD_COSINE)
     with pytest.warns(UserWarning, match="moved to blockwise scaling"):
         result = fp.reference_check(model, batch, _bert_loss, config=config)
     tried = result.fallback_tried
@@ -124,7 +131,7 @@ def test_massive_activation_is_localised_by_verified_replays_to_one_layer():
     assert _fp8_training_step(model, batch) == 24 * 3  # 24 FP8 linear layers, each fprop, dgrad and wgrad in FP8
     # By hand, outside the check: FP8 gradients against FP8-off ones, float64 cosine.
     reference = _grads(model, batch, fp8=False)
-    config = ReferenceCheck(policy="fallback", fallback_blockwise=False)
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, min_grad_cosine=_MIN_GRAD_COSINE)
     assert _cosine(_grads(model, batch, fp8=True), reference) < config.min_grad_cosine
     with pytest.warns(UserWarning, match="moved to high precision: bert.encoder.layer.0.attention.output.dense"):
         result = fp.reference_check(model, batch, _bert_loss, config=config)
@@ -163,7 +170,8 @@ def test_massive_activation_without_candidates_escalates_to_fprop_the_first_step
     # what turns the gradient: every dgrad in high precision does not restore it, every fprop does.
     model, batch = _massive_activation_bert()
     _fp8_training_step(model, batch)
-    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=0)
+    config = ReferenceCheck(policy="fallback", fallback_blockwise=False, max_fallback_replays=0,
+                            min_grad_cosine=_MIN_GRAD_COSINE)
     with pytest.warns(UserWarning) as caught:
         result = fp.reference_check(model, batch, _bert_loss, config=config)
     assert [(t["stage"], t["escalation"], t["passed"]) for t in result.fallback_tried] == [
