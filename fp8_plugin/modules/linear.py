@@ -34,7 +34,7 @@ from ..numerics.quantizers import (
 )  # fmt: skip
 from ..numerics.recipes import DelayedScaling, Recipe, as_gemm_flags, blockwise_variant, gemms_in_fp8, split_accumulators
 from .linear_function import (
-    BackwardInfo, FP8LinearFunction, StepPlan, fprop, high_precision_gemm, output_dtype, unpack_columnwise, weight_2d,
+    BackwardInfo, FP8LinearFunction, StepPlan, fp8_operands, fprop, high_precision_gemm, output_dtype, weight_2d,
 )  # fmt: skip
 from .scaling_group import ScalingGroup
 from .shared_input import find_shared_cast, keep_cast
@@ -333,8 +333,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # A frozen weight's transposed copy is made by the backward (and freed after), not kept from here.
         qw, qw_t = self._weight_casts(recipe, record_forward, columnwise=need_dgrad and gemms[1] and self._frozen is None,
                                       state=state, weight=weight, plain=plain, plan=plan)
+        key = None if plan is None else plan.input_quantizer.recipe_key  # mark_recorded's, looked up once
         if recorded is not None:
-            mark_recorded(recorded, recipe, INPUT)
+            mark_recorded(recorded, recipe, INPUT, key)
         if not (need_dgrad or need_wgrad or need_bgrad):
             if gemms[0]:
                 out = fprop(qx, qw, output_dtype(x2d) if plan is None else plan.out_dtype, bias,
@@ -348,18 +349,14 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 # Marked now, recorded by the backward: host-side state cannot change inside a
                 # compiled backward. Should no backward run, the step's grad_output amax stays 0,
                 # which no scale update takes for a scale.
-                mark_recorded(state, recipe, GRAD_OUTPUT)
+                mark_recorded(state, recipe, GRAD_OUTPUT, key)
             frozen = self._frozen is not None
             if info is None:
                 info = self._backward_info(recipe, record_backward, qx.block, qw.block, gemms, frozen, high_precision)
             # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
             if frozen and not (gemms[0] and gemms[1]):
                 weight = self.dense_weight()
-            out = FP8LinearFunction.apply(
-                x2d, weight, bias, qx.data, qx.scale_inv, qw.data, qw.scale_inv,
-                *unpack_columnwise(qx_t, qx), *unpack_columnwise(qw_t, qw), qx.gemm_scale, qw.gemm_scale,
-                qx_t and qx_t.gemm_scale, qw_t and qw_t.gemm_scale, state, info,
-            )  # fmt: skip
+            out = FP8LinearFunction.apply(x2d, weight, bias, fp8_operands(qx, qw, qx_t, qw_t), state, info)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def _input_casts(self, x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, record: bool, columnwise: bool,
@@ -469,7 +466,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         cached = self._weight_cache
         if cached is not None and cached.matches(key, record) and (cached.columnwise is not None or not columnwise):
             if record:
-                mark_recorded(state, recipe, WEIGHT)
+                mark_recorded(state, recipe, WEIGHT, quantizer.recipe_key)
             return cached.rowwise, (cached.columnwise if columnwise else None)
         self._weight_cache = None  # free the stale copies before casting new ones
         rowwise, columnwise_copy = _cast(quantizer, cast, w, columnwise)

@@ -69,7 +69,9 @@ from .gemm_kernels import emulated_bf16 as _emulated_bf16
 from .gemm_kernels import fp8_gemm_in_bf16, fp8_values_in_bf16  # noqa: F401  (public here too)
 from .gemm_kernels import alignment, pad_to_alignment  # noqa: F401  (pad_to_alignment: public here too)
 from .gemm_kernels import kernel_bias as _kernel_bias
-from .gemm_kernels import scaled_mm_blocks as _scaled_mm_blocks
+from .gemm_kernels import outside_autocast as _outside_autocast
+from .gemm_kernels import row_major as _row_major
+from .gemm_kernels import scaled_mm_native as _native
 from .gemm_kernels import scaled_mm_tensorwise as _scaled_mm_tensorwise
 from .gemm_support import KERNEL_OUT_DTYPES as _KERNEL_OUT_DTYPES
 from .gemm_support import NativeGemm, format_name, probe_block_kind
@@ -509,7 +511,7 @@ def fp8_gemm(
             (not when :func:`tensorwise_choice` prefers the emulation).
     """
     if route is not None:
-        return route(a.data, b.data, a.scale_inv, b.scale_inv, None if bias is None else _kernel_bias(bias, out_dtype))
+        return route(a, b, None if bias is None else _kernel_bias(bias, out_dtype))
     if out_dtype not in _KERNEL_OUT_DTYPES:
         # No kernel writes it (oneDNN refuses float64 views): a float32 GEMM, then the cast.
         return fp8_gemm(a, b, torch.float32, bias, use_split_accumulator).to(out_dtype)
@@ -544,11 +546,11 @@ def gemm_route(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, h
     """What :func:`fp8_gemm` runs for operands of ``a``'s and ``b``'s shapes, dtypes, scaling and
     device, with this output dtype, bias presence and accumulation, in the eager code and GEMM
     settings of now, decided once: the Triton GEMM's launch
-    (:class:`~fp8_plugin.numerics.kernels.scaled_gemm.GemmLaunch`), or on a GPU
-    ``torch._scaled_mm`` of operands that need no padding; None for every other path (decided
-    per call). A caller that keeps it for such operands passes it as ``fp8_gemm``'s ``route``
-    while those settings hold. Called as ``route(a.data, b.data, a.scale_inv, b.scale_inv, bias)``
-    with the bias as the kernels take it (``kernel_bias``).
+    (:class:`~fp8_plugin.numerics.kernels.scaled_gemm.GemmLaunch`), or on a GPU the native GEMM
+    of its kind (``torch._scaled_mm``, block-scaled ``scaled_mm``) for operands that need no
+    padding; None for every other path (decided per call). A caller that keeps it for such
+    operands passes it as ``fp8_gemm``'s ``route`` while those settings hold. Called as
+    ``route(a, b, bias)`` with the bias as the kernels take it (``kernel_bias``).
 
     Raises:
         ValueError: operands that do not multiply (``scaled_gemm``'s).
@@ -561,27 +563,24 @@ def gemm_route(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, h
 
         return gemm_launch(a.data, b.data, out_dtype, has_bias, not use_split_accumulator)
     (m, k), n = a.data.shape, b.data.shape[0]
-    if (support is None or kind != "tensorwise" or device_kind(a.data.device) != "cuda"
+    if (support is None or device_kind(a.data.device) != "cuda"
             or any(d % multiple for d, multiple in zip((m, k, n), alignment(kind, b)))):
         return None
-    return partial(_scaled_mm_route, out_dtype, not use_split_accumulator)
+    if kind == "tensorwise":
+        return partial(_scaled_mm_route, out_dtype, not use_split_accumulator)
+    return partial(_block_route, kind, support, out_dtype)
 
 
-def _scaled_mm_route(out_dtype: torch.dtype, fast_accum: bool, a_data: torch.Tensor, b_data: torch.Tensor,
-                     scale_a: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _scaled_mm_route(out_dtype: torch.dtype, fast_accum: bool, a: QuantizedTensor, b: QuantizedTensor,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     # fp8_gemm's native tensorwise call on a GPU, for operands that need no padding (gemm_route).
-    a, b = QuantizedTensor(a_data, scale_a), QuantizedTensor(b_data, scale_b)
     return _outside_autocast("cuda", _scaled_mm_tensorwise, a, b, out_dtype, bias, fast_accum)
 
 
-def _outside_autocast(device_type: str, gemm: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    # A native GEMM outside torch autocast: on CPU, _scaled_mm under autocast takes a path ~40x
-    # slower. The context only where autocast is on (the forward, under the integrations): it
-    # costs microseconds of CPU, and backward GEMMs run with autocast off.
-    if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return gemm(*args)
-    return gemm(*args)
+def _block_route(kind: str, support: NativeGemm, out_dtype: torch.dtype, a: QuantizedTensor, b: QuantizedTensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # fp8_gemm's native block-scaled call on a GPU, for operands that need no padding (gemm_route).
+    return _outside_autocast("cuda", _native, kind, support, a, b, out_dtype, bias)
 
 
 @lru_cache(maxsize=None)
@@ -591,20 +590,3 @@ def _triton_gemm():
     from .kernels.scaled_gemm import scaled_gemm
 
     return scaled_gemm
-
-
-def _row_major(q: QuantizedTensor) -> QuantizedTensor:
-    # The kernels read their operands' FP8 data row-major.
-    return q if q.data.is_contiguous() else QuantizedTensor(q.data.contiguous(), q.scale_inv, q.block, q.gemm_scale)
-
-
-def _native(kind: str, support: NativeGemm, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
-            bias: Optional[torch.Tensor], fast_accum: bool = False) -> torch.Tensor:
-    if kind == "tensorwise":
-        return _scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
-    # Block kernels: out_dtype where the kernel writes it, else bfloat16 then cast (documented).
-    kernel_dtype = out_dtype if out_dtype in support.pairing_out_dtypes(a.data.dtype, b.data.dtype) else torch.bfloat16
-    out = _scaled_mm_blocks(kind, a, b, kernel_dtype)
-    if bias is not None:
-        out = (out.float() + _kernel_bias(bias, out_dtype).float()).to(out_dtype)
-    return out.to(out_dtype)

@@ -8,7 +8,7 @@ is probed in :mod:`fp8_plugin.numerics.gemm_support`. Each function takes
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from .quantizers import QuantizedTensor
 from .scale_layouts import blockwise_1x128_gemm_scale, blockwise_128x128_gemm_scale, mx_gemm_scale
 
 __all__ = ["emulated", "emulated_bf16", "fp8_gemm_in_bf16", "fp8_values_in_bf16", "kernel_bias", "scaled_mm_tensorwise",
-           "scaled_mm_blocks", "alignment", "pad_to_alignment"]
+           "scaled_mm_blocks", "scaled_mm_native", "outside_autocast", "row_major", "alignment", "pad_to_alignment"]
 
 # K multiple of the block kinds' kernels: whole blocks along the contraction.
 _BLOCK_KIND_K_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
@@ -174,6 +174,39 @@ def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtyp
         blockwise_1x128_gemm_scale(a.scale_inv), S.BlockWise1x128,
         scale_b, recipe_b, output_dtype=out_dtype,
     )  # fmt: skip
+
+
+def scaled_mm_native(kind: str, support: Any, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+                     bias: Optional[torch.Tensor], fast_accum: bool = False) -> torch.Tensor:
+    """The native GEMM of ``kind`` (``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``) on operands it
+    takes as they are: :func:`scaled_mm_tensorwise`, or :func:`scaled_mm_blocks` in ``out_dtype``
+    where ``support`` (the device's :class:`~fp8_plugin.numerics.gemm_support.NativeGemm`) says the
+    kernel writes it for this operand pairing, else in bfloat16 and then cast; a block GEMM's
+    bias is added in float32 after it (rounded as :func:`kernel_bias`), the sum rounded once."""
+    if kind == "tensorwise":
+        return scaled_mm_tensorwise(a, b, out_dtype, bias, fast_accum)
+    kernel_dtype = out_dtype if out_dtype in support.pairing_out_dtypes(a.data.dtype, b.data.dtype) else torch.bfloat16
+    out = scaled_mm_blocks(kind, a, b, kernel_dtype)
+    if bias is not None:
+        out = (out.float() + kernel_bias(bias, out_dtype).float()).to(out_dtype)
+    return out.to(out_dtype)
+
+
+def outside_autocast(device_type: str, gemm: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``gemm(*args)`` outside torch autocast, for a native GEMM: on CPU, ``_scaled_mm`` under
+    autocast takes a path about 40x slower. The context is entered only where autocast is on (a
+    forward under the integrations): it costs microseconds of CPU, and backward GEMMs run with
+    autocast off."""
+    if device_type not in ("cuda", "cpu") or torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return gemm(*args)
+    return gemm(*args)
+
+
+def row_major(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` with row-major FP8 data, as the CPU kernels read their operands (a copy where it is
+    not: a transposed view of per-tensor bytes, :func:`~fp8_plugin.numerics.quantizers.columnwise_copy`)."""
+    return q if q.data.is_contiguous() else QuantizedTensor(q.data.contiguous(), q.scale_inv, q.block, q.gemm_scale)
 
 
 def alignment(kind: str, b: QuantizedTensor) -> tuple[int, int, int]:

@@ -68,7 +68,11 @@ def blockwise_1x128_gemm_scale(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def blockwise_128x128_gemm_scale(scale_inv: torch.Tensor) -> torch.Tensor:
     """128x128 grid ``[N / 128, K / 128]`` of the second operand -> ``[round_up(K / 128, 4), N / 128]``
-    with strides ``(1, round_up(K / 128, 4))``, the K-block padding zero-filled."""
+    with strides ``(1, round_up(K / 128, 4))``, the K-block padding zero-filled: the grid's own
+    transpose, no op, where it is row-major with whole groups of 4 K blocks (the casts make it
+    row-major; K a multiple of 512)."""
     k_blocks = scale_inv.shape[1]
+    if k_blocks % 4 == 0 and scale_inv.stride() == (k_blocks, 1):
+        return scale_inv.t()
     padded = F.pad(scale_inv, (0, _round_up(k_blocks, 4) - k_blocks)).contiguous()
     return padded.t()

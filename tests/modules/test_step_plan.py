@@ -76,21 +76,17 @@ def _train(model, batches, autocast_steps=(), sum_steps=(), accumulate_steps=(),
 
 
 def _cpu_routes(monkeypatch):
-    # fp8_gemm takes no Triton route on CPU. A stand-in route, fp8_gemm at the output dtype,
-    # bias presence and accumulation it was resolved for, makes a plan's kept routes compute
-    # here: one kept past a change of what it was resolved for computes the wrong dtype.
+    # fp8_gemm takes no kept route on CPU (the Triton GEMM and the native ones are a GPU's). A
+    # stand-in route, fp8_gemm at the output dtype, bias presence and accumulation it was
+    # resolved for, makes a plan's kept routes compute here, per-tensor and block-scaled: one
+    # kept past a change of what it was resolved for computes the wrong dtype.
     import fp8_plugin.modules.linear_function as linear_function
     from fp8_plugin.numerics.gemm import fp8_gemm
-    from fp8_plugin.numerics.quantizers import QuantizedTensor
 
     def route_for(a, b, out_dtype, has_bias, use_split_accumulator):
-        if a.block is not None or b.block is not None:  # the Triton GEMM's operands are per-tensor scaled
-            return None
-
-        def route(a_data, b_data, scale_a, scale_b, bias):
+        def route(a, b, bias):
             assert (bias is not None) == has_bias
-            return fp8_gemm(QuantizedTensor(a_data, scale_a), QuantizedTensor(b_data, scale_b), out_dtype, bias,
-                            use_split_accumulator)
+            return fp8_gemm(a, b, out_dtype, bias, use_split_accumulator)
         return route
 
     monkeypatch.setattr(linear_function, "gemm_route", route_for)
@@ -219,24 +215,42 @@ def test_on_the_cuda_path_plans_keep_scaled_mm_for_operands_that_need_no_padding
     # torch._scaled_mm (the default GEMM kernel) is a kept route where M, K and N are multiples
     # of 16: a steady step decides no GEMM path and calls torch._scaled_mm three times. With 72
     # tokens fp8_gemm pads each call, so each GEMM is decided as it comes.
+    m = -(-tokens // 16) * 16  # the GEMMs' M after padding: fprop's and dgrad's tokens, wgrad's N
+    calls = _steady_native_gemms(monkeypatch, torch, "_scaled_mm", DelayedScaling(amax_history_len=4), 32, 48, tokens)
+    assert calls == (decisions, Counter({m: 2, 48: 1}))
+
+
+@pytest.mark.parametrize("tokens, decisions", [(128, 0), (72, 3)], ids=["aligned", "padded"])
+def test_on_the_cuda_path_plans_keep_the_block_scaled_gemm_for_operands_that_need_no_padding(tokens, decisions,
+                                                                                             monkeypatch):
+    # 128-blockwise on sm90: torch's scaled_mm with 1x128 and 128x128 scales wants K and the
+    # 128x128-scaled operand's rows in whole blocks, and every dim a multiple of 16. 128 tokens
+    # into a 128 -> 256 layer: every GEMM is a kept route. 72 tokens: wgrad's K (the tokens)
+    # is padded to 128 and fprop's and dgrad's M to 80, each GEMM decided as it comes.
+    m = -(-tokens // 16) * 16
+    calls = _steady_native_gemms(monkeypatch, torch.nn.functional, "scaled_mm", Float8BlockScaling(), 128, 256, tokens)
+    assert calls == (decisions, Counter({m: 2, 256: 1}))
+
+
+def _steady_native_gemms(monkeypatch, module, name, recipe, k, n, tokens):
+    # A steady step's GEMM-path decisions and calls of the native GEMM ``module.name`` by the
+    # first operand's rows, on the meta proxy with torch's GEMMs (not the Triton one).
     import fp8_plugin.numerics.gemm as gemm
 
-    decided, scaled_mm = Counter(), Counter()
+    decided, native = Counter(), Counter()
     cached_plan = gemm._cached_plan
     monkeypatch.setattr(gemm, "_cached_plan", lambda *a: decided.update(["plan"]) or cached_plan(*a))
-    original = torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: scaled_mm.update([a[0].shape[0]]) or original(*a, **k))
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: native.update([a[0].shape[0]]) or original(*a, **kw))
     with _meta_proxy(), force_gemm_kernel("torch"):
-        layer = FP8Linear(32, 48, device="meta", dtype=torch.bfloat16, recipe=DelayedScaling(amax_history_len=4))
-        x = torch.empty(tokens, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.empty(tokens, 48, device="meta", dtype=torch.bfloat16)
+        layer = FP8Linear(k, n, device="meta", dtype=torch.bfloat16, recipe=recipe)
+        x = torch.empty(tokens, k, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.empty(tokens, n, device="meta", dtype=torch.bfloat16)
         for _ in range(2):
             _meta_step(layer, x, grad)
-        decided.clear(), scaled_mm.clear()
+        decided.clear(), native.clear()
         _meta_step(layer, x, grad)
-    assert decided["plan"] == decisions
-    m = -(-tokens // 16) * 16  # the GEMMs' M after padding: fprop's and dgrad's tokens, wgrad's N
-    assert scaled_mm == Counter({m: 2, 48: 1})
+    return decided["plan"], native
 
 
 def test_copies_of_a_layer_start_without_its_plans():

@@ -71,6 +71,13 @@ def test_blockwise_scale_layouts_match_torch_scaled_mm_shapes():
     sb = blockwise_128x128_gemm_scale(b)
     assert sb.shape == (8, n // 128) and sb.stride() == (1, 8)
     assert torch.equal(sb[: k // 128], b.t()) and not sb[k // 128 :].any()
+    # K in whole groups of 4 blocks: no padding; a row-major grid is its own layout's transpose,
+    # taken as it is (no copy), and a column-major one is copied into that layout.
+    whole = torch.randn(n // 128, 1024 // 128)
+    for grid in (whole, whole.t().contiguous().t()):
+        sw = blockwise_128x128_gemm_scale(grid)
+        assert sw.shape == (8, n // 128) and sw.stride() == (1, 8) and torch.equal(sw, whole.t())
+    assert blockwise_128x128_gemm_scale(whole).data_ptr() == whole.data_ptr()
 
 
 def _operand(recipe, role, x):
@@ -412,8 +419,8 @@ def _layer_step_on_meta_gpu(kernel: str, monkeypatch, mode=None) -> tuple[dict, 
     from fp8_plugin.numerics.kernels.launch import record_launches
 
     calls = []
-    original = gemm._scaled_mm_tensorwise
-    monkeypatch.setattr(gemm, "_scaled_mm_tensorwise", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or original(*a, **k))
     with meta_as_cuda((9, 0)), force_path("native"), force_kernels("triton"), force_gemm_kernel(kernel), \
             record_launches() as launches:
         layer = fp.FP8Linear(256, 384, device="meta", dtype=torch.bfloat16)

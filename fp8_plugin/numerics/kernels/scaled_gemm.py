@@ -29,7 +29,7 @@ two roundings, as in the torch reference.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
@@ -134,14 +134,23 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     Raises:
         ValueError: operands that do not multiply, or an ``out_dtype`` the kernel does not write.
     """
-    return gemm_launch(a, b, out_dtype, bias is not None, fast_accum)(a, b, scale_a, scale_b, bias)
+    return gemm_launch(a, b, out_dtype, bias is not None, fast_accum)(_Operand(a, scale_a), _Operand(b, scale_b), bias)
+
+
+class _Operand(NamedTuple):
+    # An FP8 operand as GemmLaunch reads it: the fields of a QuantizedTensor it uses.
+    data: torch.Tensor
+    scale_inv: torch.Tensor
 
 
 class GemmLaunch:
     """:func:`scaled_gemm` for one pair of operand shapes, output dtype, bias presence and
     accumulation, resolved once (:func:`gemm_launch`): a call allocates the output and launches,
-    nothing else. Called as ``scaled_gemm`` without its last three arguments, on operands of the
-    shapes it was made for (any strides), with a bias exactly where it was made with one."""
+    nothing else. Called as ``launch(a, b, bias)``, ``a`` and ``b`` FP8 operands of the shapes it
+    was made for (any strides) with their ``scale_inv`` (a
+    :class:`~fp8_plugin.numerics.quantizers.QuantizedTensor`'s ``data`` and ``scale_inv``), with
+    a bias exactly where it was made with one: ``fp8_gemm``'s route
+    (:func:`~fp8_plugin.numerics.gemm.gemm_route`)."""
 
     __slots__ = ("launch", "grid", "m", "n", "k", "out_dtype")
 
@@ -150,8 +159,8 @@ class GemmLaunch:
         self.launch, self.grid = LaunchSite(launch, grid), grid
         self.m, self.n, self.k, self.out_dtype = m, n, k, out_dtype
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, a_operand: Any, b_operand: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        a, b, scale_a, scale_b = a_operand.data, b_operand.data, a_operand.scale_inv, b_operand.scale_inv
         m, n = self.m, self.n
         out = torch.empty(m, n, dtype=self.out_dtype, device=a.device)
         bias = scale_a if bias is None else bias

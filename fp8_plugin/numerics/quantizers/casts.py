@@ -47,6 +47,8 @@ class _LayerQuantizer(Quantizer):
 
     def __init__(self, recipe: Recipe, role: int, state: ScalingState, record: bool, host: bool) -> None:
         self.recipe, self.role, self.state, self.record, self.host = recipe, role, state, record, host
+        # What mark_recorded writes into the state, looked up once (every recording cast writes it).
+        self.recipe_key = recipe_key(recipe)
 
     def eager_plan(self, x: torch.Tensor, columnwise: bool):
         """The launch plan a caller may keep for casts of ``x``'s layout, cast through
@@ -103,7 +105,7 @@ class PerTensorQuantizer(_LayerQuantizer):
                     self.state.observe_current(self.role, amax, scale)
             q = QuantizedTensor(quantize(x, scale, self.dtype, amax), divide(1.0, scale))
         if self.record and self.host:
-            mark_recorded(self.state, self.recipe, self.role)
+            mark_recorded(self.state, self.recipe, self.role, self.recipe_key)
         return q
 
     def quantize_pair(self, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
@@ -152,7 +154,7 @@ class PerTensorQuantizer(_LayerQuantizer):
                 columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
         # A fused cast's outputs as QuantizedTensors, its amax recorded on the host side too.
         if self.record and self.host:
-            mark_recorded(self.state, self.recipe, self.role)
+            mark_recorded(self.state, self.recipe, self.role, self.recipe_key)
         return QuantizedTensor(data, scale_inv), (QuantizedTensor(data_t, scale_inv) if columnwise else None)
 
     def quantize_pair_and_sum(self, x: torch.Tensor, columnwise: bool
@@ -247,7 +249,7 @@ class BlockQuantizer(_LayerQuantizer):
                 self.state.observe_current(self.role, amax.amax(), torch.ones((), device=x.device))
             col = self.quantize(x.t()) if columnwise else None
         if self.record and self.host:
-            mark_recorded(self.state, self.recipe, self.role)
+            mark_recorded(self.state, self.recipe, self.role, self.recipe_key)
         return row, col
 
     def _fusable(self, x: torch.Tensor) -> bool:
@@ -269,7 +271,7 @@ class BlockQuantizer(_LayerQuantizer):
             self.state.use_recipe(self.recipe)
         outputs = plan(x)
         if self.record and self.host:
-            mark_recorded(self.state, self.recipe, self.role)
+            mark_recorded(self.state, self.recipe, self.role, self.recipe_key)
         return self._pair(outputs, columnwise)
 
     def _pair(self, outputs: tuple, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
@@ -289,12 +291,14 @@ class BlockQuantizer(_LayerQuantizer):
         return self._pair(outputs, columnwise)
 
 
-def mark_recorded(state: ScalingState, recipe: Recipe, role: int) -> None:
+def mark_recorded(state: ScalingState, recipe: Recipe, role: int, key: Optional[str] = None) -> None:
     """The host-side half of a recording cast of ``role`` under ``recipe``: a delayed-scaling
-    amax becomes pending (its scale update is due), and the state now belongs to ``recipe``."""
+    amax becomes pending (its scale update is due), and the state now belongs to ``recipe``.
+    ``key``: ``recipe_key(recipe)`` where the caller holds it (a quantizer's), else looked up."""
     if recipe.delayed():
         state.pending[role] = recipe
-    key = recipe_key(recipe)
+    if key is None:
+        key = recipe_key(recipe)
     if state.recipe != key:  # nn.Module's __setattr__ costs microseconds per cast
         state.recipe = key
 
