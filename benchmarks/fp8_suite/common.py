@@ -153,3 +153,22 @@ def graph_break_reasons(limit: int = 3) -> str:
 
     breaks = sorted(counters["graph_break"].items(), key=lambda kv: -kv[1])[:limit]
     return "; ".join(f"{count}x {reason.splitlines()[0][:160]}" for reason, count in breaks)
+
+
+def scaled_mm_too_slow(device: torch.device) -> Optional[str]:
+    """Why torchao's rows are not run on this CPU, or None: torchao's ``Float8Linear`` calls
+    ``torch._scaled_mm`` whatever it costs, and on CPUs with AMX oneDNN runs E4M3 x E4M3 in a
+    reference kernel (about 200 ns per multiply-accumulate: minutes per step of the tiny model).
+    Judged by fp8-plugin's own per-pairing measurement (``tensorwise_choice``): a kernel it timed
+    at more than 8 times the emulation. GPUs, and CPUs where torch computes ``_scaled_mm``
+    itself, run them."""
+    if device.type != "cpu":
+        return None
+    from fp8_plugin.numerics.gemm import tensorwise_choice
+
+    e4m3 = torch.float8_e4m3fn
+    choice = tensorwise_choice(device, e4m3, e4m3, torch.bfloat16)
+    if choice.native or choice.same_computation or not choice.native_s > 8 * choice.emulated_s:
+        return None
+    return (f"not run on this CPU: torch._scaled_mm, which torchao calls, is slow here for E4M3 x E4M3 "
+            f"({choice.describe()})")

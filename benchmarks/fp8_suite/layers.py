@@ -23,7 +23,7 @@ import fp8_plugin
 import fp8_plugin.numerics.gemm as fp8_gemm_module
 from fp8_plugin.numerics.kernels import force_gemm_kernel
 
-from .common import RECIPES, describe_error, peak_memory_bytes, release_memory, synchronize
+from .common import RECIPES, describe_error, peak_memory_bytes, release_memory, scaled_mm_too_slow, synchronize
 
 # (M tokens, K in_features, N out_features)
 Shape = tuple[int, int, int]
@@ -229,7 +229,7 @@ def run(shapes: list[Shape], steps: int, warmup: int, device: torch.device, comp
         log: Callable[[str], None], compile_variants: Optional[list[str]] = None) -> dict:
     """Every variant at every shape (and compiled at ``compile_shapes``: ``compile_variants``, or
     all), with speed-ups."""
-    torchao_skip = torchao_status()
+    torchao_skip = torchao_status() or scaled_mm_too_slow(device)
     results: list[LayerResult] = []
     plan = [(shape, False) for shape in shapes] + [(shape, True) for shape in compile_shapes]
     for shape, compiled in plan:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .common import describe_error, peak_memory_bytes, release_memory, set_ratios, synchronize
+from .common import describe_error, peak_memory_bytes, release_memory, scaled_mm_too_slow, set_ratios, synchronize
 
 # name -> LlamaConfig fields
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -222,9 +222,14 @@ def run(sizes: list[str], batch_size: int, seq_len: int, steps: int, warmup: int
     """Every run of every model size, with ratios against the same loop's BF16 run."""
     quiet_lightning()
     results = []
+    torchao_skip = scaled_mm_too_slow(device)
     for size in sizes:
         for loop, precision in LIGHTNING_RUNS + ACCELERATE_RUNS:
-            result = measure(size, loop, precision, batch_size, seq_len, steps, warmup, device)
+            if precision == "torchao" and torchao_skip:
+                result = ModelResult(size, parameter_count(size), loop, precision, batch_size, seq_len,
+                                     error=torchao_skip)
+            else:
+                result = measure(size, loop, precision, batch_size, seq_len, steps, warmup, device)
             results.append(result)
             log(f"model {size} {loop} {precision}: "
                 + (f"{result.step_ms:.1f} ms/step" if result.step_ms else f"failed ({result.error})"))

@@ -64,10 +64,13 @@ def test_the_whole_command_runs_on_cpu_into_one_archive(tmp_path):
     assert "compiled" in layer and "bf16" in layer and "64" in layer
     assert "| tiny | eager | fp8-hybrid |" in models and "28/29 layers FP8" in models
     assert "| delayed |" in host and "_delayed_kernel" in host  # the host profile, launches recorded on meta
-    # Beside each per-tensor recipe's step, its floor: its casts and GEMMs in a bare autograd.Function.
-    assert 0 < host_figures["delayed"]["floor_us"] < host_figures["delayed"]["fp8_us"]
-    # And a chain of 32 layers as a model runs them, per layer, FP8 and nn.Linear.
+    # Beside each per-tensor recipe's step, its floor: its casts and GEMMs in a bare autograd.Function,
+    # against nn.Linear's per-layer figure. (Which of floor and step is faster is a timing that a
+    # loaded 2-core machine, the suite's other worker running beside, has reversed: not checked.)
     delayed = host_figures["delayed"]
+    assert delayed["floor_us"] > 0 and delayed["floor_ratio"] == pytest.approx(
+        delayed["floor_us"] / delayed["per_layer_bf16_us"])
+    # And a chain of 32 layers as a model runs them, per layer, FP8 and nn.Linear.
     assert delayed["chain_layers"] == 32 and delayed["chain_fp8_us_per_layer"] > 0 < delayed["chain_bf16_us_per_layer"]
 
 
@@ -91,7 +94,7 @@ def probe(*args, timeout=120):
 
 
 def test_variants_that_kill_or_hang_their_process_cost_one_line_each():
-    abort, hang = "tensorwise E5M2 x E4M3 -> float16 +bias", "tensorwise E4M3 x E5M2 -> float32 256"
+    abort, hang = "tensorwise E5M2 x E4M3 -> float16 +bias", "tensorwise E4M3 x E5M2 -> float32 64x128x96"
     proc = probe("--only", "tensorwise", "--timeout", "3", "--crash-in", f"{abort},hang:{hang}")
     assert proc.returncode == 1, proc.stdout[-2000:]
     lines = proc.stdout.splitlines()

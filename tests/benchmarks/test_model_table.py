@@ -240,3 +240,24 @@ def test_a_graph_break_is_reported_with_its_reason_and_the_user_line_it_broke_at
     finally:
         torch._dynamo.reset()
     assert describe_error(ValueError("first\nsecond")) == "ValueError: first"
+
+
+def test_torchaos_suite_rows_are_left_out_only_where_this_cpus_scaled_mm_is_a_slow_kernel(monkeypatch):
+    # The suite's torchao rows call torch._scaled_mm whatever it costs: on CPUs with AMX oneDNN's
+    # reference kernel made one tiny-model step take 32 s. They are left out, with the reason,
+    # exactly where fp8-plugin's own per-pairing measurement timed the kernel far slower than the
+    # emulation; a CPU where torch computes it itself, and a GPU, run them.
+    from fp8_plugin.numerics import gemm
+    from fp8_plugin.numerics.gemm import TensorwiseChoice
+    from fp8_suite.common import scaled_mm_too_slow
+
+    cpu = torch.device("cpu")
+    for choice, skipped in ((TensorwiseChoice(False, 0.012, 0.0002, (32, 64, 64)), True),
+                            (TensorwiseChoice(False, 0.0012, 0.0002, (64, 128, 128)), False),  # 6x: run
+                            (TensorwiseChoice(True, 0.0001, 0.0002, (64, 128, 128)), False),
+                            (TensorwiseChoice(False, float("nan"), float("nan"), (32, 64, 64), True), False)):
+        monkeypatch.setattr(gemm, "tensorwise_choice", lambda *args, choice=choice: choice)
+        reason = scaled_mm_too_slow(cpu)
+        assert (reason is not None) == skipped, choice
+        assert not skipped or "12.00 ms" in reason and "0.20 ms" in reason
+    assert scaled_mm_too_slow(torch.device("cuda")) is None
