@@ -147,9 +147,15 @@ def fprop(qx: QuantizedTensor, qw: QuantizedTensor, out_dtype: torch.dtype, bias
     ``[M, N]`` in ``out_dtype`` (:func:`~fp8_plugin.numerics.gemm.fp8_gemm`, through ``plan``'s
     route where given). Every FP8 GEMM of an FP8 linear layer is called from this module: the
     forward of :class:`FP8LinearFunction`, and the layer itself where no backward will run."""
+    return _gemm(plan, FPROP, qx, qw, out_dtype, bias, use_split_accumulator)
+
+
+def _gemm(plan: Optional[StepPlan], index: int, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+          bias: Optional[torch.Tensor], use_split_accumulator: bool) -> torch.Tensor:
+    # GEMM ``index`` (FPROP, DGRAD, WGRAD) of a step: through its plan's kept route where it has a plan.
     if plan is not None:
-        return plan.gemm(FPROP, qx, qw, out_dtype, bias, use_split_accumulator)
-    return fp8_gemm(qx, qw, out_dtype, bias, use_split_accumulator)
+        return plan.gemm(index, a, b, out_dtype, bias, use_split_accumulator)
+    return fp8_gemm(a, b, out_dtype, bias, use_split_accumulator)
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -219,8 +225,7 @@ class FP8LinearFunction(torch.autograd.Function):
             qw_t = QuantizedTensor(wt_data, wt_scale_inv, info.w_block, wt_gemm)
             if info.frozen:
                 qw_t = frozen_columnwise(qw_t, info.recipe)
-            grad_x = (fp8_gemm(qg, qw_t, ctx.x_dtype, None, info.split[1]) if plan is None
-                      else plan.gemm(DGRAD, qg, qw_t, ctx.x_dtype, None, info.split[1]))
+            grad_x = _gemm(plan, DGRAD, qg, qw_t, ctx.x_dtype, None, info.split[1])
             del qw_t, qg  # grad_output's rowwise cast is dgrad's alone: freed before wgrad allocates
         elif need_x:
             w_t = weight_2d(weight, info.weight_transposed).t()  # [K, N]: W.T, as F.linear's b
@@ -230,8 +235,7 @@ class FP8LinearFunction(torch.autograd.Function):
             # nn.Linear's): one rounding of the FP32 accumulator, and no float32 [N, K] copy.
             if fp8_w:
                 qx_t = QuantizedTensor(xt_data, xt_scale_inv, info.x_block, xt_gemm)
-                grad_w = (fp8_gemm(qg_t, qx_t, ctx.weight_dtype, None, info.split[2]) if plan is None
-                          else plan.gemm(WGRAD, qg_t, qx_t, ctx.weight_dtype, None, info.split[2]))
+                grad_w = _gemm(plan, WGRAD, qg_t, qx_t, ctx.weight_dtype, None, info.split[2])
             else:
                 grad_w = high_precision_gemm(grad_out.t(), x2d.t(), ctx.gemm_dtype, ctx.weight_dtype)
             if info.weight_transposed:
