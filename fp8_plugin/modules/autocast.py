@@ -67,9 +67,10 @@ _compiled_forwards: dict[str, bool] = {}
 COMPILED_STEP = -1
 
 
-def note_fp8_forward() -> None:
-    """Note an FP8 forward (called by FP8 layers): counted on this thread, or flagged in compiled code."""
-    if torch.compiler.is_compiling():
+def note_fp8_forward(compiling: Optional[bool] = None) -> None:
+    """Note an FP8 forward (called by FP8 layers): counted on this thread, or flagged in compiled
+    code. ``compiling``: ``torch.compiler.is_compiling()``, where the caller has asked (None: asked here)."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         _compiled_forwards["ran"] = True
     else:
         _local.fp8_forwards += 1

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._private.torch_api import in_backward_pass
+from .._private.torch_api import eager_apply, in_backward_pass, registered_parameter, registered_submodule
 from ..numerics.device_kind import device_kind, presented_device, tensor_device_kind
 from ..numerics.gemm import forced_path
 from ..numerics.kernels import forced_kernels, gemm_kernel
 from ..numerics.kernels.launch import capturing
-from ..numerics.kernels.ops import traced
+from ..numerics.kernels.ops import dispatched
 from .autocast import current_context, note_fp8_forward
 from .frozen_weight import FrozenLayout, FrozenWeightMixin, frozen_columnwise
 from ..numerics.quantizers import (
@@ -44,6 +44,8 @@ __all__ = ["FP8Linear"]
 
 # recipe_key prefixes of the block-scaled recipes (ScalingState.recipe: the recipe that last recorded).
 _BLOCK_KEYS = ("Float8BlockScaling(", "MXFP8BlockScaling(")
+# FP8LinearFunction.apply for eager steps, past torch's Python wrapper (a few µs of CPU a call).
+_eager_apply = eager_apply(FP8LinearFunction)
 
 
 def _cast(quantizer, plan, x: torch.Tensor, columnwise: bool) -> tuple[QuantizedTensor, Optional[QuantizedTensor]]:
@@ -240,7 +242,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             return self._recompute(x, self._forward_context)
         context = current_context()
         training = context.training
-        state = self.fp8_state  # read once: a submodule lookup costs host time every step
+        state = registered_submodule(self, "fp8_state")  # read once, past nn.Module.__getattr__
         recipe = (context.recipe or self.recipe) if (state.use_fp8 and context.enabled) else None
         if recipe is not None and state.scaling != "recipe":
             recipe = blockwise_variant(recipe)
@@ -252,8 +254,9 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             if context.high_precision_dtype is not None:
                 return self._reference_forward(x, context.high_precision_dtype)
             return self._high_precision_forward(x)
-        note_fp8_forward()
-        frozen, weight = self._frozen, self.weight
+        compiling = torch.compiler.is_compiling()  # asked once: each ask is two Python calls
+        note_fp8_forward(compiling)
+        frozen, weight = self._frozen, registered_parameter(self, "weight")
         if frozen is not None:
             self._check_still_frozen()
         if x.dtype != (weight.dtype if frozen is None else frozen.master_dtype) and not torch.is_autocast_enabled(
@@ -266,7 +269,7 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
                 "torch.autocast"
             )
         group = self.scaling_group
-        if training and not torch.compiler.is_compiling() and group.step != context.step:
+        if training and not compiling and group.step != context.step:
             # First FP8 forward of a training step: last step's amaxes become scales (all the
             # group's layers, one amax reduction), before this forward casts with them. Not in
             # compiled code: a decision on a step id that changes every step would recompile
@@ -277,7 +280,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         # A plain attribute, past nn.Module.__setattr__ (about 1.3 µs of CPU a call, every step).
         self.__dict__["_forward_context"] = _ForwardContext(recipe, training, group.step, gemms, context.high_precision_dtype)
         return self._fp8_forward(x, recipe, record_forward=training, record_backward=training, gemms=gemms,
-                                 high_precision=context.high_precision_dtype, share=True, state=state, weight=weight)
+                                 high_precision=context.high_precision_dtype, share=True, state=state, weight=weight,
+                                 compiling=compiling)
 
     def _recompute(self, x: torch.Tensor, original: _ForwardContext) -> torch.Tensor:
         # torch.utils.checkpoint reruns the forward in the backward, outside the autocast: run it
@@ -298,16 +302,18 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe, record_forward: bool, record_backward: bool,
                      gemms: Optional[tuple[bool, bool, bool]] = None,
                      high_precision: Optional[torch.dtype] = None, share: bool = False,
-                     state: Optional[ScalingState] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     state: Optional[ScalingState] = None, weight: Optional[torch.Tensor] = None,
+                     compiling: Optional[bool] = None) -> torch.Tensor:
         # ``gemms``: which GEMMs run in FP8 (None: as gemms_in_fp8 says for ``recipe``);
         # ``high_precision``: the dtype of those that do not (None: the output dtype); ``share``:
         # an autocast forward, which may take or keep an input cast (modules/shared_input.py);
         # ``state``, ``weight``: fp8_state and weight, where the caller has read them. Submodules
         # and Parameters are read once per forward (each read costs about a microsecond of CPU).
+        # ``compiling``: torch.compiler.is_compiling(), where the caller has asked.
         gemms = self.gemms_in_fp8(recipe) if gemms is None else gemms
         state = self.fp8_state if state is None else state
         weight = self.weight if weight is None else weight
-        bias = self.bias
+        bias = registered_parameter(self, "bias")
         if isinstance(recipe, DelayedScaling):
             state.resize_history(recipe.amax_history_len)
         if state.device != x.device:
@@ -323,10 +329,10 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
         need_wgrad = grad and weight.requires_grad
         need_bgrad = grad and bias is not None and bias.requires_grad
         # Compiled code and CUDA graph captures cast every time: nothing kept from one call to the next.
-        plain = not (torch.compiler.is_compiling() or capturing())
+        plain = not ((torch.compiler.is_compiling() if compiling is None else compiling) or capturing())
         flags = (record_forward, record_backward, need_dgrad, need_wgrad, need_bgrad, gemms, high_precision)
         info = (self._step_info(x2d, weight, bias, recipe, flags, state)
-                if plain and self._frozen is None and not traced(x2d) else None)
+                if plain and self._frozen is None and not dispatched(x2d) else None)
         plan = None if info is None else info.plan
         qx, qx_t, recorded = self._input_casts(x, x2d, recipe, record_forward, need_wgrad and gemms[2],
                                                share and plain, state, plan)
@@ -356,7 +362,8 @@ class FP8Linear(FrozenWeightMixin, nn.Linear):
             # A GEMM in high precision reads the weight itself: a frozen one's dequantized copy.
             if frozen and not (gemms[0] and gemms[1]):
                 weight = self.dense_weight()
-            out = FP8LinearFunction.apply(x2d, weight, bias, fp8_operands(qx, qw, qx_t, qw_t), state, info)
+            apply = _eager_apply if plain else FP8LinearFunction.apply
+            out = apply(x2d, weight, bias, fp8_operands(qx, qw, qx_t, qw_t), state, info)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def _input_casts(self, x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, record: bool, columnwise: bool,

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .._private.torch_api import registered_submodule
 from ..numerics.quantizers import ScalingState, update_delayed_scaling
 from ..numerics.recipes import DelayedScaling, Recipe, kept_per_recipe
 
@@ -73,10 +74,12 @@ class ScalingGroup:
         taken = []  # (layer, its state, the roles and recipes it had pending)
         known = True  # every pending amax's recorder known (none restored from a checkpoint)
         for layer in self.layers:
-            state: ScalingState = layer.fp8_state
+            state: ScalingState = registered_submodule(layer, "fp8_state")  # past nn.Module.__getattr__
             if state.pending:
                 pending = state.take_pending()
-                known = known and None not in pending.values()
+                for recorder in pending.values():  # by identity: `None in` would call each recipe's __eq__
+                    if recorder is None:
+                        known = False
                 taken.append((layer, state, pending))
         # The steady state: the same layers and states with the same roles pending under the same
         # recipe objects as the last update: its grouping again (one comparison, in C, per layer).

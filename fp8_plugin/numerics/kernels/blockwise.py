@@ -270,7 +270,7 @@ def grid_tensors(m: int, n: int, block: tuple[int, int], transpose: bool, device
     def grid(rows: int, cols: int) -> torch.Tensor:
         shape = (-(-rows // block[0]), -(-cols // block[1]))
         if block[0] == block[1]:
-            return torch.empty(shape, dtype=torch.float32, device=device)
+            return torch.empty(size=shape, dtype=torch.float32, device=device)  # size=: see tensorwise.RecordingCast
         return torch.empty_strided(shape, (1, shape[0]), dtype=torch.float32, device=device)
 
     return grid(m, n), (grid(n, m) if transpose else None)

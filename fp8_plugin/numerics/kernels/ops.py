@@ -24,7 +24,7 @@ from ..._private.torch_api import in_dispatch_mode
 from .launch import capturing, recording_launches
 
 __all__ = ["cast_delayed", "cast_current", "cast_blocks", "cast_groups", "eager_cast", "eager_cast_plan",
-           "skips_amax_pass", "traced", "OP_LAUNCHES", "OP_INPUT_READS",
+           "skips_amax_pass", "traced", "dispatched", "OP_LAUNCHES", "OP_INPUT_READS",
            "op_input_reads"]
 
 # Kernel launches per call of each op (zero fills included), for the cost model and the
@@ -184,10 +184,14 @@ torch.library.register_fake("fp8_plugin::scale_update", lambda table, params, cu
 def traced(x: torch.Tensor) -> bool:
     """Whether something other than a plain eager launch will see a cast of ``x`` (compiling, a
     dispatch mode, meta tensors): it then goes through the dispatcher as a custom op."""
-    # Meta tensors do too, except while launches are only recorded (the host profile measures
+    return torch.compiler.is_compiling() or dispatched(x)
+
+
+def dispatched(x: torch.Tensor) -> bool:
+    """:func:`traced` for code known not to be compiling: a dispatch mode, or meta tensors."""
+    # Meta tensors too, except while launches are only recorded (the host profile measures
     # the eager path of a GPU on them).
-    return (torch.compiler.is_compiling() or in_dispatch_mode()
-            or (x.is_meta and not recording_launches()))  # is_meta: no device object made
+    return in_dispatch_mode() or (x.is_meta and not recording_launches())  # is_meta: no device object made
 
 
 def cast_delayed(x: torch.Tensor, state, role: int, dtype: torch.dtype, margin: int, *, transpose: bool,

@@ -463,8 +463,10 @@ class RecordingCast:
         device, rows = self.device, self.rows
         out = torch.empty(m, n, dtype=self.dtype, device=device)
         out_t = torch.empty(n, m, dtype=self.dtype, device=device) if self.transpose else out
-        scale_inv = torch.empty((), dtype=torch.float32, device=device)
-        scale = torch.empty((), dtype=torch.float32, device=device) if self.scale_out else None
+        # size= by keyword: a positional tuple makes torch's argument parser try (and fail) an
+        # overload first, about a third more host work per tensor.
+        scale_inv = torch.empty(size=(), dtype=torch.float32, device=device)
+        scale = torch.empty(size=(), dtype=torch.float32, device=device) if self.scale_out else None
         bias = partials = None
         if self.bias_grad and bias_grad_out is None:
             bias = torch.empty(n, dtype=torch.float32, device=device)
