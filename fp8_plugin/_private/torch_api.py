@@ -85,10 +85,11 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     The wrapper checks for ``setup_context``, asks whether functorch transforms are active and
     rebuilds the arguments to unwrap dead functorch wrappers: about 2 to 3 µs of CPU per call,
     once per FP8 layer and step. The callable returned calls torch's C++ ``apply``
-    (``torch._C._FunctionBase.apply``, which the wrapper ends in) directly after the same
-    unwrapping of its first argument, the one tensor that is not a module's Parameter, and
-    takes the public path while functorch transforms are active. Not for compiled code:
-    ``torch.compile`` traces ``function.apply`` itself.
+    (``torch._C._FunctionBase.apply``, which the wrapper ends in) directly, after the same
+    unwrapping of its first argument only: callers pass as other arguments no tensor that can be
+    a dead functorch wrapper (a module's Parameters, tensors made in the call, tuples, which the
+    wrapper leaves alone too). While functorch transforms are active it takes the public path.
+    Not for compiled code: ``torch.compile`` traces ``function.apply`` itself.
 
     Raises:
         TypeError: ``function`` defines ``setup_context`` (its arguments would need binding).
