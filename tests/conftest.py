@@ -6,8 +6,10 @@ the tests launch inherit), so that helpers and workers import each other by modu
 they sit."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 _FOLDERS = [str(p) for p in sorted(Path(__file__).resolve().parent.iterdir()) if p.is_dir() and p.name[0] not in "._"]
 for _folder in reversed(_FOLDERS):
@@ -28,6 +30,32 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# The files that take longest, heaviest first (measured with --durations=0: a file's tests summed).
+# pytest-xdist hands each worker one file at a time (--dist loadfile), in collection order with
+# --no-loadscope-reorder (pyproject's addopts; its default puts the files with the most tests
+# first, which left these few-test files to the end): started first, they no longer leave one
+# worker running alone while the other has finished.
+SLOWEST_FILES = (  # seconds, 2-core Intel Xeon, 2026-11-28
+    "tests/benchmarks/test_gpu_run.py",  # 118
+    "tests/accelerate/test_accelerate.py",  # 117
+    "tests/examples/test_causal_lm_example.py",  # 110
+    "tests/training/test_reference_check_cases.py",  # 101
+    "tests/training/test_deepspeed.py",  # 98
+    "tests/modules/test_compile.py",  # 74
+    "tests/examples/test_moe_example.py",  # 59
+    "tests/training/test_interruption.py",  # 53
+    "tests/tools/test_quiet_output.py",  # 39
+    "tests/numerics/test_kernels_tensorwise.py",  # 38
+    "tests/training/test_distributed.py",  # 33, the two-rank launch the other files read
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    # A stable sort: every file's tests, and each docs page's blocks, keep their order.
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +93,30 @@ def fresh_accelerate(monkeypatch):
     yield
 
 
+def made_once_per_run(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder ``make(folder)`` fills once per pytest run, for a session fixture that launches or
+    converts something costly. Under pytest-xdist every worker process has its own session
+    fixtures: the workers share the run's base folder, and a file lock lets the first worker make
+    it while the others wait and then read it (pytest-xdist's documented recipe), so that two
+    workers never pay for the same launch. A ``make`` that raises leaves nothing marked done: the
+    next worker tries again and reports its own error."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory):
     """The float32 SmolLM2-135M-Instruct folder the examples use: the one the README's commands
@@ -75,9 +127,7 @@ def smollm2_path(tmp_path_factory):
     cached = os.path.expanduser("~/.cache/fp8-plugin/smollm2-135m-instruct")
     if os.path.isfile(os.path.join(cached, "config.json")):
         return cached
-    path = tmp_path_factory.mktemp("smollm2")
-    convert_gguf_checkpoint(smollm2_gguf_path(), path)
-    return path
+    return made_once_per_run(tmp_path_factory, "smollm2", lambda path: convert_gguf_checkpoint(smollm2_gguf_path(), path))
 
 
 # The two-rank scenarios of tests/training/distributed_worker.py, all in one launch (a launch's start,
@@ -90,15 +140,16 @@ DISTRIBUTED_SCENARIOS = ("ddp", "ddp-fp8-adamw", "ddp-local", "fp16", "reference
 @pytest.fixture(scope="session")
 def distributed_runs(tmp_path_factory):
     """``distributed_runs(scenario)``: the ``.pt`` files the scenario wrote, by file stem, from
-    one torchrun launch of every scenario of :data:`DISTRIBUTED_SCENARIOS` made at the first call."""
+    one torchrun launch of every scenario of :data:`DISTRIBUTED_SCENARIOS` made at the first call
+    (once per run, whichever worker asks first: :func:`made_once_per_run`)."""
     from test_distributed import run_worker_script
 
     loaded: dict[str, dict] = {}
 
     def get(scenario: str) -> dict:
         if not loaded:
-            out = tmp_path_factory.mktemp("distributed")
-            run_worker_script("distributed_worker.py", [",".join(DISTRIBUTED_SCENARIOS)], out)
+            out = made_once_per_run(tmp_path_factory, "distributed", lambda folder: run_worker_script(
+                "distributed_worker.py", [",".join(DISTRIBUTED_SCENARIOS)], folder))
             for name in DISTRIBUTED_SCENARIOS:
                 loaded[name] = {p.stem: torch.load(p, weights_only=False) for p in (out / name).glob("*.pt")}
         return loaded[scenario]

@@ -212,3 +212,12 @@ def test_no_package_module_is_longer_than_the_limit():
     long = {str(path.relative_to(PACKAGE)): n for path in sorted(PACKAGE.rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"package modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
+
+
+def test_the_files_the_suite_starts_first_exist():
+    # tests/conftest.py schedules these first; a renamed file would silently drop back in the order.
+    tree = ast.parse((TESTS / "conftest.py").read_text())
+    names = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SLOWEST_FILES")
+    missing = [name for name in names if not (TESTS.parent / name).is_file()]
+    assert not missing, f"tests/conftest.py SLOWEST_FILES names files that are not there: {missing}"
