@@ -34,6 +34,7 @@ from ..numerics.quantizers import GRAD_OUTPUT, INPUT, WEIGHT, QuantizedTensor, S
 from ..numerics.recipes import DelayedScaling, Float8CurrentScaling, Recipe
 from ..numerics.device import recipe_name
 from .expert_casts import cast_expert_weights, cast_rows
+from .function_outputs import unaliased_output
 
 __all__ = ["fp8_grouped_linear", "check_experts_recipe", "check_token_scaling", "EXPERT_RECIPES", "TOKEN_SCALINGS"]
 
@@ -121,7 +122,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(qx, sx_inv, qw, sw_inv, group_of_row, offsets)
         ctx.states, ctx.info, ctx.tables = states, info, tables
         ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
-        return out
+        return unaliased_output(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):

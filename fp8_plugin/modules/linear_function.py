@@ -20,6 +20,7 @@ from ..numerics.kernels.ops import traced
 from ..numerics.quantizers import GRAD_OUTPUT, QuantizedTensor, ScalingState, make_quantizer
 from ..numerics.recipes import Recipe
 from .frozen_weight import frozen_columnwise
+from .function_outputs import unaliased_output
 
 __all__ = ["BackwardInfo", "FP8LinearFunction", "StepPlan", "fp8_operands", "fprop", "high_precision_gemm",
            "output_dtype", "weight_2d"]
@@ -197,7 +198,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.state, ctx.info, ctx.x_dtype, ctx.gemm_dtype = state, info, x2d.dtype, hp_dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
+        return unaliased_output(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
