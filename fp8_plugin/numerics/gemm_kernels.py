@@ -156,24 +156,32 @@ def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtyp
     "blockwise": ``BlockWise1x128`` for ``a`` and ``BlockWise128x128`` or ``BlockWise1x128`` for
     ``b`` (cuBLAS, sm90), the scales in the layouts of :mod:`~fp8_plugin.numerics.scale_layouts`.
     """
-    S = F.ScalingType
     if kind == "mxfp8":
-        swizzle = F.SwizzleType.SWIZZLE_32_4_4
-        return F.scaled_mm(
-            a.data, b.data.t(),
-            _mx_scale(a), S.BlockWise1x32,
-            _mx_scale(b), S.BlockWise1x32,
-            swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype,
-        )  # fmt: skip
+        return _block_scaled_mm(a.data, b.data.t(), _mx_scale(a), _mx_scale(b), "mxfp8", out_dtype)
     if b.block == (128, 128):
-        scale_b, recipe_b = blockwise_128x128_gemm_scale(b.scale_inv), S.BlockWise128x128
+        scale_b, layout_b = blockwise_128x128_gemm_scale(b.scale_inv), "128x128"
     else:
-        scale_b, recipe_b = blockwise_1x128_gemm_scale(b.scale_inv), S.BlockWise1x128
-    return F.scaled_mm(
-        a.data, b.data.t(),
-        blockwise_1x128_gemm_scale(a.scale_inv), S.BlockWise1x128,
-        scale_b, recipe_b, output_dtype=out_dtype,
-    )  # fmt: skip
+        scale_b, layout_b = blockwise_1x128_gemm_scale(b.scale_inv), "1x128"
+    return _block_scaled_mm(a.data, b.data.t(), blockwise_1x128_gemm_scale(a.scale_inv), scale_b, layout_b, out_dtype)
+
+
+# torch 2.11's dynamo cannot trace torch._scaled_mm_v2, the op F.scaled_mm calls ("Dynamo does
+# not know how to trace the builtin"): every compiled block-scaled GEMM broke the graph, and
+# fullgraph=True raised. Marked allow_in_graph, the call is put in the graph as it is and traced
+# below dynamo (AOTAutograd sees the aten op and its fake kernel), on every torch; eager code
+# calls it as a plain function.
+@torch.compiler.allow_in_graph
+def _block_scaled_mm(a_data: torch.Tensor, b_data_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     layout_b: str, out_dtype: torch.dtype) -> torch.Tensor:
+    # ``layout_b``: "mxfp8" (both operands BlockWise1x32, swizzled), else b's blockwise scales
+    # ("128x128" or "1x128"; a's are 1x128).
+    S = F.ScalingType
+    if layout_b == "mxfp8":
+        swizzle = F.SwizzleType.SWIZZLE_32_4_4
+        return F.scaled_mm(a_data, b_data_t, scale_a, S.BlockWise1x32, scale_b, S.BlockWise1x32,
+                           swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype)
+    recipe_b = S.BlockWise128x128 if layout_b == "128x128" else S.BlockWise1x128
+    return F.scaled_mm(a_data, b_data_t, scale_a, S.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype)
 
 
 def scaled_mm_native(kind: str, support: Any, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
