@@ -23,14 +23,8 @@ from fp8_plugin import DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), MXFP8BlockScaling(), Float8BlockScaling()]
 
-pytestmark = pytest.mark.filterwarnings("ignore:FP8 GEMM emulated", "ignore:Dynamo detected a call")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.filterwarnings("ignore:FP8 GEMM emulated", "ignore:Dynamo detected a call")]
 
 
 def _train_step(layer: torch.nn.Module, recipe):

@@ -26,14 +26,8 @@ from fp8_plugin.modules import function_outputs
 from fp8_plugin.numerics.device_kind import meta_as_cuda
 from fp8_plugin.numerics.gemm import force_path
 
-pytestmark = pytest.mark.filterwarnings("ignore:FP8 GEMM emulated", "ignore:Dynamo detected a call")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.filterwarnings("ignore:FP8 GEMM emulated", "ignore:Dynamo detected a call")]
 
 
 class _Double(torch.autograd.Function):
