@@ -505,3 +505,46 @@ def test_an_fp8_replay_that_runs_no_fp8_forward_is_refused():
 
     with pytest.raises(RuntimeError, match=r"FP8 replay ran no FP8 forward.*2 FP8 layers"):
         fp.reference_check(model, _batch(), loss_fn_fp8_off)
+
+
+def test_a_moves_verification_replay_runs_no_per_gemm_figure_and_is_judged_on_the_same_figures(monkeypatch):
+    # A move's verification replay is judged on the loss, gradient and layer figures alone
+    # (apply_policy): without per-GEMM figures its reference backward runs none of their FP8
+    # GEMMs (a dgrad and a wgrad per FP8 layer), and what it is judged on is unchanged.
+    import fp8_plugin.training.reference.figures as figures
+    from fp8_plugin.training.reference.replay import compare
+
+    figure_gemms = []
+    original = figures._figure_gemm
+    monkeypatch.setattr(figures, "_figure_gemm", lambda a, b: figure_gemms.append(1) or original(a, b))
+    model = _converted(dropout=0.0)
+    batch = _batch(seed=3)
+    rng = capture_rng_state(torch.device("cpu"))
+    full = compare(model, lambda: _loss(model, batch), rng_state=rng)
+    # "down": dgrad and wgrad; "up": wgrad alone (its input, the batch, takes no gradient).
+    assert len(figure_gemms) == 3
+    quick = compare(model, lambda: _loss(model, batch), rng_state=rng, gemm_figures=False)
+    assert len(figure_gemms) == 3
+    assert {n: set(f) for n, f in full.gemm_sqnr_db.items()} == {"up": {"fprop", "wgrad"},
+                                                                 "down": {"fprop", "dgrad", "wgrad"}}
+    assert quick.gemm_sqnr_db == {name: {"fprop": f["fprop"]} for name, f in full.gemm_sqnr_db.items()}
+    judged = ("loss_fp8", "loss_reference", "grad_cosine", "grad_rel_error", "layer_sqnr_db", "param_figures")
+    assert [getattr(quick, k) for k in judged] == [getattr(full, k) for k in judged]
+
+
+def test_gradient_figures_are_the_float64_sums_of_their_products():
+    from fp8_plugin.training.reference.gradients import grad_stats
+
+    gen = torch.Generator().manual_seed(5)
+    g8, gr = torch.randn(6, 7, generator=gen), torch.randn(6, 7, generator=gen).to(torch.bfloat16)
+    a, b = g8.flatten().tolist(), gr.float().flatten().tolist()
+    # Products of float32 values are exact in float64; fsum rounds each sum once.
+    expected = [math.fsum(x * y for x, y in zip(a, b)), math.fsum(x * x for x in a), math.fsum(y * y for y in b),
+                math.fsum((x - y) ** 2 for x, y in zip(a, b))]
+    got = grad_stats(g8.t(), gr.t(), torch.device("cpu")).tolist()  # any layout: transposed views
+    # 42 float64 products summed: relative error at most 42 * 2^-53 (the difference of two float32
+    # values is exact in float64, so |g8 - gr|^2 has the same bound).
+    assert got == pytest.approx(expected, rel=42 * 2**-53)
+    missing = grad_stats(None, gr, torch.device("cpu")).tolist()
+    assert missing == pytest.approx([0.0, 0.0, expected[2], expected[2]], rel=42 * 2**-53)
+    assert grad_stats(None, None, torch.device("cpu")).tolist() == [0.0] * 4

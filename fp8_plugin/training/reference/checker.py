@@ -80,13 +80,15 @@ class ReferenceChecker:
         self._capture = None
         training_pass, self.training_pass.taken = self.training_pass.taken, None
         device_type = device_kind(rng_state.device) if rng_state.device is not None else "cpu"
-        def check(fp8_pass=None) -> Optional[ReferenceResult]:
+        def check(fp8_pass=None, gemm_figures=False) -> Optional[ReferenceResult]:
             return compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
                            device_type=device_type, step=self.steps, group=group,
-                           reference_dtype=reference_gemm_dtype(compute_dtype, device_type), fp8_pass=fp8_pass)
+                           reference_dtype=reference_gemm_dtype(compute_dtype, device_type), fp8_pass=fp8_pass,
+                           gemm_figures=gemm_figures)
 
-        # The verification replays of a move (apply_policy) replay the FP8 side: the moves change it.
-        result = check(training_pass)
+        # The verification replays of a move (apply_policy) replay the FP8 side: the moves change
+        # it. They are judged without per-GEMM figures (the check's own rank the candidates).
+        result = check(training_pass, gemm_figures=True)
         if result is None:
             return
         self.results.append(result)

@@ -118,9 +118,13 @@ def grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: t
     if g8 is None and gr is None:
         return torch.zeros(4, dtype=torch.float64, device=device)
     g8, gr = _local(g8), _local(gr)
-    a = g8.detach().to(torch.float64) if g8 is not None else torch.zeros_like(gr, dtype=torch.float64)
-    b = gr.detach().to(torch.float64) if gr is not None else torch.zeros_like(a)
-    return torch.stack([(a * b).sum(), a.square().sum(), b.square().sum(), (a - b).square().sum()])
+    a = g8.detach().reshape(-1).to(torch.float64) if g8 is not None else torch.zeros(gr.numel(), dtype=torch.float64,
+                                                                                    device=gr.device)
+    b = gr.detach().reshape(-1).to(torch.float64) if gr is not None else torch.zeros_like(a)
+    d = a - b
+    # Dot products: the sums without a full-size temporary each (half the time of the
+    # elementwise products on a CPU, for a 12M-parameter embedding).
+    return torch.stack([torch.dot(a, b), torch.dot(a, a), torch.dot(b, b), torch.dot(d, d)])
 
 
 def _local(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

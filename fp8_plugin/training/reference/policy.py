@@ -26,7 +26,8 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
     """Judge ``result`` against ``config``'s thresholds and act on a failure as its policy says.
 
     Under ``"fallback"`` with ``verify`` (a replay of the checked micro-batch with the model's
-    switches as they are then, returning its :class:`ReferenceResult`), a move is kept only when
+    switches as they are then, returning its :class:`ReferenceResult`, judged on its loss,
+    gradient and layer figures: its per-GEMM ones are not read, ``compare(gemm_figures=False)``), a move is kept only when
     a replay with it passes every threshold: first blockwise scaling of the per-tensor layers
     (``ReferenceCheck.fallback_blockwise``: every GEMM stays in FP8), then the candidate moves (see :func:`_candidates`
     for the order; at most ``max_fallback_replays`` replays), then, when none passes, the
@@ -113,5 +114,5 @@ def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, 
         raise ValueError("reference_check: loss_fn returned None; it must return the 0-dim loss tensor")
     apply_policy(model, result, config, verify=lambda: compare(
         model, lambda: loss_fn(model, batch), rng_state=rng_state, compute_dtype=compute_dtype,
-        device_type=device_kind(device), step=step, recipe=recipe, group=group))
+        device_type=device_kind(device), step=step, recipe=recipe, group=group, gemm_figures=False))
     return result

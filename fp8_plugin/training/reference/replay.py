@@ -73,7 +73,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
             recipe: Optional[Recipe] = None, reference_dtype: Optional[torch.dtype] = None,
             group: Optional["dist.ProcessGroup"] = None,
-            fp8_pass: Optional[TrainingPass] = None) -> Optional[ReferenceResult]:
+            fp8_pass: Optional[TrainingPass] = None, gemm_figures: bool = True) -> Optional[ReferenceResult]:
     """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
 
     Returns None, comparing nothing, when ``run_replay`` returns None (a loop that skips the
@@ -111,6 +111,11 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             its loss and gradients are the FP8 side, and only the reference is replayed. Taken
             only with ``recipe`` None and for the parameters compared here (else the FP8 side
             is replayed).
+        gemm_figures: measure each FP8 linear layer's dgrad and wgrad on its own (its two FP8
+            GEMMs again, in the reference's backward: ``gemm_sqnr_db``); False leaves them out
+            of ``gemm_sqnr_db`` (fprop's, which costs no further GEMM, stays). A move's
+            verification replay (:func:`~fp8_plugin.training.reference.policy.apply_policy`) is
+            judged without them, and saves a quarter of its GEMMs.
 
     Raises:
         ValueError: the replay's loss is not a scalar tensor, or ``model`` is partly sharded, or
@@ -157,7 +162,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             handles += expert_sqnr_hooks(layers, energies, recipes, expert_gemm_energies)
             gemm_dtype = reference_dtype or compute_dtype  # the dtype the reference replay's GEMMs run in
             shared = _shared_weights(model)
-            handles += [handle for i, (name, layer) in enumerate(layers) if _has_gemm_figures(layer, recipes[name])
+            handles += [handle for i, (name, layer) in enumerate(layers)
+                        if gemm_figures and _has_gemm_figures(layer, recipes[name])
                         for handle in gemm_sqnr_hooks(layer, gemm_energies[i], recipes[name],
                                                       layer._forward_context.gemms, gemm_dtype,
                                                       id(layer.weight) in shared or has_tensor_hooks(layer.weight))]
