@@ -21,8 +21,8 @@ the GPU waits for the host: the step time is the host's. Per recipe:
   µs** leaves them and the meta kernels out;
 - **a chain of layers as a model runs them** (``--chain``, default 32): each layer's input the
   previous layer's output (K -> N, then N -> K), one FP8 autocast and one backward per step, one
-  scale update for them all; its host µs per layer, FP8 and ``nn.Linear``, less the meta kernels
-  (the single layer's, per layer). Per-step costs (the autocast, the backward call, the scale
+  scale update for them all; its host µs per layer, FP8 and ``nn.Linear``, less its own meta
+  kernels (their share in a profile of the same chain step). Per-step costs (the autocast, the backward call, the scale
   update, which grows with the layers it updates) are counted here as a model pays them.
 
 Devices:
@@ -77,15 +77,16 @@ from fp8_suite.common import RECIPES, environment, write_report  # noqa: E402  (
 CAPABILITY = {"mxfp8": (10, 0)}
 GEMMS = ("_scaled_mm", "_scaled_mm_v2", "scaled_mm", "mm", "addmm")
 # Where a function's own time goes, by its file (first match wins).
+META_KERNELS = "meta kernels (proxy only)"
 CATEGORIES = (
     ("fp8_plugin/", "fp8-plugin Python"),
     ("triton/", "Triton launch path"),
-    ("torch/_meta_registrations", "meta kernels (proxy only)"),
-    ("torch/_refs", "meta kernels (proxy only)"),
-    ("torch/_prims", "meta kernels (proxy only)"),
-    ("torch/_decomp", "meta kernels (proxy only)"),
-    ("torch/fx/experimental/symbolic_shapes", "meta kernels (proxy only)"),
-    ("torch/__init__.py", "meta kernels (proxy only)"),  # torch._check, called by the meta kernels
+    ("torch/_meta_registrations", META_KERNELS),
+    ("torch/_refs", META_KERNELS),
+    ("torch/_prims", META_KERNELS),
+    ("torch/_decomp", META_KERNELS),
+    ("torch/fx/experimental/symbolic_shapes", META_KERNELS),
+    ("torch/__init__.py", META_KERNELS),  # torch._check, called by the meta kernels
     ("torch/", "torch Python (autograd, nn.Module)"),
 )
 
@@ -301,6 +302,13 @@ def _profile(step: Callable[[], None], steps: int) -> tuple[dict[str, float], di
     return dict(categories), dict(functions), total
 
 
+def _less_meta_kernels(us: float, step: Callable[[], None], steps: int) -> float:
+    # ``us`` (the unprofiled time of ``step``, or a part of it) less the share of torch's Python
+    # meta kernels in a profile of the same step: between 0 and ``us`` whatever the load.
+    categories, _, profiled = _profile(step, steps)
+    return us * (1 - categories.get(META_KERNELS, 0.0) / profiled) if profiled else us
+
+
 def _gemm_calls(step: Callable[[], None]) -> Counter:
     # GEMM calls of one step, by aten op (a dispatch mode sees them on meta and on a GPU alike).
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -330,7 +338,9 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
         bf16_us = _per_step_us(bf16_step, steps, repeats, device)
         per_model_us = per_model(steps, repeats)
         chain_steps = max(1, steps // max(chain, 1))
-        chain_us = [_per_step_us(s, chain_steps, repeats, device) / chain
+        # Per layer, each chain step less its own meta kernels, profiled on that step: the single
+        # layer's, timed at another moment, made a figure negative under a changing load.
+        chain_us = [_less_meta_kernels(_per_step_us(s, chain_steps, repeats, device) / chain, s, chain_steps)
                     for s in _chain(shape, device, recipe, chain, precision)] if chain else [None, None]
         floor_step = _floor_step(shape, device, recipe)
         floor_us = None if floor_step is None else _per_step_us(floor_step, steps, repeats, device)
@@ -344,12 +354,11 @@ def profile_recipe(recipe: str, shape: tuple[int, int, int], device: torch.devic
                  else dict(_gemm_calls(fp8_step)))
     scale = fp8_us / profiled  # profiled seconds -> unprofiled µs
     shares = {name: seconds * scale for name, seconds in sorted(categories.items(), key=lambda kv: -kv[1])}
-    meta_us = shares.get("meta kernels (proxy only)", 0.0)
-    bf16_meta_us = bf16_categories.get("meta kernels (proxy only)", 0.0) * bf16_us / bf16_profiled
+    meta_us = shares.get(META_KERNELS, 0.0)
+    bf16_meta_us = bf16_categories.get(META_KERNELS, 0.0) * bf16_us / bf16_profiled
     per_layer = fp8_us - meta_us - per_model_us
     bf16_per_layer = bf16_us - bf16_meta_us
-    chain_fp8 = None if chain_us[0] is None else chain_us[0] - meta_us
-    chain_bf16 = None if chain_us[1] is None else chain_us[1] - bf16_meta_us
+    chain_fp8, chain_bf16 = chain_us
     return {
         "recipe": recipe,
         "fp8_us": fp8_us,
@@ -401,7 +410,7 @@ def table(data: dict) -> str:
               "proxy with torch._scaled_mm it includes that op's meta kernels); floor ratio: against nn.Linear's "
               "per-layer figure. Chain: a step of a chain of layers (each one's input the previous one's output) "
               "as a model runs them, per layer, the per-step work included (the scale update grows with the "
-              "layers it updates), less the meta kernels per layer.", ""]
+              "layers it updates), less its own meta kernels (their share of a profile of the chain step).", ""]
     for r in data["recipes"]:
         lines.append(f"## {r['recipe']}: where the FP8 step's host time goes (µs)")
         lines.append("")

@@ -69,3 +69,18 @@ def test_the_chain_runs_each_layer_on_the_previous_ones_output_in_fp8_with_one_s
     assert gemms.count == 3 * 4
     assert len({id(layer.scaling_group) for layer in fp8_model}) == 1
     assert [(layer.in_features, layer.out_features) for layer in fp8_model] == [(32, 48), (48, 32)] * 2
+
+
+def test_a_chains_per_layer_figure_is_its_own_time_less_its_own_meta_kernels_whatever_the_load(monkeypatch):
+    # The chain is timed at another moment than the single layer; under a load that changes in
+    # between (the suite's other worker) the single layer's meta-kernel time, subtracted from the
+    # chain's, once made nn.Linear's chain figure negative (-5.3 µs/layer). Here the chain's steps
+    # "run" in 1 µs (timings of 1 step: the chain's; the single layer's are of 4), far faster than
+    # the single layer's: each per-layer figure must lie between 0 and the chain's 1/4 µs per layer.
+    timed = host_profile._per_step_us
+    monkeypatch.setattr(host_profile, "_per_step_us",
+                        lambda step, steps, repeats, device: 1.0 if steps == 1 else timed(step, steps, repeats, device))
+    figures = host_profile.profile_recipe("delayed", (64, 64, 64), torch.device("meta"), steps=4, repeats=1, top=3,
+                                          chain=4)
+    assert figures["meta_kernels_us"] > 1.0  # the single layer's meta kernels: more than the chain's whole step
+    assert 0 <= figures["chain_fp8_us_per_layer"] <= 1 / 4 and 0 <= figures["chain_bf16_us_per_layer"] <= 1 / 4
