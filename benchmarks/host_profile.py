@@ -22,8 +22,9 @@ the GPU waits for the host: the step time is the host's. Per recipe:
 - **a chain of layers as a model runs them** (``--chain``, default 32): each layer's input the
   previous layer's output (K -> N, then N -> K), one FP8 autocast and one backward per step, one
   scale update for them all; its host µs per layer, FP8 and ``nn.Linear``, less its own meta
-  kernels (their share in a profile of the same chain step). Per-step costs (the autocast, the backward call, the scale
-  update, which grows with the layers it updates) are counted here as a model pays them.
+  kernels (their share in a profile of the same chain step). Per-step costs (the autocast, the
+  backward call, the scale update, which grows with the layers it updates) are counted here as a
+  model pays them.
 
 Devices:
 

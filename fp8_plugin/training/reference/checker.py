@@ -87,7 +87,7 @@ class ReferenceChecker:
                            gemm_figures=gemm_figures)
 
         # The verification replays of a move (apply_policy) replay the FP8 side: the moves change
-        # it. They are judged without per-GEMM figures (the check's own rank the candidates).
+        # it. They run no per-GEMM figure: the check's own figures rank the candidates.
         result = check(training_pass, gemm_figures=True)
         if result is None:
             return

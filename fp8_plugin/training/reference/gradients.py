@@ -118,9 +118,10 @@ def grad_stats(g8: Optional[torch.Tensor], gr: Optional[torch.Tensor], device: t
     if g8 is None and gr is None:
         return torch.zeros(4, dtype=torch.float64, device=device)
     g8, gr = _local(g8), _local(gr)
-    a = g8.detach().reshape(-1).to(torch.float64) if g8 is not None else torch.zeros(gr.numel(), dtype=torch.float64,
-                                                                                    device=gr.device)
-    b = gr.detach().reshape(-1).to(torch.float64) if gr is not None else torch.zeros_like(a)
+    a = g8.detach().reshape(-1).to(torch.float64) if g8 is not None else None
+    b = gr.detach().reshape(-1).to(torch.float64) if gr is not None else None
+    a = a if a is not None else torch.zeros_like(b)
+    b = b if b is not None else torch.zeros_like(a)
     d = a - b
     # Dot products: the sums without a full-size temporary each (half the time of the
     # elementwise products on a CPU, for a 12M-parameter embedding).

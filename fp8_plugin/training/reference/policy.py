@@ -26,9 +26,9 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
     """Judge ``result`` against ``config``'s thresholds and act on a failure as its policy says.
 
     Under ``"fallback"`` with ``verify`` (a replay of the checked micro-batch with the model's
-    switches as they are then, returning its :class:`ReferenceResult`, judged on its loss,
-    gradient and layer figures: its per-GEMM ones are not read, ``compare(gemm_figures=False)``), a move is kept only when
-    a replay with it passes every threshold: first blockwise scaling of the per-tensor layers
+    switches as they are then, returning its :class:`ReferenceResult`; judged on its loss,
+    gradient and layer figures, so it may leave out the per-GEMM ones: ``compare(gemm_figures=False)``),
+    a move is kept only when a replay with it passes every threshold: first blockwise scaling of the per-tensor layers
     (``ReferenceCheck.fallback_blockwise``: every GEMM stays in FP8), then the candidate moves (see :func:`_candidates`
     for the order; at most ``max_fallback_replays`` replays), then, when none passes, the
     escalation (:data:`ESCALATION_STEPS`, at most ``max_escalation_replays`` replays, with one
