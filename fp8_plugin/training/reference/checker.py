@@ -80,7 +80,7 @@ class ReferenceChecker:
         self._capture = None
         training_pass, self.training_pass.taken = self.training_pass.taken, None
         device_type = device_kind(rng_state.device) if rng_state.device is not None else "cpu"
-        def check(fp8_pass=None, gemm_figures=False) -> Optional[ReferenceResult]:
+        def check(fp8_pass=None, gemm_figures=True) -> Optional[ReferenceResult]:
             return compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
                            device_type=device_type, step=self.steps, group=group,
                            reference_dtype=reference_gemm_dtype(compute_dtype, device_type), fp8_pass=fp8_pass,
@@ -88,7 +88,7 @@ class ReferenceChecker:
 
         # The verification replays of a move (apply_policy) replay the FP8 side: the moves change
         # it. They run no per-GEMM figure: the check's own figures rank the candidates.
-        result = check(training_pass, gemm_figures=True)
+        result = check(training_pass)
         if result is None:
             return
         self.results.append(result)
@@ -101,7 +101,7 @@ class ReferenceChecker:
                 if self.config.policy == "raise":
                     raise FP8ReferenceCheckError(result)
             else:
-                apply_policy(model, result, self.config, verify=check)
+                apply_policy(model, result, self.config, verify=lambda: check(gemm_figures=False))
                 if result.verdict:
                     self._not_fp8 = result
         finally:  # the verification replays of a failed check count as the check's time

@@ -115,7 +115,7 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             GEMMs again, in the reference's backward: ``gemm_sqnr_db``); False leaves them out
             of ``gemm_sqnr_db`` (fprop's, which costs no further GEMM, stays). A move's
             verification replay (:func:`~fp8_plugin.training.reference.policy.apply_policy`) is
-            judged without them, and saves a quarter of its GEMMs.
+            judged without them, and saves two of its nine GEMMs per layer.
 
     Raises:
         ValueError: the replay's loss is not a scalar tensor, or ``model`` is partly sharded, or
