@@ -92,7 +92,6 @@ def _decide(setting: str) -> CpuEmulation:
                         f"auto: {why}, {verdict} {BF16_EMULATION_SPEEDUP_REQUIRED}x faster")
 
 
-@functools.lru_cache(maxsize=None)
 def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, str]:
     """How many times faster a BF16 matmul runs than a float32 one on ``device_type``, and why.
 
@@ -106,6 +105,13 @@ def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, 
     Returns:
         ``(float32 seconds / BF16 seconds, why)``, ``why`` a sentence with the timings.
     """
+    # Cached on the arguments' values: functools.lru_cache keys on their spelling, and timed
+    # once for ("cpu"), once for ("cpu", 384), once for keywords.
+    return _timed_speedup(str(device_type), int(k))
+
+
+@functools.lru_cache(maxsize=None)
+def _timed_speedup(device_type: str, k: int) -> tuple[float, str]:
     cuda = device_type == "cuda" and torch.cuda.is_available()  # any other device type: timed on CPU
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, k, generator=gen), torch.randn(k, 1536, generator=gen)
@@ -124,3 +130,6 @@ def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, 
     bf16_ms, fp32_ms = timings[torch.bfloat16] * 1e3, timings[torch.float32] * 1e3
     why = f"BF16 matmul {bf16_ms:.1f} ms vs float32 {fp32_ms:.1f} ms on this {'GPU' if cuda else 'CPU'}"
     return timings[torch.float32] / timings[torch.bfloat16], why
+
+
+bf16_matmul_speedup.cache_clear = _timed_speedup.cache_clear  # forget the timing (tests)

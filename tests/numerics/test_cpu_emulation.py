@@ -49,6 +49,37 @@ def test_auto_takes_bf16_gemms_only_where_measured_clearly_faster(fresh_choice, 
     assert emulation.cpu_emulation().dtype_name != expected  # a pin overrides the timing
 
 
+def test_the_bf16_speedup_is_timed_once_per_process_however_its_callers_spell_the_call(monkeypatch):
+    # Its callers pass (device_type), (device_type, k) or keywords: one timing is two dtypes x
+    # (a warm-up and 3 timed matmuls), 8 in all, and every caller gets the same figures. Keyed
+    # on the spelling, the cache timed once per spelling (16 matmuls for two), a second each on
+    # a CPU with slow BF16, and the callers could disagree near the threshold.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8_plugin.numerics.device import bf16_matmul_is_fast
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default)
+            return func(*args, **(kwargs or {}))
+
+    emulation.bf16_matmul_speedup.cache_clear()
+    try:
+        with CountMatmuls() as counted:
+            answers = [emulation.bf16_matmul_speedup("cpu"), emulation.bf16_matmul_speedup("cpu", 384),
+                       emulation.bf16_matmul_speedup(device_type="cpu", k=384), emulation.bf16_matmul_speedup()]
+            fast, why = bf16_matmul_is_fast("cpu")
+    finally:
+        emulation.bf16_matmul_speedup.cache_clear()  # later callers time afresh, outside this mode
+    assert counted.count == 2 * (1 + 3)
+    assert all(answer == answers[0] for answer in answers) and why == answers[0][1]
+    assert fast == (answers[0][0] >= 0.5)
+
+
 @pytest.mark.parametrize("setting", ["bfloat16", "float32"])
 def test_the_process_choice_decides_which_emulation_training_gemms_run(fresh_choice, counted_bf16_gemms, setting):
     fresh_choice.setenv("FP8_PLUGIN_CPU_EMULATION", setting)
