@@ -61,6 +61,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .._private.compile_marks import assume_constant_result
 from .device_kind import cuda_capability, device_kind, presented_device
 from .cpu_emulation import cpu_emulation
 from .formats import is_fnuz
@@ -94,7 +95,7 @@ _warned: set[str] = set()
 
 
 # Under torch.compile this runs in Python while tracing (a traced warning would break the graph).
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _warn_once(reason: str) -> bool:
     if reason not in _warned:
         _warned.add(reason)
@@ -165,14 +166,14 @@ def _native_gemm(kind: str, device: torch.device, probe: bool = True) -> NativeG
 
 # The two host-side decisions of a GEMM's path, as constants: under torch.compile they run once
 # while tracing (their probes and timings cannot be traced) and the graph keeps the answer.
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _native_support(kind: str, device: torch.device, probe: bool = True) -> tuple:
     # NativeGemm's fields as a tuple of constants (dtypes, strings, nested tuples).
     support = _native_gemm(kind, device, probe)
     return support.native, support.reason, support.out_dtypes, support.pairings
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _tensorwise_native(device: torch.device, dtype_a: torch.dtype, dtype_b: torch.dtype, out_dtype: torch.dtype) -> bool:
     return tensorwise_choice(device, dtype_a, dtype_b, out_dtype).native
 
@@ -252,7 +253,7 @@ _forced: Optional[str] = None
 _PATHS = ("auto", "native", "emulated", "emulated-bf16")
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _cpu_bf16_emulation() -> bool:
     # The process's CPU emulation (a timing on first use): a constant for torch.compile.
     return cpu_emulation().bf16

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .._private.compile_marks import allow_in_graph
 from .decode import decode_fp8
 from .device_kind import device_kind, eager_on_cpu
 from .quantizers import QuantizedTensor
@@ -169,8 +170,8 @@ def scaled_mm_blocks(kind: str, a: QuantizedTensor, b: QuantizedTensor, out_dtyp
 # not know how to trace the builtin"): every compiled block-scaled GEMM broke the graph, and
 # fullgraph=True raised. Marked allow_in_graph, the call is put in the graph as it is and traced
 # below dynamo (AOTAutograd sees the aten op and its fake kernel), on every torch; eager code
-# calls it as a plain function.
-@torch.compiler.allow_in_graph
+# calls it as a plain function. Marked once dynamo is imported (_private/compile_marks.py).
+@allow_in_graph
 def _block_scaled_mm(a_data: torch.Tensor, b_data_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                      layout_b: str, out_dtype: torch.dtype) -> torch.Tensor:
     # ``layout_b``: "mxfp8" (both operands BlockWise1x32, swizzled), else b's blockwise scales

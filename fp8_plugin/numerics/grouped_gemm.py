@@ -66,6 +66,7 @@ from functools import lru_cache
 
 import torch
 
+from .._private.compile_marks import assume_constant_result
 from . import gemm as _gemm
 from .decode import decode_fp8
 from .device_kind import cuda_capability, device_kind
@@ -294,7 +295,7 @@ def native_grouped_gemm(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
 
 # A host-side decision, as a constant: under torch.compile it runs once while tracing (its probe
 # cannot be traced) and the graph keeps the answer, as the dense GEMMs' decisions do.
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _native_decision(device: torch.device, probe: bool) -> tuple[bool, str]:
     return _native_support(device, cuda_capability(device), probe)
 
@@ -302,7 +303,7 @@ def _native_decision(device: torch.device, probe: bool) -> tuple[bool, str]:
 _warned: set[str] = set()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _warn_emulated_once(reason: str) -> bool:
     # Once per reason, on GPUs only (on the CPU the emulation is the FP8 path).
     if reason not in _warned:
