@@ -532,6 +532,41 @@ def test_a_moves_verification_replay_runs_no_per_gemm_figure_and_is_judged_on_th
     assert [getattr(quick, k) for k in judged] == [getattr(full, k) for k in judged]
 
 
+def test_a_moves_verification_replay_takes_the_checks_reference_and_runs_no_reference_backward():
+    # With FP8 off every FP8 layer computes in the reference dtype whatever a move switched, so
+    # the check's reference loss and gradients are the verification's too: its reference runs
+    # the forward alone (the layer figures), and every judged figure is that of a whole replay.
+    from fp8_plugin.training.reference import ReferenceSide
+    from fp8_plugin.training.reference.replay import compare
+
+    model = _converted()
+    batch = _batch(seed=4)
+    rng = capture_rng_state(torch.device("cpu"))
+    backwards = []  # the backward passes that reach the head: one per replay that takes gradients
+    model.head.register_full_backward_hook(lambda *args: backwards.append(1))
+    replay = lambda: _loss(model, batch)  # noqa: E731
+    kept = ReferenceSide()
+    check = compare(model, replay, rng_state=rng, reference=kept)
+    assert len(backwards) == 2 and kept.names == [n for n, p in model.named_parameters() if p.requires_grad]
+    judged = ("loss_fp8", "loss_reference", "grad_cosine", "grad_rel_error", "layer_sqnr_db", "param_figures")
+    for move in (lambda: None, lambda: setattr(model.up, "use_fp8", False),
+                 lambda: setattr(model.down, "fp8_scaling", "blockwise")):
+        move()
+        del backwards[:]
+        verified = compare(model, replay, rng_state=rng, gemm_figures=False, reference=kept)
+        assert len(backwards) == 1  # the FP8 replay's alone
+        whole = compare(model, replay, rng_state=rng, gemm_figures=False)
+        assert [getattr(verified, k) for k in judged] == [getattr(whole, k) for k in judged]
+    assert check.loss_reference == verified.loss_reference and "up" not in verified.layer_sqnr_db
+    assert verified.layer_sqnr_db["down"] != check.layer_sqnr_db["down"]  # blockwise: the forward ran
+    # The dgrad and wgrad figures need the reference backward; other parameters, other gradients.
+    with pytest.raises(ValueError, match=r"kept reference cannot be taken \(gemm_figures=True"):
+        compare(model, replay, rng_state=rng, reference=kept)
+    model.up.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"kept reference cannot be taken \(its gradients are of other"):
+        compare(model, replay, rng_state=rng, gemm_figures=False, reference=kept)
+
+
 def test_gradient_figures_are_the_float64_sums_of_their_products():
     from fp8_plugin.training.reference.gradients import grad_stats
 

@@ -418,3 +418,31 @@ def test_when_even_fp8_off_cannot_pass_the_verdict_is_not_fp8_and_later_checks_d
         assert n == 1 and result.fallback_tried == [] and result.verdict.startswith("not FP8, as at step 1")
     n, changed = results[4]  # other figures (cosine 0.5): the replays run again
     assert n > 1 and changed.fallback_tried
+
+
+@pytest.mark.parametrize("named, planted, expected", [
+    # The check's figures name the planted layer: it goes alone after the whole set, and passes.
+    ("1", "1", [["0", "1", "2", "3"], ["1"]]),
+    # They name another: its replay fails and halving over all four finds the planted one.
+    ("0", "3", [["0", "1", "2", "3"], ["0"], ["0", "1"], ["2", "3"], ["2"], ["3"]]),
+])
+def test_blockwise_fallback_tries_the_layers_the_figures_name_alone_before_halving(named, planted, expected):
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])  # whole 128-blocks: blockwise allowed
+    fp.convert_model(model, fp.DelayedScaling())
+    checked = fp.reference_check(model, torch.randn(8, 128), lambda m, x: m(x).square().mean(),
+                                 compute_dtype=torch.float32)
+    figures = {n: {"fprop": 28.0, "dgrad": 24.0, "wgrad": 24.0} for n in "0123"}
+    figures[named] = {"fprop": 28.0, "dgrad": 3.0, "wgrad": 3.0}  # under min_gemm_sqnr_db (10 dB)
+    result = dataclasses.replace(_failed(checked), gemm_sqnr_db=figures)
+
+    def verify():  # passes while the planted layer casts blockwise
+        blockwise = model.get_submodule(planted).fp8_scaling == "blockwise"
+        return dataclasses.replace(result, grad_cosine=0.99 if blockwise else 0.1, failures=[])
+
+    config = ReferenceCheck(policy="fallback")
+    with pytest.warns(UserWarning, match="moved to blockwise scaling"):
+        rc.apply_policy(model, result, config, verify=verify)
+    assert all(t["stage"] == "blockwise" for t in result.fallback_tried)
+    assert [[m.rsplit(".", 1)[0] for m in t["moves"]] for t in result.fallback_tried] == expected
+    assert result.fallback_blockwise == [planted] and result.fallback_layers == result.fallback_gemms == []
+    _assert_every_kept_move_was_justified(result, config)

@@ -64,7 +64,7 @@ from .config import METRIC_PREFIX, POLICIES, ReferenceCheck, resolve_reference_c
 from .figures import gemm_sqnr_hooks, sqnr_db, sqnr_hook
 from .localise import ESCALATION_STEPS
 from .policy import apply_policy, reference_check
-from .replay import capture_rng_state, compare, output_loss, reference_gemm_dtype
+from .replay import ReferenceSide, capture_rng_state, compare, output_loss, reference_gemm_dtype
 from .result import FP8ReferenceCheckError, ReferenceResult, judge
 from ...numerics.recipes import GEMMS
 
@@ -80,6 +80,7 @@ __all__ = [
     "resolve_reference_check",
     "apply_policy",
     "compare",
+    "ReferenceSide",
     "judge",
     "reference_gemm_dtype",
     "output_loss",

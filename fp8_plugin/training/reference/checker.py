@@ -16,7 +16,7 @@ from ...numerics.device_kind import device_kind
 from ..reference_report import summary_text, with_written, write_reports
 from .config import ReferenceCheck
 from .policy import apply_policy
-from .replay import _RNGState, capture_rng_state, compare, output_loss, reference_gemm_dtype
+from .replay import ReferenceSide, _RNGState, capture_rng_state, compare, output_loss, reference_gemm_dtype
 from .result import FP8ReferenceCheckError, ReferenceResult, judge
 from .training_pass import TrainingPassRecorder
 
@@ -80,14 +80,17 @@ class ReferenceChecker:
         self._capture = None
         training_pass, self.training_pass.taken = self.training_pass.taken, None
         device_type = device_kind(rng_state.device) if rng_state.device is not None else "cpu"
+        kept = ReferenceSide()  # the check's reference loss and gradients, for its verification replays
+
         def check(fp8_pass=None, gemm_figures=True) -> Optional[ReferenceResult]:
             return compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
                            device_type=device_type, step=self.steps, group=group,
                            reference_dtype=reference_gemm_dtype(compute_dtype, device_type), fp8_pass=fp8_pass,
-                           gemm_figures=gemm_figures)
+                           gemm_figures=gemm_figures, reference=kept)
 
         # The verification replays of a move (apply_policy) replay the FP8 side: the moves change
-        # it. They run no per-GEMM figure: the check's own figures rank the candidates.
+        # it. They run no per-GEMM figure (the check's own figures rank the candidates) and take
+        # the check's reference, running its forward alone for the layer figures.
         result = check(training_pass)
         if result is None:
             return

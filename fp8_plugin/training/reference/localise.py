@@ -116,10 +116,11 @@ def _restore_switches(layers: dict[str, nn.Module], saved: dict[str, tuple]) -> 
 
 
 def _blockwise_fallback(layers: dict[str, nn.Module], result: ReferenceResult, config: ReferenceCheck,
-                        verify: Callable[[], Optional[ReferenceResult]]) -> list[Move]:
-    """Blockwise scaling on every per-tensor FP8 layer, one replay; when it passes, halves while
-    a half passes (within ``max_fallback_replays``); the smallest passing set, or [] (nothing
-    passed, or nothing to try). Every GEMM stays in FP8."""
+                        low_layers: list[str], verify: Callable[[], Optional[ReferenceResult]]) -> list[Move]:
+    """Blockwise scaling on every per-tensor FP8 layer, one replay; when it passes, the suspects
+    alone (``low_layers`` and the layers of the GEMMs under ``min_gemm_sqnr_db``), one replay,
+    then halves while a half passes (within ``max_fallback_replays``); the smallest passing set,
+    or [] (nothing passed, or nothing to try). Every GEMM stays in FP8."""
     pool = [name for name, layer in layers.items()
             if isinstance(layer, FP8Linear) and layer.use_fp8 and layer.fp8_scaling == "recipe"
             and isinstance(layer.recipe, (DelayedScaling, Float8CurrentScaling)) and blockwise_allowed(layer)]
@@ -129,6 +130,15 @@ def _blockwise_fallback(layers: dict[str, nn.Module], result: ReferenceResult, c
     if not _try(layers, result, config, moves, verify, "blockwise"):
         return []
     kept, kept_index, tried = moves, len(result.fallback_tried) - 1, 1
+    # The layers the check's own figures name first, as the candidates' first move does: one
+    # replay, where halving down to one layer takes one or two per halving.
+    named = set(low_layers) | {name for name, _, _ in _low_gemms(result, config)}
+    suspects = [name for name in pool if name in named]
+    if 0 < len(suspects) < len(pool) and tried < config.max_fallback_replays:
+        tried += 1
+        suspect_moves = [(name, BLOCKWISE) for name in suspects]
+        if _try(layers, result, config, suspect_moves, verify, "blockwise"):
+            pool, kept, kept_index = suspects, suspect_moves, len(result.fallback_tried) - 1
     while len(pool) > 1 and tried < config.max_fallback_replays:
         half = len(pool) // 2
         for part in (pool[:half], pool[half:]):
@@ -221,7 +231,7 @@ def _verified_fallback(model: nn.Module, result: ReferenceResult, config: Refere
     left as they were. At most 1 + ``max_fallback_replays`` replays before the escalation
     (blockwise's first and the candidates'), and ``max_escalation_replays`` escalation replays."""
     layers = dict(checked_layers(model))
-    blockwise = _blockwise_fallback(layers, result, config, verify)
+    blockwise = _blockwise_fallback(layers, result, config, low_layers, verify)
     if blockwise:
         return blockwise
     candidates = _candidates(model, result, config, low_layers)

@@ -17,7 +17,7 @@ from ..reference_report import move_text
 from .config import ReferenceCheck
 from .localise import BLOCKWISE, _apply_moves, _escalation_warning, _is_rank_zero, _verified_fallback, log
 from .expert_layers import checked_layers
-from .replay import _RNGState, capture_rng_state, compare
+from .replay import ReferenceSide, _RNGState, capture_rng_state, compare
 from .result import FP8ReferenceCheckError, ReferenceResult, judge
 
 
@@ -27,7 +27,8 @@ def apply_policy(model: nn.Module, result: ReferenceResult, config: ReferenceChe
 
     Under ``"fallback"`` with ``verify`` (a replay of the checked micro-batch with the model's
     switches as they are then, returning its :class:`ReferenceResult`; judged on its loss,
-    gradient and layer figures, so it may leave out the per-GEMM ones: ``compare(gemm_figures=False)``),
+    gradient and layer figures, so it may leave out the per-GEMM ones, ``compare(gemm_figures=False)``,
+    and take the check's reference loss and gradients, ``compare(reference=...)``),
     a move is kept only when a replay with it passes every threshold: first blockwise scaling of the per-tensor layers
     (``ReferenceCheck.fallback_blockwise``: every GEMM stays in FP8), then the candidate moves (see :func:`_candidates`
     for the order; at most ``max_fallback_replays`` replays), then, when none passes, the
@@ -108,11 +109,12 @@ def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, 
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     rng_state = rng_state if rng_state is not None else capture_rng_state(device)
-    result = compare(model, lambda: loss_fn(model, batch), rng_state=rng_state,
-                     compute_dtype=compute_dtype, device_type=device_kind(device), step=step, recipe=recipe, group=group)
+    kept = ReferenceSide()  # the check's reference loss and gradients, taken by its verification replays
+    result = compare(model, lambda: loss_fn(model, batch), rng_state=rng_state, compute_dtype=compute_dtype,
+                     device_type=device_kind(device), step=step, recipe=recipe, group=group, reference=kept)
     if result is None:
         raise ValueError("reference_check: loss_fn returned None; it must return the 0-dim loss tensor")
     apply_policy(model, result, config, verify=lambda: compare(
         model, lambda: loss_fn(model, batch), rng_state=rng_state, compute_dtype=compute_dtype,
-        device_type=device_kind(device), step=step, recipe=recipe, group=group, gemm_figures=False))
+        device_type=device_kind(device), step=step, recipe=recipe, group=group, gemm_figures=False, reference=kept))
     return result

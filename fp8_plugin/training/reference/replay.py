@@ -48,6 +48,27 @@ def output_loss(output: Any) -> torch.Tensor:
     return loss if loss.dim() == 0 else loss.reshape(())  # the tensor itself where it can: training_pass.py
 
 
+@dataclass
+class ReferenceSide:
+    """The reference replay's loss and gradients of one micro-batch, kept for the verification
+    replays of the same micro-batch (:func:`compare`'s ``reference``).
+
+    The reference does not depend on a move: with FP8 off every FP8 layer computes in the
+    reference dtype whatever its switches say, from the same parameters, buffers and RNG state.
+    So a move's verification replay takes the check's reference loss and gradients from here and
+    runs the reference forward alone, for the layer figures. Empty until a compare fills it.
+
+    Attributes:
+        names: the trainable parameters' names the gradients are of (None: empty).
+        loss: the reference loss, float32 0-dim.
+        grads: per parameter in ``names``, its gradient (or this rank's part of it) or None.
+    """
+
+    names: Optional[list[str]] = None
+    loss: Optional[torch.Tensor] = None
+    grads: Optional[list[Optional[torch.Tensor]]] = None
+
+
 @dataclass(frozen=True)
 class _RNGState:
     cpu: torch.Tensor
@@ -73,7 +94,8 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             compute_dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu", step: int = 0,
             recipe: Optional[Recipe] = None, reference_dtype: Optional[torch.dtype] = None,
             group: Optional["dist.ProcessGroup"] = None,
-            fp8_pass: Optional[TrainingPass] = None, gemm_figures: bool = True) -> Optional[ReferenceResult]:
+            fp8_pass: Optional[TrainingPass] = None, gemm_figures: bool = True,
+            reference: Optional[ReferenceSide] = None) -> Optional[ReferenceResult]:
     """Replay one micro-batch in FP8 and in high precision and compare (no policy applied).
 
     Returns None, comparing nothing, when ``run_replay`` returns None (a loop that skips the
@@ -116,13 +138,26 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
             of ``gemm_sqnr_db`` (fprop's, which costs no further GEMM, stays). A move's
             verification replay (:func:`~fp8_plugin.training.reference.policy.apply_policy`) is
             judged without them, and saves two of its nine GEMMs per layer.
+        reference: an empty :class:`ReferenceSide` is filled with this replay's reference loss
+            and gradients; a filled one (of the same trainable parameters) is taken as the
+            reference's, and the reference runs its forward alone, without gradients, for the
+            layer figures: a move's verification replay (:func:`~fp8_plugin.training.reference.
+            policy.apply_policy`) then saves the reference backward, a third of its work.
+            None: the reference is replayed whole and not kept.
 
     Raises:
         ValueError: the replay's loss is not a scalar tensor, or ``model`` is partly sharded, or
-            its FP8 weights are all-gathered in FP8 (:func:`.gradients.gradient_layout`).
+            its FP8 weights are all-gathered in FP8 (:func:`.gradients.gradient_layout`), or
+            a filled ``reference`` with ``gemm_figures`` True (the dgrad and wgrad figures need
+            the reference backward) or for other parameters.
     """
     start = time.perf_counter()
     names, params = trainable_parameters(model)
+    kept = reference is not None and reference.names is not None
+    if kept and (gemm_figures or reference.names != names):
+        why = ("gemm_figures=True: the dgrad and wgrad figures need the reference backward" if gemm_figures
+               else "its gradients are of other parameters than the model's trainable ones now")
+        raise ValueError(f"compare: the kept reference cannot be taken ({why}); pass reference=None to replay it whole")
     every_layer = checked_layers(model)
     layout = gradient_layout(names, params, fp8_weights(every_layer))
     layers = [(name, layer) for name, layer in every_layer if layer.use_fp8]
@@ -168,8 +203,12 @@ def compare(model: nn.Module, run_replay: Callable[[], torch.Tensor], *, rng_sta
                                                       layer._forward_context.gemms, gemm_dtype,
                                                       id(layer.weight) in shared or has_tensor_hooks(layer.weight))]
             try:
-                loss_ref, grads_ref = replay_step(run_replay, params, rng_state, False, compute_dtype, device_type, None,
-                                              reference_dtype)
+                # A kept reference: its forward alone, for the layer figures (no gradient, no backward).
+                replayed = replay_step(run_replay, params, rng_state, False, compute_dtype, device_type, None,
+                                       reference_dtype, backward=not kept)
+                loss_ref, grads_ref = (reference.loss, reference.grads) if kept else replayed
+                if reference is not None and not kept:
+                    reference.names, reference.loss, reference.grads = list(names), loss_ref, list(grads_ref)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -258,12 +297,13 @@ def _cpu_bf16_is_fast() -> bool:  # bf16_matmul_speedup times once per process
 def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], rng_state: _RNGState, fp8: bool,
             compute_dtype: torch.dtype, device_type: str, recipe: Optional[Recipe],
             reference_dtype: Optional[torch.dtype] = None, fp8_layers: int = 0, layout: str = WHOLE,
-            group: Optional["dist.ProcessGroup"] = None):
+            group: Optional["dist.ProcessGroup"] = None, backward: bool = True):
     # fp8_layers: the FP8 layers the FP8 replay must run in FP8 (the guard below); layout, group:
-    # how the gradients are taken (gradients.py).
+    # how the gradients are taken (gradients.py); backward False: the forward alone, under
+    # no_grad (as an evaluation forward runs under DDP, FSDP2 and ZeRO-3), no gradient taken.
     _restore_rng_state(rng_state)
     before = fp8_forward_count()
-    with torch.enable_grad(), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
+    with torch.set_grad_enabled(backward), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
             device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         loss = run_replay()
     _check_fp8_forwards(fp8, fp8_forward_count() - before, fp8_layers)
@@ -272,7 +312,7 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"The reference replay must return a scalar loss tensor, got {type(loss).__name__}")
     loss = loss.reshape(())
-    if not params or not loss.requires_grad:
+    if not params or not loss.requires_grad or not backward:
         return loss.detach().float(), [None] * len(params)
     return loss.detach().float(), take_gradients(loss, params, layout, group)
 
