@@ -5,9 +5,9 @@ users never pay for Lightning. Lightning has no registry for precision strings (
 connector accepts a fixed list), so the strings are added by wrapping one private method,
 ``_check_config_and_set_final_flags`` of the Trainer's ``_AcceleratorConnector`` and of Fabric's
 ``_Connector``, at the moment each connector module is imported: at once if it already is,
-otherwise from a post-import hook (a ``sys.meta_path`` finder for those two modules). Nothing
-else of Lightning is touched, and the plugin classes are imported only when a Trainer or Fabric
-is given an ``"fp8-*"`` string.
+otherwise from a post-import hook (:mod:`fp8_plugin._private.post_import`, a ``sys.meta_path``
+finder for each of those two modules). Nothing else of Lightning is touched, and the plugin
+classes are imported only when a Trainer or Fabric is given an ``"fp8-*"`` string.
 
 This module imports nothing from Lightning. ``tests/lightning/test_lightning_import.py`` fails loudly if
 the wrapped method's name or parameters change.
@@ -16,16 +16,15 @@ the wrapped method's name or parameters change.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import inspect
-import sys
 import threading
 import warnings
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any
+
+from .._private.post_import import when_imported
 
 __all__ = ["CONNECTOR_MODULE", "FABRIC_CONNECTOR_MODULE", "WRAPPED_METHOD", "WRAPPED_PARAMETERS", "SUPPORTED_LIGHTNING", "install", "register", "register_precision_strings"]
 
@@ -182,69 +181,11 @@ def _with_fp8_plugin(precision: str, strategy: Any, accelerator: Any, plugins: A
     return plugins
 
 
-class _RegisterAfterExec(importlib.abc.Loader):
-    """Runs the real loader, then :func:`register` on the module it executed."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: ModuleType) -> None:
-        try:
-            self._loader.exec_module(module)
-        except BaseException:
-            _install_finder(module.__name__)  # the import failed: register when it is retried
-            raise
-        register(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
-        return getattr(self._loader, name)
-
-
-class _ConnectorFinder(importlib.abc.MetaPathFinder):
-    """Finds one Lightning connector module through the other finders and wraps its loader."""
-
-    def __init__(self, module: str) -> None:
-        self.module = module
-
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None):
-        if fullname != self.module:
-            return None
-        _uninstall(self)  # fire once; the other finders find the real spec
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _RegisterAfterExec(spec.loader)
-        return spec
-
-
-def _uninstall(finder: _ConnectorFinder) -> None:
-    with _lock:
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
-
-
 def install() -> None:
-    """Register now for each connector already imported, else when it is. Idempotent."""
+    """Register now for each connector already imported, else when it is (a post-import hook,
+    :mod:`fp8_plugin._private.post_import`). Idempotent."""
     for module in (CONNECTOR_MODULE, FABRIC_CONNECTOR_MODULE):
-        connector = sys.modules.get(module)
-        if connector is not None:
-            register(connector)
-        else:
-            _install_finder(module)
-
-
-def _install_finder(module: str) -> None:
-    with _lock:
-        if not any(isinstance(f, _ConnectorFinder) and f.module == module for f in sys.meta_path):
-            sys.meta_path.insert(0, _ConnectorFinder(module))
+        when_imported(module, register)
 
 
 def register_precision_strings() -> bool:

@@ -29,7 +29,9 @@ _FP8_PLUGIN_FIRST = f"""
     out["lightning_modules"] = sorted(m for m in sys.modules if m == "lightning"
                                       or m.startswith(("lightning.", "pytorch_lightning")))
     lightning_hook.install()
-    count = lambda: sum(isinstance(f, lightning_hook._ConnectorFinder) for f in sys.meta_path)
+    from fp8_plugin._private.post_import import PostImportFinder
+    connectors = (lightning_hook.CONNECTOR_MODULE, lightning_hook.FABRIC_CONNECTOR_MODULE)
+    count = lambda: sum(isinstance(f, PostImportFinder) and f.module in connectors for f in sys.meta_path)
     out["finders_before"] = count()
     before = "lightning" in sys.modules
     plugin = fp8_plugin.FP8Precision()

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from fp8_plugin._private import compile_marks
+from fp8_plugin._private.post_import import PostImportFinder
 
 PROBE = r'''
 import json, sys
@@ -53,4 +54,4 @@ def test_allow_in_graph_once_dynamo_is_imported_is_torchs_at_once():
 
     assert compile_marks.allow_in_graph(fn) is fn
     assert trace_rules.is_callable_allowed(fn)
-    assert not any(isinstance(f, compile_marks._DynamoFinder) for f in sys.meta_path)
+    assert not any(isinstance(f, PostImportFinder) and f.module == compile_marks.DYNAMO for f in sys.meta_path)
