@@ -106,7 +106,7 @@ def bf16_matmul_speedup(device_type: str = "cpu", k: int = 384) -> tuple[float, 
         ``(float32 seconds / BF16 seconds, why)``, ``why`` a sentence with the timings.
     """
     # Cached on the arguments' values: functools.lru_cache keys on their spelling, and timed
-    # once for ("cpu"), once for ("cpu", 384), once for keywords.
+    # once for ("cpu"), again for ("cpu", 384), and again for each spelling with keywords.
     return _timed_speedup(str(device_type), int(k))
 
 

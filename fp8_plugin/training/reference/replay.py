@@ -303,8 +303,8 @@ def _replay(run_replay: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     # no_grad (as an evaluation forward runs under DDP, FSDP2 and ZeRO-3), no gradient taken.
     _restore_rng_state(rng_state)
     before = fp8_forward_count()
-    with torch.set_grad_enabled(backward), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), torch.autocast(
-            device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+    with torch.set_grad_enabled(backward), replay(fp8, recipe if fp8 else None, reference_dtype=reference_dtype), \
+            torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         loss = run_replay()
     _check_fp8_forwards(fp8, fp8_forward_count() - before, fp8_layers)
     if loss is None:
