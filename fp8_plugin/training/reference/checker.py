@@ -80,13 +80,13 @@ class ReferenceChecker:
         self._capture = None
         training_pass, self.training_pass.taken = self.training_pass.taken, None
         device_type = device_kind(rng_state.device) if rng_state.device is not None else "cpu"
-        kept = ReferenceSide()  # the check's reference loss and gradients, for its verification replays
+        reference_side = ReferenceSide()  # the check's reference loss and gradients, for its verification replays
 
         def check(fp8_pass=None, gemm_figures=True) -> Optional[ReferenceResult]:
             return compare(model, run_replay, rng_state=rng_state, compute_dtype=compute_dtype,
                            device_type=device_type, step=self.steps, group=group,
                            reference_dtype=reference_gemm_dtype(compute_dtype, device_type), fp8_pass=fp8_pass,
-                           gemm_figures=gemm_figures, reference=kept)
+                           gemm_figures=gemm_figures, reference=reference_side)
 
         # The verification replays of a move (apply_policy) replay the FP8 side: the moves change
         # it. They run no per-GEMM figure (the check's own figures rank the candidates) and take

@@ -109,12 +109,13 @@ def reference_check(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, 
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     rng_state = rng_state if rng_state is not None else capture_rng_state(device)
-    kept = ReferenceSide()  # the check's reference loss and gradients, taken by its verification replays
+    reference_side = ReferenceSide()  # the check's reference loss and gradients, taken by its verification replays
     result = compare(model, lambda: loss_fn(model, batch), rng_state=rng_state, compute_dtype=compute_dtype,
-                     device_type=device_kind(device), step=step, recipe=recipe, group=group, reference=kept)
+                     device_type=device_kind(device), step=step, recipe=recipe, group=group, reference=reference_side)
     if result is None:
         raise ValueError("reference_check: loss_fn returned None; it must return the 0-dim loss tensor")
     apply_policy(model, result, config, verify=lambda: compare(
         model, lambda: loss_fn(model, batch), rng_state=rng_state, compute_dtype=compute_dtype,
-        device_type=device_kind(device), step=step, recipe=recipe, group=group, gemm_figures=False, reference=kept))
+        device_type=device_kind(device), step=step, recipe=recipe, group=group, gemm_figures=False,
+        reference=reference_side))
     return result
